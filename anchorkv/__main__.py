@@ -1,0 +1,5 @@
+import sys
+
+from anchorkv.cli import main
+
+sys.exit(main())

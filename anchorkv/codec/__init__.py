@@ -1,0 +1,24 @@
+"""The public pack/unpack API, the layout model, codec specs and the codec registry."""
+
+from anchorkv.codec.api import pack, unpack
+from anchorkv.codec.layout import CacheView, Field, PageLayout, Region, dense_strides
+from anchorkv.codec.models import (
+    KIMI_LINEAR_48B_CONFIG,
+    ConvLayout,
+    LayerKind,
+    LayerLayout,
+    ModelLayout,
+    custom_layout,
+    kimi_linear_layout,
+)
+from anchorkv.codec.packed import Packed
+from anchorkv.codec.registry import Codec, available_codecs, get_codec, register_codec
+from anchorkv.codec.spec import CodecSpec
+from anchorkv.kernels.formats import Quant
+
+__all__ = [
+    "CacheView", "Codec", "CodecSpec", "ConvLayout", "Field", "KIMI_LINEAR_48B_CONFIG",
+    "LayerKind", "LayerLayout", "ModelLayout", "Packed", "PageLayout", "Quant", "Region",
+    "available_codecs", "custom_layout", "dense_strides", "get_codec", "kimi_linear_layout",
+    "pack", "register_codec", "unpack",
+]

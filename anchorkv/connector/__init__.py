@@ -1,0 +1,1 @@
+"""The vLLM connector (`AnchorKVConnector`); importing it needs vLLM installed."""

@@ -1,0 +1,59 @@
+"""The built-in quantization formats: their serialized ids and the numbers that define them.
+
+This is the one place these facts live; the torch reference, the Triton kernels, the codec
+layer and the store all read them from here. Golden fixtures under `tests/fixtures/` pin the
+bytes they produce.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Quant(str, Enum):
+    """Serialized id of a built-in format (appears in packed metadata and store manifests)."""
+
+    RAW = "raw"  # the source bytes as they are
+    FP8 = "fp8"  # float8 e4m3fn, one fp32 scale per group, RNE, saturating at +-448
+    INT8 = "int8"  # symmetric int8 in [-127, 127], one fp32 scale per group, RNE
+    INT4 = "int4"  # asymmetric 4-bit in [0, 15], fp32 (scale, min) per group, 2 values a byte
+
+    def __str__(self) -> str:  # so f-strings and json show "fp8", not "Quant.FP8"
+        return self.value
+
+
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
+INT8_MAX = 127.0  # symmetric: -128 is never produced
+INT4_LEVELS = 15.0  # codes 0..15
+
+#: fp32 values kept per group next to the payload: (scale,) or (scale, minimum).
+SCALE_COLUMNS = {Quant.RAW: 0, Quant.FP8: 1, Quant.INT8: 1, Quant.INT4: 2}
+
+#: The bit pattern written as the scale of a group that held a NaN or an infinity. Its payload
+#: bytes are all zero; decoding gives NaN for the whole group, never a plausible finite value.
+POISON_SCALE_BITS = 0x7FC00000
+
+
+def payload_nbytes(fmt: Quant, numel: int, itemsize: int) -> int:
+    """Bytes of payload for `numel` values whose source elements are `itemsize` bytes."""
+    fmt = Quant(fmt)
+    if fmt is Quant.RAW:
+        return numel * itemsize
+    if fmt is Quant.INT4:
+        return (numel + 1) // 2
+    return numel
+
+
+def resolve_group(last_dim: int, group: int | None) -> int:
+    """The group size G for a last axis of `last_dim` elements (`None` = the whole axis).
+
+    Groups never straddle rows of the last axis, so G must divide it; int4 also needs G even
+    (two codes per byte never come from different groups).
+    """
+    g = last_dim if group is None else int(group)
+    if g <= 0 or last_dim % g:
+        raise ValueError(
+            f"quantization group size {group} must be a positive divisor of the last axis "
+            f"({last_dim} elements); use one that divides it or None for the whole axis"
+        )
+    return g

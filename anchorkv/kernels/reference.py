@@ -1,0 +1,190 @@
+"""Plain-torch oracles of every kernel: they define the exact output bytes.
+
+These functions are the CPU path of the library and the oracle the Triton kernels are tested
+against with `torch.equal`. They are written for reading, not speed.
+
+Shapes: `[N, *F]` is N selected blocks of a field with axes F; quantization works on groups
+of G consecutive elements of the last axis D (see `anchorkv.kernels.geometry`).
+
+Quantization rules (all rounding is round-half-to-even, all arithmetic IEEE fp32):
+  * the input is widened to fp32 (exact for bf16, fp16, fp32);
+  * a group's `amax` is the largest |x|; `fp8`: scale = amax / 448, code = e4m3fn(x / scale)
+    with x / scale clamped to [-448, 448]; `int8`: scale = amax / 127, code = round(x / scale)
+    clamped to [-127, 127]; a scale that comes out 0 (all-zero or vanishing group) is 1.0;
+  * `int4`: lo = min, hi = max of the group, scale = (hi - lo) / 15 (0 -> 1.0),
+    code = round((x - lo) / scale) clamped to [0, 15]; decoded as code * scale + lo (a rounded
+    product, then a rounded sum: never a fused multiply-add); two codes a byte, the even
+    element in the low nibble;
+  * decoding multiplies the fp32 code value by the fp32 scale and rounds once to the field's
+    dtype (RNE; NaN becomes the canonical 0x7FC0 in bf16);
+  * NaN/Inf policy: a group holding any NaN or +-Inf is *poisoned*: scale NaN (bits 0x7FC00000),
+    payload bytes 0 (and min 0 for int4). It decodes to NaN for every element of the group, so
+    non-finite state is never turned into plausible numbers, and `Packed.poisoned_groups()`
+    lets a caller refuse to store it. `raw` keeps bytes as they are (NaN stays NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from anchorkv.kernels.formats import (
+    FP8_MAX,
+    INT4_LEVELS,
+    INT8_MAX,
+    POISON_SCALE_BITS,
+    Quant,
+    resolve_group,
+)
+from anchorkv.kernels.geometry import StridedField, field_view
+
+_POISON = torch.tensor([POISON_SCALE_BITS], dtype=torch.int32).view(torch.float32)[0].item()
+
+
+# ----------------------------------------------------------------------------- gather/scatter
+
+
+def _check_block_ids(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    ids = torch.as_tensor(block_ids, dtype=torch.int64)
+    if ids.dim() != 1:
+        raise ValueError(f"block ids must be a 1-D tensor, found shape {tuple(ids.shape)}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise IndexError(
+            f"block ids must lie in [0, {num_blocks}), found min {int(ids.min())} "
+            f"and max {int(ids.max())}"
+        )
+    return ids
+
+
+def gather(buffer: torch.Tensor, field: StridedField, block_ids, num_blocks: int) -> torch.Tensor:
+    """Copy the selected blocks of `field` out of `buffer`: a contiguous `[N, *F]` tensor."""
+    ids = _check_block_ids(block_ids, num_blocks).to(buffer.device)
+    return field_view(buffer, field, num_blocks).index_select(0, ids).contiguous()
+
+
+def scatter(
+    buffer: torch.Tensor, field: StridedField, block_ids, num_blocks: int, values: torch.Tensor
+) -> None:
+    """Write `values` `[N, *F]` into the selected blocks of `field`; no other byte changes."""
+    ids = _check_block_ids(block_ids, num_blocks)
+    expected = (ids.numel(), *field.shape)
+    if tuple(values.shape) != expected or values.dtype != field.dtype:
+        raise ValueError(
+            f"values must be {field.dtype} {list(expected)}, found {values.dtype} "
+            f"{list(values.shape)}"
+        )
+    if ids.unique().numel() != ids.numel():
+        raise ValueError(f"block ids must be distinct to scatter, found {ids.tolist()}")
+    view = field_view(buffer, field, num_blocks)
+    view[ids.to(buffer.device)] = values.to(buffer.device)
+
+
+# ----------------------------------------------------------------------------- quantize
+
+
+def _grouped(x: torch.Tensor, fmt: Quant, group: int | None) -> torch.Tensor:
+    """`x` widened to fp32 and cut into rows of one group each: `[groups, G]`."""
+    g = resolve_group(x.shape[-1] if x.dim() else 1, group)
+    if fmt is Quant.INT4 and g % 2:
+        raise ValueError(f"int4 packs two codes a byte and needs an even group size, found {g}")
+    return x.reshape(-1, g).to(torch.float32)
+
+
+def _nonzero_scale(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+def quantize(x: torch.Tensor, fmt: Quant | str, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode `x` `[..., D]`: returns (payload uint8 `[bytes]`, scales fp32 `[groups, C]`).
+
+    `C` is 1 (scale) for fp8/int8, 2 (scale, min) for int4, 0 for raw.
+    """
+    fmt = Quant(fmt)
+    if fmt is Quant.RAW:
+        flat = x.contiguous().reshape(-1)
+        return flat.view(torch.uint8).clone(), torch.empty(0, 0, dtype=torch.float32, device=x.device)
+    g = _grouped(x, fmt, group)
+    finite = g.abs() < float("inf")
+    poisoned = ~finite.all(dim=1)
+    clean = torch.where(finite, g, torch.zeros_like(g))
+
+    if fmt is Quant.FP8:
+        scale = _nonzero_scale(clean.abs().amax(dim=1) / FP8_MAX)
+        v = (clean / scale[:, None]).clamp(-FP8_MAX, FP8_MAX)
+        codes = v.to(torch.float8_e4m3fn).view(torch.uint8)
+        scales = scale[:, None]
+    elif fmt is Quant.INT8:
+        scale = _nonzero_scale(clean.abs().amax(dim=1) / INT8_MAX)
+        v = torch.round(clean / scale[:, None]).clamp(-INT8_MAX, INT8_MAX)
+        codes = v.to(torch.int8).view(torch.uint8)
+        scales = scale[:, None]
+    else:  # INT4
+        lo = clean.amin(dim=1)
+        scale = _nonzero_scale((clean.amax(dim=1) - lo) / INT4_LEVELS)
+        v = torch.round((clean - lo[:, None]) / scale[:, None]).clamp(0, INT4_LEVELS)
+        codes = v.to(torch.uint8)
+        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        scales = torch.stack([scale, lo], dim=1)
+
+    codes = torch.where(poisoned[:, None], torch.zeros_like(codes), codes)
+    scales = scales.clone()
+    scales[poisoned, 0] = _POISON
+    scales[poisoned, 1:] = 0.0
+    return codes.reshape(-1).contiguous(), scales.contiguous()
+
+
+def dequantize(
+    payload: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: Quant | str,
+    group: int | None,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Decode what `quantize` produced back to a `dtype` tensor of `shape`."""
+    fmt = Quant(fmt)
+    if fmt is Quant.RAW:
+        return payload.contiguous().view(dtype).reshape(shape).clone()
+    last = shape[-1] if shape else 1
+    g = resolve_group(last, group)
+    if fmt is Quant.FP8:
+        values = payload.view(torch.float8_e4m3fn).to(torch.float32).reshape(-1, g)
+        out = values * scales[:, 0:1]
+    elif fmt is Quant.INT8:
+        values = payload.view(torch.int8).to(torch.float32).reshape(-1, g)
+        out = values * scales[:, 0:1]
+    else:  # INT4
+        lo_hi = torch.stack([payload & 0x0F, payload >> 4], dim=1).reshape(-1, g)
+        out = lo_hi.to(torch.float32) * scales[:, 0:1]
+        out = out + scales[:, 1:2]
+    return out.to(dtype).reshape(shape)
+
+
+# ----------------------------------------------------------------------------- fused ops
+
+
+def pack(
+    buffer: torch.Tensor,
+    field: StridedField,
+    block_ids,
+    num_blocks: int,
+    fmt: Quant | str,
+    group: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather the selected blocks of `field` and quantize them: (payload, scales)."""
+    return quantize(gather(buffer, field, block_ids, num_blocks), fmt, group)
+
+
+def unpack(
+    buffer: torch.Tensor,
+    field: StridedField,
+    block_ids,
+    num_blocks: int,
+    payload: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: Quant | str,
+    group: int | None,
+) -> None:
+    """Dequantize (payload, scales) and scatter them into the selected blocks of `field`."""
+    ids = torch.as_tensor(block_ids, dtype=torch.int64)
+    values = dequantize(payload, scales, fmt, group, (ids.numel(), *field.shape), field.dtype)
+    scatter(buffer, field, ids, num_blocks, values)
