@@ -14,7 +14,7 @@ gathered field is exactly the rank's slice of the logical array the store keeps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field as dc_field
+from dataclasses import dataclass
 import math
 
 import torch
@@ -226,7 +226,6 @@ class CacheView:
     region: Region
     page: PageLayout
     name: str = ""
-    _checked: bool = dc_field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         where = f"view {self.name!r}" if self.name else "view"

@@ -156,14 +156,14 @@ def _require(config: dict, *keys: str) -> Any:
 
 def kimi_linear_dims(config: dict) -> dict[str, int]:
     """The dimensions of Kimi-Linear's cache state from its `config.json`."""
-    lin = _require(config, "linear_attn_config")
-    heads = int(_require(lin, "num_heads"))
-    head_dim = int(_require(lin, "head_dim"))
+    lin = "linear_attn_config"
+    heads = int(_require(config, lin, "num_heads"))
+    head_dim = int(_require(config, lin, "head_dim"))
     return {
         "num_layers": int(_require(config, "num_hidden_layers")),
         "heads": heads,
         "head_dim": head_dim,
-        "conv_taps": int(_require(lin, "short_conv_kernel_size")) - 1,
+        "conv_taps": int(_require(config, lin, "short_conv_kernel_size")) - 1,
         "conv_channels": heads * head_dim,  # per q, k and v
         "latent": int(_require(config, "kv_lora_rank")) + int(_require(config, "qk_rope_head_dim")),
     }
@@ -224,9 +224,8 @@ def kimi_linear_layout(
     kda_page = PageLayout((conv, recurrent), page_bytes)
     mla_page = PageLayout((latent,), page_bytes)
 
-    lin = config["linear_attn_config"]
-    kda = {int(i) - 1 for i in _require(lin, "kda_layers")}
-    full = {int(i) - 1 for i in _require(lin, "full_attn_layers")}
+    kda = {int(i) - 1 for i in _require(config, "linear_attn_config", "kda_layers")}
+    full = {int(i) - 1 for i in _require(config, "linear_attn_config", "full_attn_layers")}
     if kda & full or (kda | full) != set(range(d["num_layers"])):
         raise ValueError(
             f"kda_layers and full_attn_layers must split the {d['num_layers']} layers; found "

@@ -1,0 +1,166 @@
+"""The public codec API: pack/unpack over Kimi-Linear views, Packed, specs, the registry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anchorkv.codec import (
+    KIMI_LINEAR_48B_CONFIG,
+    CacheView,
+    CodecSpec,
+    Packed,
+    Region,
+    available_codecs,
+    get_codec,
+    kimi_linear_layout,
+    pack,
+    register_codec,
+    unpack,
+)
+from anchorkv.codec import registry
+from anchorkv.kernels import dispatch
+
+
+@pytest.fixture
+def kimi_views():
+    layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=8)
+    page = layout.layers[0].page.page_bytes
+    buf = torch.zeros(6 * page, dtype=torch.int8)
+    kda = CacheView(Region(buf, 6, page), layout.layers[0].page, "kda")
+    mla = CacheView(Region(buf, 6, page), layout.layers[3].page, "mla")
+    g = torch.Generator().manual_seed(3)
+    kda.tensor("recurrent")[1:3] = torch.randn(2, 4, 128, 128, generator=g)
+    kda.tensor("conv")[1:3] = torch.randn(2, 3, 3, 512, generator=g).bfloat16()
+    mla.tensor("latent")[3:6] = torch.randn(3, 256, 576, generator=g).bfloat16()
+    return buf, kda, mla
+
+
+@pytest.mark.parametrize("field,src,dst", [("recurrent", [1], [4]), ("conv", [2, 1], [0, 5])])
+def test_kda_raw_restore_into_other_blocks(kimi_views, field, src, dst):
+    buf, kda, _ = kimi_views
+    packed = pack(kda, field, src, "raw")
+    assert packed.shape == (len(src), *kda.page.field(field).shape)
+    unpack(packed, kda, field, dst)
+    assert torch.equal(kda.tensor(field)[dst], kda.tensor(field)[src])
+
+
+def test_mla_fp8_restore_clears_floor_and_keeps_kda(kimi_views):
+    buf, kda, mla = kimi_views
+    kda_before = kda.tensor("recurrent")[1:3].clone()
+    x = mla.tensor("latent")[[3, 4]].float()
+    packed = pack(mla, "latent", [3, 4], "fp8:64")
+    assert packed.nbytes == 2 * 256 * 576 + 2 * 256 * 9 * 4
+    unpack(packed, mla, "latent", [0, 5])
+    y = mla.tensor("latent")[[0, 5]].float()
+    sqnr = 10 * torch.log10((x**2).sum() / ((x - y) ** 2).sum())
+    assert sqnr > 31.0
+    assert torch.equal(kda.tensor("recurrent")[1:3], kda_before)
+
+
+def test_unpack_refuses_wrong_shape_or_dtype(kimi_views):
+    _, kda, _ = kimi_views
+    packed = pack(kda, "recurrent", [1, 2], "int8")
+    with pytest.raises(ValueError, match=r"field 'recurrent': it expects torch.float32 \[1, 4, 128, 128\].*\[2, 4, 128, 128\]"):
+        unpack(packed, kda, "recurrent", [4])
+    with pytest.raises(ValueError, match="cannot unpack into field 'conv'"):
+        unpack(packed, kda, "conv", [4, 5])
+
+
+def test_block_ids_out_of_range(kimi_views):
+    _, kda, _ = kimi_views
+    with pytest.raises(IndexError, match=r"block ids must lie in \[0, 6\), found min 1 and max 6"):
+        pack(kda, "conv", [1, 6], "raw")
+
+
+def test_packed_dict_round_trip(kimi_views):
+    _, kda, _ = kimi_views
+    packed = pack(kda, "recurrent", [1], "int4:32")
+    again = Packed.from_dict(packed.to_dict())
+    assert again.codec == packed.codec and again.shape == packed.shape and again.dtype == packed.dtype
+    assert torch.equal(again.payload, packed.payload) and torch.equal(again.scales, packed.scales)
+    assert packed.meta()["codec"] == {"id": "int4", "group": 32, "params": {}}
+
+
+def test_poisoned_groups_are_counted(kimi_views):
+    _, kda, _ = kimi_views
+    kda.tensor("recurrent")[1, 0, 5, 7] = float("nan")
+    assert pack(kda, "recurrent", [1], "int8").poisoned_groups() == 1
+    assert pack(kda, "recurrent", [2], "int8").poisoned_groups() == 0
+
+
+@pytest.mark.parametrize("text,spec", [
+    ("fp8", CodecSpec("fp8", 128)), ("int8:64", CodecSpec("int8", 64)),
+    ("fp8:whole", CodecSpec("fp8", None)), (" int4:32 ", CodecSpec("int4", 32)),
+])
+def test_spec_parse(text, spec):
+    assert CodecSpec.parse(text) == spec
+    assert CodecSpec.parse(str(spec)) == spec
+    assert CodecSpec.from_dict(spec.to_dict()) == spec
+
+
+@pytest.mark.parametrize("text,msg", [("fp8:abc", "group must be a number"), ("FP8", "codec id must match"),
+                                      ("int8:0", "positive int")])
+def test_spec_parse_errors(text, msg):
+    with pytest.raises(ValueError, match=msg):
+        CodecSpec.parse(text)
+
+
+class HalfCodec:
+    """A plug-in: stores values as fp16 bytes, no scales."""
+
+    id = "test-half"
+
+    def encode(self, values, spec):
+        return values.to(torch.float16).reshape(-1).view(torch.uint8).clone(), torch.empty(0, 0)
+
+    def decode(self, payload, scales, spec, shape, dtype):
+        return payload.view(torch.float16).to(dtype).reshape(shape)
+
+
+def test_custom_codec_round_trip(kimi_views, monkeypatch):
+    monkeypatch.setattr(registry, "_codecs", dict(registry._codecs))
+    register_codec(HalfCodec)
+    _, kda, _ = kimi_views
+    packed = pack(kda, "recurrent", [1], "test-half")
+    assert packed.payload.numel() == 4 * 128 * 128 * 2
+    unpack(packed, kda, "recurrent", [0])
+    assert torch.equal(kda.tensor("recurrent")[0], kda.tensor("recurrent")[1].half().float())
+    with pytest.raises(ValueError, match="codec id 'test-half' is taken"):
+        register_codec(HalfCodec)
+
+
+def test_custom_codec_from_entry_point(monkeypatch):
+    class EP:
+        name = "test-half"
+
+        def load(self):
+            return HalfCodec
+
+    monkeypatch.setattr(registry, "_codecs", dict(registry._codecs))
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.setattr(registry, "entry_points", lambda group: [EP()] if group == "anchorkv.codecs" else [])
+    assert get_codec("test-half").id == "test-half"
+    assert "test-half" in available_codecs()
+
+
+def test_unknown_codec_says_how_to_add_one():
+    with pytest.raises(KeyError, match="no codec 'nope'.*register_codec"):
+        get_codec("nope")
+
+
+def test_register_rejects_non_codec():
+    with pytest.raises(TypeError, match="needs an `id`"):
+        register_codec(object())
+
+
+def test_backend_env_is_read_per_call(monkeypatch):
+    cpu = torch.device("cpu")
+    assert dispatch.backend_for(cpu) == "reference"
+    monkeypatch.setenv("ANCHORKV_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="ANCHORKV_BACKEND must be one of"):
+        dispatch.backend_for(cpu)
+    monkeypatch.setenv("ANCHORKV_BACKEND", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="needs TRITON_INTERPRET=1"):
+        dispatch.backend_for(cpu)
