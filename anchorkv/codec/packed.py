@@ -69,6 +69,41 @@ class Packed:
             return 0
         return int(torch.isnan(self.scales[:, 0]).sum())
 
+    def _per_leading(self) -> tuple[int, int]:
+        """(payload bytes, scale rows) per index of the leading axis."""
+        n = self.shape[0]
+        scale_rows = self.scales.shape[0] if self.scales.numel() else 0
+        if n == 0 or self.payload.numel() % n or scale_rows % n:
+            raise ValueError(f"packed {list(self.shape)} cannot be split along its leading axis")
+        return self.payload.numel() // n, scale_rows // n
+
+    def narrow(self, start: int, length: int) -> "Packed":
+        """Indices [start, start + length) of the leading axis (groups never straddle them)."""
+        if not 0 <= start <= start + length <= self.shape[0]:
+            raise IndexError(f"rows [{start}, {start + length}) out of range for leading axis {self.shape[0]}")
+        pb, sr = self._per_leading()
+        scales = self.scales[start * sr : (start + length) * sr] if sr else self.scales
+        return Packed(self.codec, (length, *self.shape[1:]), self.dtype,
+                      self.payload[start * pb : (start + length) * pb], scales)
+
+    def reshape(self, *shape: int) -> "Packed":
+        """Same bytes, another shape with the same last axis (e.g. [N, bs, D] <-> [N*bs, D])."""
+        if math.prod(shape) != self.numel or shape[-1] != self.shape[-1]:
+            raise ValueError(f"cannot reshape packed {list(self.shape)} to {list(shape)}: the element "
+                             "count and the last axis (the quantization rows) must stay")
+        return Packed(self.codec, tuple(shape), self.dtype, self.payload, self.scales)
+
+    @staticmethod
+    def cat(parts: "list[Packed]") -> "Packed":
+        """Concatenate along the leading axis (same codec, dtype and trailing shape)."""
+        first = parts[0]
+        for p in parts[1:]:
+            if (p.codec, p.dtype, p.shape[1:]) != (first.codec, first.dtype, first.shape[1:]):
+                raise ValueError(f"cannot concatenate packed {p.codec} {p.dtype} {list(p.shape)} "
+                                 f"to {first.codec} {first.dtype} {list(first.shape)}")
+        return Packed(first.codec, (sum(p.shape[0] for p in parts), *first.shape[1:]), first.dtype,
+                      torch.cat([p.payload for p in parts]), torch.cat([p.scales for p in parts]))
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Packed":
         return Packed(
             self.codec,

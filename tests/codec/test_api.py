@@ -164,3 +164,19 @@ def test_backend_env_is_read_per_call(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="needs TRITON_INTERPRET=1"):
         dispatch.backend_for(cpu)
+
+
+@pytest.mark.parametrize("codec", ["raw", "fp8:64", "int8:192", "int4:32"])
+def test_packed_rows_narrow_reshape_cat_match_direct_packing(kimi_views, codec):
+    """Token rows of a packed MLA block are what packing those rows alone would give."""
+    _, _, mla = kimi_views
+    whole = pack(mla, "latent", [3, 4], codec).reshape(512, 576)
+    rows = whole.narrow(100, 300)
+    direct = mla.tensor("latent")[[3, 4]].reshape(512, 576)[100:400]
+    from anchorkv.kernels.reference import quantize
+    payload, scales = quantize(direct, codec.split(":")[0], whole.codec.group)
+    assert torch.equal(rows.payload, payload) and torch.equal(rows.scales, scales)
+    again = Packed.cat([whole.narrow(0, 100), rows, whole.narrow(400, 112)]).reshape(2, 256, 576)
+    assert torch.equal(again.payload, whole.payload) and again.shape == (2, 256, 576)
+    with pytest.raises(ValueError, match="last axis"):
+        whole.reshape(1024, 288)

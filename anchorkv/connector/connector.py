@@ -1,0 +1,162 @@
+"""`AnchorKVConnector`: vLLM 0.33 loads it by module path, with no fork.
+
+    --kv-transfer-config '{"kv_connector": "AnchorKVConnector",
+        "kv_connector_module_path": "anchorkv.connector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"store": "/var/cache/anchorkv"}}'
+
+Scheduler side (process of the engine core):
+    get_num_new_matched_tokens  look the request's entry up (exact prefix or anchor), report
+                                tokens beyond the local hit, at a valid KDA boundary, async
+    update_state_after_alloc    plan the load into the request's freshly allocated blocks
+    build_connector_meta        hand planned loads and saves to the workers
+    request_finished_all_groups plan the save of prompt + output; hold the blocks until read
+
+Worker side (one per tensor-parallel rank):
+    register_kv_caches          build the layout model from the registered views
+    start_load_kv               restore planned loads on a background thread
+    wait_for_save               pack planned saves (GPU, side stream), write them in the background
+    get_transfer_results        finished / failed loads and released blocks
+
+`save_kv_layer` and `wait_for_layer_load` are never called for Kimi-Linear by vLLM 0.33; they
+are no-ops here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from anchorkv.codec import kimi_linear_layout
+from anchorkv.connector.config import ConnectorConfig
+from anchorkv.connector.plan import GroupInfo, GroupKind, Metadata
+from anchorkv.connector.scheduler import SchedulerSide
+from anchorkv.connector.storage_zarr import ZarrEntryStore
+from anchorkv.connector.vllm_layout import build_views, config_dict
+from anchorkv.connector.worker import WorkerSide
+
+log = logging.getLogger("anchorkv.connector")
+
+
+class AnchorKVMetadata(KVConnectorMetadata):
+    def __init__(self, plan: Metadata) -> None:
+        self.plan = plan
+
+
+def groups_of(kv_cache_config: Any) -> list[GroupInfo]:
+    """The KV-cache groups as anchorkv sees them: state (Mamba-type) or paged (attention)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    out = []
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        kind = GroupKind.STATE if isinstance(g.kv_cache_spec, MambaSpec) else GroupKind.PAGED
+        out.append(GroupInfo(i, kind, int(g.kv_cache_spec.block_size), tuple(g.layer_names)))
+    if not any(g.kind is GroupKind.PAGED for g in out):
+        raise ValueError("anchorkv: the model has no attention (paged) KV-cache group")
+    return out
+
+
+def tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:  # not initialized (CPU tests, a single process)
+        return 0
+
+
+class AnchorKVConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.config = ConnectorConfig.from_extra_config(
+            vllm_config.kv_transfer_config.kv_connector_extra_config)
+        hf_config = config_dict(vllm_config.model_config.hf_config)
+        self.groups = groups_of(kv_cache_config)
+        self.mode = vllm_config.cache_config.mamba_cache_mode or "none"
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.model_layout = kimi_linear_layout(hf_config, tp_size=1, block_size=max(
+            g.block_size for g in self.groups if g.kind is GroupKind.PAGED))
+        self.store = ZarrEntryStore(self.config, self.model_layout)
+        self._hf_config = hf_config
+        self._finished_ids: set[str] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(self.config, self.groups, self.mode, self.store)
+            self.worker = None
+        else:
+            self.scheduler = None
+            self.worker = WorkerSide(self.config, self.groups, self.mode, self.store,
+                                     self.tp_size, tp_rank())
+        log.info("anchorkv: %s side, store %s, codecs %s, lookup %s, mamba cache mode %s",
+                 role.name.lower(), self.config.store,
+                 {k: str(v) for k, v in self.config.codec.items()}, self.config.lookup, self.mode)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a future cache miss, nothing more
+
+    # ================================================================ scheduler side
+
+    def on_new_request(self, request: Any) -> None:
+        self.scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return AnchorKVMetadata(self.scheduler.build_meta(scheduler_output))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
+        return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished(self, request: Any, block_ids: list[int]):
+        return self.scheduler.request_finished(request, (block_ids,))
+
+    # ================================================================ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        layout, views = build_views(kv_caches, self._hf_config, tp_size=self.tp_size,
+                                    tp_rank=self.worker.tp_rank)
+        self.worker.register(layout, views)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        self.worker.start_load(meta.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        self.worker.save(meta.plan)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        self._finished_ids |= set(finished_req_ids)
+        sending, recving, failed = self.worker.transfer_results(self._finished_ids)
+        self._finished_ids -= sending
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]):
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()  # failures go through failed_recving (vLLM raises on block ids with HMA)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()

@@ -1,0 +1,107 @@
+"""What to load and save, in plain dataclasses: the scheduler decides, the worker executes.
+
+These cross from the scheduler process to the workers inside the connector metadata, so they
+hold only picklable plain data. No vLLM import here.
+
+Block ids, per KV-cache group (vLLM 0.33, checked with its real scheduler):
+  * state groups (KDA), `mamba_cache_mode="none"`: one block per request, the state after all
+    computed tokens;
+  * state groups, `"align"`: the block table is indexed by position; the state after `n`
+    tokens (n a multiple of the block size) lives at index `n // block_size - 1`;
+  * paged groups (MLA): block `i` holds tokens `[i * block_size, (i + 1) * block_size)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class GroupKind(str, Enum):
+    STATE = "state"
+    PAGED = "paged"
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """One KV-cache group: its kind, block size in tokens and layer names."""
+
+    index: int
+    kind: GroupKind
+    block_size: int
+    layers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Restore tokens [start, num_tokens) of entry `entry_id` into a request's blocks."""
+
+    req_id: str
+    entry_id: str
+    start: int  # tokens already computed locally (block-aligned); paged rows from here on
+    num_tokens: int
+    blocks: tuple[tuple[int, ...], ...]  # per group: state groups (block,), paged groups the blocks of [start, num_tokens)
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Save the state after `num_tokens` tokens of a request under `anchor` (or its tokens)."""
+
+    req_id: str
+    anchor: str | None
+    token_ids: tuple[int, ...]  # the first num_tokens tokens
+    num_tokens: int
+    blocks: tuple[tuple[int, ...], ...]  # per group: state groups (block,), paged groups the blocks of [0, num_tokens)
+    release_blocks: bool = False  # a finishing request: report it in finished_sending once read
+
+
+@dataclass
+class Metadata:
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def state_block_index(num_tokens: int, block_size: int, mode: str) -> int | None:
+    """Where the state after `num_tokens` tokens lives in a state group's block list.
+
+    None when no block holds it (align mode keeps only block-aligned snapshots).
+    """
+    if mode == "none":
+        return 0
+    if num_tokens <= 0 or num_tokens % block_size:
+        return None
+    return num_tokens // block_size - 1
+
+
+def save_boundary(num_tokens: int, block_size: int, mode: str) -> int:
+    """The largest token count <= num_tokens whose state can be saved (0: none)."""
+    return num_tokens if mode == "none" else (num_tokens // block_size) * block_size
+
+
+def select_blocks(
+    groups: list[GroupInfo],
+    block_ids: tuple[list[int], ...] | list[list[int]],
+    start: int,
+    num_tokens: int,
+    mode: str,
+) -> tuple[tuple[int, ...], ...] | None:
+    """Per group, the blocks that hold a request's state after `num_tokens` tokens and its
+    paged rows [start, num_tokens). None if some group lacks a needed block (e.g. a null one)."""
+    out = []
+    for g in groups:
+        ids = list(block_ids[g.index])
+        if g.kind is GroupKind.STATE:
+            i = state_block_index(num_tokens, g.block_size, mode)
+            if i is None or i >= len(ids) or ids[i] == 0:
+                return None
+            out.append((ids[i],))
+        else:
+            first, last = start // g.block_size, cdiv(num_tokens, g.block_size)
+            if last > len(ids) or any(b == 0 for b in ids[first:last]):
+                return None
+            out.append(tuple(ids[first:last]))
+    return tuple(out)

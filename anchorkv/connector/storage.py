@@ -1,0 +1,38 @@
+"""The connector's view of the store: look up, load a rank's slice, save a rank's part.
+
+`EntryStore` is the small contract the scheduler and worker sides use; `ZarrEntryStore`
+implements it over `anchorkv.store`. Tests may substitute another implementation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from anchorkv.codec import Packed
+from anchorkv.connector.plan import SaveSpec
+
+
+@dataclass(frozen=True)
+class EntryRef:
+    """A committed entry: its id (picklable, sent to the workers) and its prefix length."""
+
+    entry_id: str
+    num_tokens: int
+
+
+class EntryStore(Protocol):
+    def lookup(self, *, anchor: str | None, token_ids: list[int], max_tokens: int,
+               multiple_of: int, mode: str) -> EntryRef | None:
+        """The longest usable entry: prefix length <= max_tokens, a multiple of `multiple_of`,
+        whose prefix tokens match `token_ids` (exact mode) or that shares the anchor (semantic)."""
+
+    def load(self, entry_id: str, layer: str, field: str, *, tp_size: int, tp_rank: int,
+             rows: tuple[int, int] | None) -> Packed:
+        """This rank's slice of one field of one layer: state fields `[1, *rank shape]`, paged
+        fields the token rows [rows[0], rows[1]) as `[n, *row]`. Raises if missing or corrupt."""
+
+    def save_part(self, spec: SaveSpec, parts: dict[tuple[str, str], Packed], *, tp_size: int,
+                  tp_rank: int) -> int:
+        """Write this rank's part of the entry; the entry becomes visible once every rank's part
+        is written. Returns the bytes written."""

@@ -1,0 +1,239 @@
+"""Worker side: pack saves out of the cache, restore loads into it, on background threads.
+
+Saves: `wait_for_save` runs the pack kernels (on CUDA, on a side stream ordered after the
+forward pass by an event: no host sync in the forward pass), then a background thread copies
+the packed bytes to host memory and writes this rank's part of the entry to the store.
+Loads: a background thread reads and verifies every chunk a request needs *before* it writes
+a single cache byte, then unpacks into exactly the request's blocks; a load that fails or
+times out is reported in `failed_recving` (vLLM recomputes) and never writes afterwards.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from anchorkv.codec import CacheView, LayerKind, ModelLayout, Packed, pack, unpack
+from anchorkv.codec.layout import Field, PageLayout
+from anchorkv.connector.config import ConnectorConfig
+from anchorkv.connector.plan import GroupInfo, GroupKind, LoadSpec, Metadata, SaveSpec
+from anchorkv.connector.storage import EntryStore
+
+log = logging.getLogger("anchorkv.connector")
+
+PartKey = tuple[str, str]  # (layer name, field name)
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    started: float = field(default_factory=time.monotonic)
+    state: str = "reading"  # reading -> writing -> done | failed | cancelled
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class WorkerSide:
+    def __init__(self, config: ConnectorConfig, groups: list[GroupInfo], mode: str, store: EntryStore,
+                 tp_size: int, tp_rank: int) -> None:
+        self.config = config
+        self.groups = groups
+        self.mode = mode
+        self.store = store
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.layout: ModelLayout | None = None
+        self.views: dict[str, CacheView] = {}
+        self._loads: dict[str, _Load] = {}
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._finished_sending: set[str] = set()
+        self._releases: list[tuple[str, Any]] = []  # (req id, event or None) of finish saves
+        self._lock = threading.Lock()
+        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-load")
+        self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-save")
+        self._stream = None
+
+    def register(self, layout: ModelLayout, views: dict[str, CacheView]) -> None:
+        self.layout, self.views = layout, views
+        device = next(iter(views.values())).region.device
+        if device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=device)
+
+    # -------------------------------------------------------------------- what a spec touches
+
+    def _parts(self, blocks: tuple[tuple[int, ...], ...]):
+        """(layer, field, block ids, kind) of every field a load or save touches."""
+        for g in self.groups:
+            for name in g.layers:
+                view = self.views.get(name)
+                if view is None:
+                    continue  # vLLM's padding layers hold nothing
+                for f in view.page.fields:
+                    yield name, f.name, list(blocks[g.index]), g.kind
+
+    # -------------------------------------------------------------------- saves
+
+    def save(self, meta: Metadata) -> None:
+        for spec in meta.saves:
+            try:
+                packed, ready = self._pack(spec)
+            except Exception:
+                log.exception("anchorkv: packing request %s failed; not saved", spec.req_id)
+                packed, ready = None, None
+            if spec.release_blocks:
+                self._releases.append((spec.req_id, ready))
+            if packed is not None:
+                self._save_pool.submit(self._write, spec, packed, ready)
+
+    def _pack(self, spec: SaveSpec) -> tuple[dict[PartKey, Packed], Any]:
+        stream = self._stream
+        if stream is not None:  # order after the forward pass without blocking the host
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        out: dict[PartKey, Packed] = {}
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for layer, fname, ids, kind in self._parts(spec.blocks):
+                p = pack(self.views[layer], fname, ids, self.config.codec_for(fname))
+                if kind is GroupKind.PAGED:
+                    p = p.reshape(p.shape[0] * p.shape[1], *p.shape[2:]).narrow(0, spec.num_tokens)
+                out[(layer, fname)] = p
+            ready = None
+            if stream is not None:
+                ready = torch.cuda.Event()
+                ready.record(stream)
+        return out, ready
+
+    def _write(self, spec: SaveSpec, packed: dict[PartKey, Packed], ready: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            if ready is not None:
+                ready.synchronize()
+            host = {k: p.to("cpu") for k, p in packed.items()}
+            poisoned = sum(p.poisoned_groups() for p in host.values())
+            if poisoned:
+                log.warning("anchorkv: request %s has %d groups with NaN/Inf state; not saved",
+                            spec.req_id, poisoned)
+                return
+            nbytes = self.store.save_part(spec, host, tp_size=self.tp_size, tp_rank=self.tp_rank)
+            log.info("anchorkv: saved %d tokens of request %s (rank %d/%d, %.1f MB) in %.3f s",
+                     spec.num_tokens, spec.req_id, self.tp_rank, self.tp_size, nbytes / 1e6,
+                     time.perf_counter() - t0)
+        except Exception:
+            log.exception("anchorkv: saving request %s failed; it stays uncached", spec.req_id)
+
+    # -------------------------------------------------------------------- loads
+
+    def start_load(self, meta: Metadata) -> None:
+        for spec in meta.loads:
+            job = _Load(spec)
+            with self._lock:
+                self._loads[spec.req_id] = job
+            self._load_pool.submit(self._load, job)
+
+    def _load(self, job: _Load) -> None:
+        spec = job.spec
+        t0 = time.perf_counter()
+        try:
+            parts = self._read(spec)  # every chunk read and verified before any write
+            with job.lock:
+                if job.state != "reading":
+                    return  # timed out meanwhile: its blocks may belong to someone else now
+                job.state = "writing"
+            self._restore(spec, parts)
+            ok = True
+        except Exception as e:
+            log.warning("anchorkv: load of request %s from entry %s failed (%s); vLLM recomputes",
+                        spec.req_id, spec.entry_id, e)
+            ok = False
+        with job.lock:
+            if job.state in ("reading", "writing"):
+                job.state = "done" if ok else "failed"
+        if ok:
+            nbytes = sum(p.nbytes for p in parts.values())
+            log.info("anchorkv: restored %d tokens of request %s (rank %d/%d, %.1f MB) in %.3f s",
+                     spec.num_tokens - spec.start, spec.req_id, self.tp_rank, self.tp_size,
+                     nbytes / 1e6, time.perf_counter() - t0)
+
+    def _read(self, spec: LoadSpec) -> dict[PartKey, Packed]:
+        parts = {}
+        for layer, fname, ids, kind in self._parts(spec.blocks):
+            field_ = self.views[layer].page.field(fname)
+            rows = (spec.start, spec.num_tokens) if kind is GroupKind.PAGED else None
+            p = self.store.load(spec.entry_id, layer, fname, tp_size=self.tp_size,
+                                tp_rank=self.tp_rank, rows=rows)
+            expected = ((spec.num_tokens - spec.start, *field_.shape[1:]) if kind is GroupKind.PAGED
+                        else (1, *field_.shape))
+            if tuple(p.shape) != expected or p.dtype != field_.dtype:
+                raise ValueError(f"entry {spec.entry_id}: {layer}.{fname} is {p.dtype} {list(p.shape)}, "
+                                 f"this rank needs {field_.dtype} {list(expected)}")
+            if p.poisoned_groups():
+                raise ValueError(f"entry {spec.entry_id}: {layer}.{fname} holds NaN/Inf groups")
+            parts[(layer, fname)] = p
+        return parts
+
+    def _restore(self, spec: LoadSpec, parts: dict[PartKey, Packed]) -> None:
+        stream = self._stream
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for layer, fname, ids, kind in self._parts(spec.blocks):
+                view, p = self.views[layer], parts[(layer, fname)]
+                if kind is GroupKind.STATE:
+                    unpack(p, view, fname, ids)
+                    continue
+                bs = view.page.field(fname).shape[0]
+                full, tail = divmod(p.shape[0], bs)
+                if full:
+                    unpack(p.narrow(0, full * bs).reshape(full, bs, *p.shape[1:]), view, fname, ids[:full])
+                if tail:  # a partial last block: only its first `tail` rows
+                    rows = _leading_rows(view, fname, tail)
+                    unpack(p.narrow(full * bs, tail).reshape(1, tail, *p.shape[1:]), rows, fname, ids[full:full + 1])
+            if stream is not None:
+                stream.synchronize()
+
+    # -------------------------------------------------------------------- completions
+
+    def transfer_results(self, finished_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call.
+
+        A finishing request's blocks are released once its pack has read them and vLLM has
+        told this worker the request finished (`finished_ids`), as the contract requires.
+        """
+        sending = set()
+        keep = []
+        for req_id, ev in self._releases:
+            if req_id in finished_ids and (ev is None or ev.query()):
+                sending.add(req_id)
+            else:
+                keep.append((req_id, ev))
+        self._releases = keep
+        recving, failed = set(), set()
+        now = time.monotonic()
+        with self._lock:
+            for req_id, job in list(self._loads.items()):
+                with job.lock:
+                    if job.state == "reading" and now - job.started > self.config.load_timeout_s:
+                        job.state = "cancelled"
+                        log.warning("anchorkv: load of request %s timed out after %.0f s; vLLM recomputes",
+                                    req_id, self.config.load_timeout_s)
+                    if job.state in ("done", "failed", "cancelled"):
+                        recving.add(req_id)
+                        if job.state != "done":
+                            failed.add(req_id)
+                        del self._loads[req_id]
+        return sending, recving, failed
+
+    def shutdown(self) -> None:
+        self._save_pool.shutdown(wait=True)
+        self._load_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _leading_rows(view: CacheView, fname: str, rows: int) -> CacheView:
+    """The same region seen through a page whose field keeps only its first `rows` rows."""
+    f = view.page.field(fname)
+    sub = Field(f.name, f.dtype, (rows, *f.shape[1:]), f.strides, f.offset, tp_size=f.tp_size,
+                tp_rank=f.tp_rank)
+    return CacheView(view.region, PageLayout((sub,), view.page.page_bytes), view.name)
