@@ -11,12 +11,14 @@ Quantization rules (all rounding is round-half-to-even, all arithmetic IEEE fp32
   * a group's `amax` is the largest |x|; `fp8`: scale = amax / 448, code = e4m3fn(x / scale)
     with x / scale clamped to [-448, 448]; `int8`: scale = amax / 127, code = round(x / scale)
     clamped to [-127, 127]; a scale that comes out 0 (all-zero or vanishing group) is 1.0;
-  * `int4`: lo = min, hi = max of the group, scale = (hi - lo) / 15 (0 -> 1.0),
+  * `int4`: lo = min, hi = max of the group (a zero lo is +0.0: which signed zero a min
+    reduction returns depends on its order), scale = (hi - lo) / 15 (0 -> 1.0),
     code = round((x - lo) / scale) clamped to [0, 15]; decoded as code * scale + lo (a rounded
     product, then a rounded sum: never a fused multiply-add); two codes a byte, the even
     element in the low nibble;
   * decoding multiplies the fp32 code value by the fp32 scale and rounds once to the field's
-    dtype (RNE; NaN becomes the canonical 0x7FC0 in bf16);
+    dtype (RNE); a NaN result is written as the canonical quiet NaN of that dtype (bf16 0x7FC0,
+    fp16 0x7E00, fp32 0x7FC00000), whatever NaN bits the device's multiply or cast produced;
   * NaN/Inf policy: a group holding any NaN or +-Inf is *poisoned*: scale NaN (bits 0x7FC00000),
     payload bytes 0 (and min 0 for int4). It decodes to NaN for every element of the group, so
     non-finite state is never turned into plausible numbers, and `Packed.poisoned_groups()`
@@ -38,6 +40,13 @@ from anchorkv.kernels.formats import (
 from anchorkv.kernels.geometry import StridedField, field_view
 
 _POISON = torch.tensor([POISON_SCALE_BITS], dtype=torch.int32).view(torch.float32)[0].item()
+
+#: The NaN written by a decode, per field dtype, as (same-size int dtype, bits).
+_CANONICAL_NAN = {
+    torch.bfloat16: (torch.int16, 0x7FC0),
+    torch.float16: (torch.int16, 0x7E00),
+    torch.float32: (torch.int32, 0x7FC00000),
+}
 
 
 # ----------------------------------------------------------------------------- gather/scatter
@@ -119,6 +128,7 @@ def quantize(x: torch.Tensor, fmt: Quant | str, group: int | None) -> tuple[torc
         scales = scale[:, None]
     else:  # INT4
         lo = clean.amin(dim=1)
+        lo = torch.where(lo == 0, torch.zeros_like(lo), lo)  # -0.0 -> +0.0, order-independent
         scale = _nonzero_scale((clean.amax(dim=1) - lo) / INT4_LEVELS)
         v = torch.round((clean - lo[:, None]) / scale[:, None]).clamp(0, INT4_LEVELS)
         codes = v.to(torch.uint8)
@@ -156,7 +166,21 @@ def dequantize(
         lo_hi = torch.stack([payload & 0x0F, payload >> 4], dim=1).reshape(-1, g)
         out = lo_hi.to(torch.float32) * scales[:, 0:1]
         out = out + scales[:, 1:2]
-    return out.to(dtype).reshape(shape)
+    return _canonical_nan(out.to(dtype)).reshape(shape)
+
+
+def _canonical_nan(values: torch.Tensor) -> torch.Tensor:
+    """Rewrite every NaN as its dtype's canonical bits.
+
+    Why: NaN bits after a multiply and a cast depend on the device and even on the CPU's vector
+    path (torch 2.13 on x86 writes bf16 NaN as 0xFFFF, CUDA as 0x7FFF), and the output must be
+    the same bytes everywhere.
+    """
+    if values.dtype not in _CANONICAL_NAN:
+        return values
+    int_dtype, bits = _CANONICAL_NAN[values.dtype]
+    canonical = torch.tensor(bits, dtype=int_dtype, device=values.device)
+    return torch.where(torch.isnan(values), canonical, values.view(int_dtype)).view(values.dtype)
 
 
 # ----------------------------------------------------------------------------- fused ops

@@ -1,0 +1,123 @@
+"""Bit-exact number conversions shared by the pack and unpack kernels.
+
+Why integer bit operations instead of Triton's casts: the bytes must equal the torch reference
+on a GPU *and* in the Triton interpreter, and the casts do not agree with it everywhere:
+
+* the interpreter's fp32 -> float8e4nv cast is wrong when rounding carries into the exponent
+  (-31.75 becomes -16), so e4m3fn codes are built from the fp32 bit pattern;
+* `libdevice.rint` does not run in the interpreter, so round-half-even is the classic
+  `(x + 1.5 * 2**23) - 1.5 * 2**23`, exact for |x| < 2**22 (callers clamp first);
+* fp32 -> bf16 must give c10's canonical NaN (0x7FC0) and RNE, so it is done on the bits;
+* NaN results of the decode are written as the canonical NaN the reference writes on a CPU
+  (a GPU multiply returns 0x7FFFFFFF instead).
+
+Every helper takes and returns fp32 or int32 tensors.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: 1.5 * 2**23: adding and subtracting it rounds an fp32 of magnitude < 2**22 to an integer, RNE.
+RNE_MAGIC = 12582912.0
+
+
+@triton.jit
+def rne(x):
+    """Round to the nearest integer, ties to even; `x` must satisfy |x| < 2**22."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def widen(bits, SRC: tl.constexpr):
+    """Integer bits of a bf16 (SRC=0), fp16 (1) or fp32 (2) element -> its exact fp32 value."""
+    if SRC == 0:
+        x = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    elif SRC == 1:
+        x = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        x = bits.to(tl.int32).to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
+def narrow(x, DST: tl.constexpr):
+    """fp32 -> integer bits of bf16 (DST=0), fp16 (1) or fp32 (2), RNE, NaN canonical.
+
+    The canonical NaNs are those torch writes on a CPU for an fp32 NaN of bits 0x7FC00000:
+    bf16 0x7FC0, fp16 0x7E00, fp32 0x7FC00000.
+    """
+    is_nan = x != x
+    u = x.to(tl.int32, bitcast=True)
+    if DST == 0:
+        # c10::round_to_nearest_even, done in int32 with logical shifts
+        lsb = (u >> 16) & 1
+        r = ((u + 0x7FFF + lsb) >> 16) & 0xFFFF
+        r = tl.where(is_nan, 0x7FC0, r)
+        out = r.to(tl.int16)
+    elif DST == 1:
+        h = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        h = tl.where(is_nan, 0x7E00, h)
+        out = h.to(tl.int16)
+    else:
+        out = tl.where(is_nan, 0x7FC00000, u)
+    return out
+
+
+@triton.jit
+def fp8_encode(v):
+    """fp32 `v` with |v| <= 448 -> float8 e4m3fn code (int32 in [0, 255]), RNE.
+
+    Subnormal codes (|v| < 2**-6) are rne(|v| * 2**9); normal ones round the fp32 bit pattern
+    to 3 mantissa bits (dropping 20, ties to even; a carry moves into the exponent, as it must)
+    and rebias the exponent from 127 to 7. The sign is bit 7, also for -0.0.
+    """
+    u = v.to(tl.int32, bitcast=True)
+    sign = (u >> 24) & 0x80
+    a_bits = u & 0x7FFFFFFF
+    a = a_bits.to(tl.float32, bitcast=True)
+    sub = rne(a * 512.0).to(tl.int32)
+    normal = ((a_bits + 0x7FFFF + ((a_bits >> 20) & 1)) >> 20) - (120 << 3)
+    code = tl.where(a < 0.015625, sub, normal)
+    return code | sign
+
+
+@triton.jit
+def fp8_decode(code):
+    """float8 e4m3fn code (int32 in [0, 255]) -> its fp32 value (codes 0x7F and 0xFF: NaN)."""
+    sign = (code & 0x80) << 24
+    e = (code >> 3) & 0xF
+    m = code & 7
+    sub_bits = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
+    normal_bits = ((e + 120) << 23) | (m << 20)
+    bits = tl.where(e == 0, sub_bits, normal_bits)
+    bits = tl.where((e == 15) & (m == 7), 0x7FC00000, bits)
+    return (bits | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _minimum(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def row_max(x):
+    """Max along axis 1 of a NaN-free tile.
+
+    Why not `tl.max`: it is a `@triton.jit` function of Triton's standard library, decorated
+    when Triton is first imported; if that happened before `TRITON_INTERPRET=1` was set (another
+    library imported Triton first), the interpreter cannot call it. `tl.reduce` is a builtin.
+    """
+    return tl.reduce(x, 1, _maximum)
+
+
+@triton.jit
+def row_min(x):
+    """Min along axis 1 of a NaN-free tile (see `row_max` for why not `tl.min`)."""
+    return tl.reduce(x, 1, _minimum)

@@ -1,0 +1,260 @@
+"""Triton pack: fused strided gather + quantize + pack, one pass over the cache, in Triton.
+
+Axis letters (see `anchorkv.kernels.geometry`): N selected blocks, F the field's axes, D the
+last axis, G the group size. The output is byte-identical to `anchorkv.kernels.reference.pack`
+(its module docstring states the rules) on a GPU and in the Triton interpreter.
+
+Ladder: `_pack_kernel` (one program = BLOCK_R groups of one block of one item) ->
+`_launch` (validates one batch of same-signature items, allocates, launches) -> `pack` and
+`pack_many` (the public functions).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from anchorkv.kernels import batch as B
+from anchorkv.kernels.bits import fp8_encode, rne, row_max, row_min, widen
+from anchorkv.kernels.formats import FP8_MAX, INT4_LEVELS, INT8_MAX, POISON_SCALE_BITS, Quant
+from anchorkv.kernels.geometry import StridedField
+
+# Globals a @triton.jit function reads must be constexprs (a GPU compile refuses plain floats).
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_INT8_MAX = tl.constexpr(INT8_MAX)
+_INT4_LEVELS = tl.constexpr(INT4_LEVELS)
+_POISON = tl.constexpr(POISON_SCALE_BITS)
+
+
+@triton.jit
+def _pack_kernel(
+    src,  # integer alias of the first item's storage (the anchor of every source offset)
+    tab,  # int64 [items, 2 + N]: field origin (elements from src), block stride, N block ids
+    payload,  # uint8 codes, or the source-width integer type for raw
+    scales,  # int32 bits of the fp32 scales [items * N * GROUPS, C]
+    N,
+    GROUPS,
+    GPR,
+    S1,
+    S2,
+    T0,
+    T1,
+    T2,
+    TD,
+    NUMEL,
+    TAB_W,
+    FMT: tl.constexpr,  # 0 raw, 1 fp8, 2 int8, 3 int4
+    SRC: tl.constexpr,  # 0 bf16, 1 fp16, 2 fp32 (unused for raw)
+    G: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # next power of two of G (of G / 2 for int4)
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    i_b = tl.program_id(1).to(tl.int64)  # item * N + block
+    i_item = i_b // N
+    i_n = i_b % N
+    p_tab = tab + i_item * TAB_W
+    b_base = tl.load(p_tab)
+    b_bstride = tl.load(p_tab + 1)
+    b_bid = tl.load(p_tab + 2 + i_n)
+
+    o_grp = i_t * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    m_grp = o_grp < GROUPS
+    o_rowi = o_grp // GPR
+    o_j = o_grp % GPR
+    o_i2 = o_rowi % S2
+    o_rest = o_rowi // S2
+    o_src = b_base + b_bid * b_bstride + (o_rest // S1) * T0 + (o_rest % S1) * T1 + o_i2 * T2
+    o_src += o_j * (G * TD)
+    o_col = tl.arange(0, BLOCK_G).to(tl.int64)
+    o_out = i_b * NUMEL + o_grp * G  # first element of each group in the packed [N, *F] order
+    o_scale = i_b * GROUPS + o_grp
+
+    if FMT == 3:
+        m_col = o_col < G // 2
+        m = m_grp[:, None] & m_col[None, :]
+        p_even = src + o_src[:, None] + (2 * o_col)[None, :] * TD
+        b_even = widen(tl.load(p_even, mask=m, other=0), SRC)
+        b_odd = widen(tl.load(p_even + TD, mask=m, other=0), SRC)
+        ok_even = tl.abs(b_even) < float("inf")
+        ok_odd = tl.abs(b_odd) < float("inf")
+        bad = row_max(tl.where(m & ~(ok_even & ok_odd), 1, 0)) > 0
+        c_even = tl.where(ok_even, b_even, 0.0)
+        c_odd = tl.where(ok_odd, b_odd, 0.0)
+        lo = tl.minimum(
+            row_min(tl.where(m, c_even, float("inf"))),
+            row_min(tl.where(m, c_odd, float("inf"))),
+        )
+        hi = tl.maximum(
+            row_max(tl.where(m, c_even, -float("inf"))),
+            row_max(tl.where(m, c_odd, -float("inf"))),
+        )
+        # rows past the end: keep inf out of the arithmetic; a zero min is +0.0 (the reference)
+        lo = tl.where(m_grp & (lo != 0.0), lo, 0.0)
+        hi = tl.where(m_grp, hi, 0.0)
+        scale = tl.math.div_rn(hi - lo, _INT4_LEVELS)
+        scale = tl.where(scale == 0.0, 1.0, scale)
+        v_even = tl.math.div_rn(c_even - lo[:, None], scale[:, None])
+        v_odd = tl.math.div_rn(c_odd - lo[:, None], scale[:, None])
+        v_even = tl.where(v_even > _INT4_LEVELS, _INT4_LEVELS, tl.where(v_even < 0.0, 0.0, v_even))
+        v_odd = tl.where(v_odd > _INT4_LEVELS, _INT4_LEVELS, tl.where(v_odd < 0.0, 0.0, v_odd))
+        q = rne(v_even).to(tl.int32) | (rne(v_odd).to(tl.int32) << 4)
+        q = tl.where(bad[:, None], 0, q)
+        tl.store(payload + (o_out // 2)[:, None] + o_col[None, :], q.to(tl.uint8), mask=m)
+        s_bits = tl.where(bad, _POISON, scale.to(tl.int32, bitcast=True))
+        lo_bits = tl.where(bad, 0, lo.to(tl.int32, bitcast=True))
+        tl.store(scales + 2 * o_scale, s_bits, mask=m_grp)
+        tl.store(scales + 2 * o_scale + 1, lo_bits, mask=m_grp)
+    else:
+        m_col = o_col < G
+        m = m_grp[:, None] & m_col[None, :]
+        b_x = tl.load(src + o_src[:, None] + o_col[None, :] * TD, mask=m, other=0)
+        p_out = payload + o_out[:, None] + o_col[None, :]
+        if FMT == 0:
+            tl.store(p_out, b_x, mask=m)
+        else:
+            x = widen(b_x, SRC)
+            ok = tl.abs(x) < float("inf")
+            bad = row_max(tl.where(m & ~ok, 1, 0)) > 0
+            clean = tl.where(ok, x, 0.0)
+            amax = row_max(tl.abs(clean))
+            if FMT == 1:
+                scale = tl.math.div_rn(amax, _FP8_MAX)
+                scale = tl.where(scale == 0.0, 1.0, scale)
+                v = tl.math.div_rn(clean, scale[:, None])
+                v = tl.where(v > _FP8_MAX, _FP8_MAX, tl.where(v < -_FP8_MAX, -_FP8_MAX, v))
+                q = fp8_encode(v)
+            else:
+                scale = tl.math.div_rn(amax, _INT8_MAX)
+                scale = tl.where(scale == 0.0, 1.0, scale)
+                v = tl.math.div_rn(clean, scale[:, None])
+                v = tl.where(v > _INT8_MAX, _INT8_MAX, tl.where(v < -_INT8_MAX, -_INT8_MAX, v))
+                q = rne(v).to(tl.int32) & 0xFF
+            q = tl.where(bad[:, None], 0, q)
+            tl.store(p_out, q.to(tl.uint8), mask=m)
+            s_bits = tl.where(bad, _POISON, scale.to(tl.int32, bitcast=True))
+            tl.store(scales + o_scale, s_bits, mask=m_grp)
+
+
+def block_g(geom: B.Geometry) -> int:
+    """BLOCK_G: the power-of-two tile width covering one group (half a group for int4)."""
+    width = geom.g // 2 if geom.fmt is Quant.INT4 else geom.g
+    out = triton.next_power_of_2(width)
+    if out > 16384:
+        raise ValueError(
+            f"group of {geom.g} elements is too wide for one tile (at most 16384); pass a "
+            "group size that divides the last axis, e.g. 128"
+        )
+    return out
+
+
+def _launch(items: Sequence[B.PackItem], ids: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One launch for items of one signature: allocate the outputs, build the item table, go."""
+    first = items[0]
+    geom = B.geometry(first.field, first.fmt, first.group)
+    device = first.buffer.device
+    n = ids[0].numel()
+    count = len(items)
+    payload = torch.empty(count * n * geom.payload_per_block, dtype=torch.uint8, device=device)
+    scales = torch.empty(count * n * geom.groups, geom.columns, dtype=torch.float32, device=device)
+    per_item_groups = n * geom.groups
+    outputs = [
+        (
+            payload[i * n * geom.payload_per_block : (i + 1) * n * geom.payload_per_block],
+            scales[i * per_item_groups : (i + 1) * per_item_groups]
+            if geom.columns
+            else torch.empty(0, 0, dtype=torch.float32, device=device),
+        )
+        for i in range(count)
+    ]
+    if n == 0 or geom.numel == 0:
+        return outputs
+
+    int_dtype = B.INT_OF_SIZE[geom.itemsize]
+    src = B.anchor(first.buffer, int_dtype)
+    table = torch.empty(count, 2 + n, dtype=torch.int64)
+    for i, item in enumerate(items):
+        table[i, 0] = B.element_offset(B.field_origin(item.buffer, item.field), src, "field")
+        table[i, 1] = item.field.block_stride // geom.itemsize
+        table[i, 2:] = ids[i]
+    table = table.to(device)
+
+    bg = block_g(geom)
+    br = B.tile_rows(geom, bg)
+    grid = (triton.cdiv(geom.groups, br), count * n)
+    B.grid_check(grid[0], grid[1])
+    _pack_kernel[grid](
+        src=src,
+        tab=table,
+        payload=payload.view(int_dtype) if geom.fmt is Quant.RAW else payload,
+        scales=scales.view(torch.int32),
+        N=n,
+        GROUPS=geom.groups,
+        GPR=geom.gpr,
+        S1=geom.sizes[1],
+        S2=geom.sizes[2],
+        T0=geom.strides[0],
+        T1=geom.strides[1],
+        T2=geom.strides[2],
+        TD=geom.td,
+        NUMEL=geom.numel,
+        TAB_W=2 + n,
+        FMT=B.FMT_CODE[geom.fmt],
+        SRC=B.FLOAT_KIND.get(geom.dtype, 0),
+        G=geom.g,
+        BLOCK_R=br,
+        BLOCK_G=bg,
+        num_warps=8 if br * bg >= 4096 else 4,
+        enable_fp_fusion=False,
+    )
+    return outputs
+
+
+def pack_many(items: Sequence[B.PackItem]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`pack` for many (region, field, blocks, codec) items in as few launches as possible.
+
+    Items with the same device, field dtype, shape and strides, format, group and number of
+    block ids share one launch; regions, field offsets and block strides may all differ. Returns
+    one (payload, scales) per item, in order, equal to `pack(...)` of that item; payloads of one
+    launch are slices of one allocation.
+    """
+    items = list(items)
+    ids = [B.check_ids(it.block_ids, it.num_blocks) for it in items]
+    keys = [
+        B.signature(it.buffer.device, it.field, i, it.fmt, it.group) for it, i in zip(items, ids)
+    ]
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(items)
+    for members in B.group_items(keys):
+        results = _launch([items[i] for i in members], [ids[i] for i in members])
+        for i, result in zip(members, results):
+            out[i] = result
+    return out  # type: ignore[return-value]
+
+
+def pack(
+    buffer: torch.Tensor,
+    field: StridedField,
+    block_ids: torch.Tensor,
+    num_blocks: int,
+    fmt: Quant | str,
+    group: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather blocks `block_ids` of `field` out of the region in `buffer` and quantize them.
+
+    Reads the strided source once (any block stride, field offset and element strides,
+    including a non-contiguous last axis) and writes only the outputs:
+
+    * payload: uint8 `[bytes]`, the codes of `[N, *F]` in row-major order (raw: the source
+      bytes; fp8/int8: one byte a value; int4: two values a byte, the even one low);
+    * scales: fp32 `[N * numel(F) / G, C]`, C = 1 (scale) for fp8/int8, 2 (scale, min) for
+      int4, 0 for raw.
+
+    `fmt` is raw, fp8, int8 or int4; `group` is G, a divisor of D (None: all of D). Source
+    dtypes bf16, fp16 and fp32 (raw: any 1/2/4/8-byte dtype). Groups holding NaN or +-Inf are
+    poisoned (scale NaN 0x7FC00000, zero payload, min 0). Block ids on a GPU cost one host
+    synchronization; pass them as a list or CPU tensor.
+    """
+    return pack_many([B.PackItem(buffer, field, block_ids, num_blocks, fmt, group)])[0]

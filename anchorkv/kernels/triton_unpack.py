@@ -1,0 +1,218 @@
+"""Triton unpack: fused dequantize + strided scatter into a request's blocks, in Triton.
+
+Axis letters as in `anchorkv.kernels.triton_pack`. The bytes written equal those of
+`anchorkv.kernels.reference.unpack`, and no byte of the region outside the selected blocks'
+field changes (every store is masked to the field's own elements).
+
+Ladder: `_unpack_kernel` (one program = BLOCK_R groups of one block of one item) ->
+`_launch` (validates one batch of same-signature items, builds the item table, launches) ->
+`unpack` and `unpack_many` (the public functions).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from anchorkv.kernels import batch as B
+from anchorkv.kernels.bits import fp8_decode, narrow
+from anchorkv.kernels.formats import Quant
+from anchorkv.kernels.geometry import StridedField
+from anchorkv.kernels.triton_pack import block_g
+
+
+@triton.jit
+def _unpack_kernel(
+    dst,  # integer alias of the first item's region storage (anchor of target offsets)
+    tab,  # int64 [items, 4 + N]: field origin, block stride (elements of dst), payload offset
+    #       (elements of payload), scales offset (int32 elements of scales), N block ids
+    payload,  # uint8 alias of the first item's payload storage (raw: source-width integers)
+    scales,  # int32 alias of the first item's scales storage
+    N,
+    GROUPS,
+    GPR,
+    S1,
+    S2,
+    T0,
+    T1,
+    T2,
+    TD,
+    NUMEL,
+    TAB_W,
+    FMT: tl.constexpr,  # 0 raw, 1 fp8, 2 int8, 3 int4
+    DST: tl.constexpr,  # 0 bf16, 1 fp16, 2 fp32 (unused for raw)
+    G: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    i_b = tl.program_id(1).to(tl.int64)
+    i_item = i_b // N
+    i_n = i_b % N
+    p_tab = tab + i_item * TAB_W
+    b_base = tl.load(p_tab)
+    b_bstride = tl.load(p_tab + 1)
+    b_pay = tl.load(p_tab + 2)
+    b_sc = tl.load(p_tab + 3)
+    b_bid = tl.load(p_tab + 4 + i_n)
+
+    o_grp = i_t * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    m_grp = o_grp < GROUPS
+    o_rowi = o_grp // GPR
+    o_j = o_grp % GPR
+    o_i2 = o_rowi % S2
+    o_rest = o_rowi // S2
+    o_dst = b_base + b_bid * b_bstride + (o_rest // S1) * T0 + (o_rest % S1) * T1 + o_i2 * T2
+    o_dst += o_j * (G * TD)
+    o_col = tl.arange(0, BLOCK_G).to(tl.int64)
+    o_in = i_n * NUMEL + o_grp * G  # first element of each group, from the item's payload
+    o_scale = i_n * GROUPS + o_grp
+
+    if FMT == 3:
+        m = m_grp[:, None] & (o_col < G // 2)[None, :]
+        b_q = tl.load(payload + b_pay + (o_in // 2)[:, None] + o_col[None, :], mask=m, other=0).to(tl.int32)
+        scale = tl.load(scales + b_sc + 2 * o_scale, mask=m_grp, other=0).to(tl.float32, bitcast=True)
+        lo = tl.load(scales + b_sc + 2 * o_scale + 1, mask=m_grp, other=0).to(tl.float32, bitcast=True)
+        # a rounded product, then a rounded sum: the launch disables fp fusion (no FMA)
+        y_even = (b_q & 0xF).to(tl.float32) * scale[:, None]
+        y_even = y_even + lo[:, None]
+        y_odd = ((b_q >> 4) & 0xF).to(tl.float32) * scale[:, None]
+        y_odd = y_odd + lo[:, None]
+        p_even = dst + o_dst[:, None] + (2 * o_col)[None, :] * TD
+        tl.store(p_even, narrow(y_even, DST), mask=m)
+        tl.store(p_even + TD, narrow(y_odd, DST), mask=m)
+    else:
+        m = m_grp[:, None] & (o_col < G)[None, :]
+        b_q = tl.load(payload + b_pay + o_in[:, None] + o_col[None, :], mask=m, other=0)
+        p_dst = dst + o_dst[:, None] + o_col[None, :] * TD
+        if FMT == 0:
+            tl.store(p_dst, b_q, mask=m)
+        else:
+            scale = tl.load(scales + b_sc + o_scale, mask=m_grp, other=0).to(tl.float32, bitcast=True)
+            if FMT == 1:
+                v = fp8_decode(b_q.to(tl.int32) & 0xFF)
+            else:
+                v = b_q.to(tl.int8, bitcast=True).to(tl.float32)
+            tl.store(p_dst, narrow(v * scale[:, None], DST), mask=m)
+
+
+def _check(item: B.UnpackItem, geom: B.Geometry, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The item's payload and scales, validated, contiguous and aligned for the kernel."""
+    payload, scales = item.payload, item.scales
+    device = item.buffer.device
+    want_bytes = n * geom.payload_per_block
+    if payload.dtype != torch.uint8 or payload.numel() != want_bytes or payload.device != device:
+        raise ValueError(
+            f"payload must be {want_bytes} uint8 bytes on {device} for {n} blocks of "
+            f"{geom.fmt} {list(item.field.shape)} {geom.dtype}, found {payload.numel()} "
+            f"{payload.dtype} on {payload.device}"
+        )
+    if geom.columns:
+        want = (n * geom.groups, geom.columns)
+        if scales.dtype != torch.float32 or tuple(scales.shape) != want or scales.device != device:
+            raise ValueError(
+                f"scales must be float32 {list(want)} on {device}, found {scales.dtype} "
+                f"{list(scales.shape)} on {scales.device}"
+            )
+    payload = payload.contiguous().reshape(-1)
+    if geom.fmt is Quant.RAW and B.byte_address(payload) % geom.itemsize:
+        payload = payload.clone()  # a fresh allocation is aligned for the wide loads
+    return payload, scales.contiguous()
+
+
+def _launch(items: Sequence[B.UnpackItem], ids: list[torch.Tensor]) -> None:
+    first = items[0]
+    geom = B.geometry(first.field, first.fmt, first.group)
+    device = first.buffer.device
+    n = ids[0].numel()
+    checked = [_check(item, geom, n) for item in items]
+    if n == 0 or geom.numel == 0:
+        return
+    int_dtype = B.INT_OF_SIZE[geom.itemsize]
+    dst = B.anchor(first.buffer, int_dtype)
+    pay = B.anchor(checked[0][0], int_dtype if geom.fmt is Quant.RAW else torch.uint8)
+    if geom.columns:
+        sc = B.anchor(checked[0][1], torch.int32)
+    else:  # raw has no scales; the kernel never reads this
+        sc = torch.zeros(1, dtype=torch.int32, device=device)
+    table = torch.empty(len(items), 4 + n, dtype=torch.int64)
+    for i, (item, (payload, scales)) in enumerate(zip(items, checked)):
+        table[i, 0] = B.element_offset(B.field_origin(item.buffer, item.field), dst, "field")
+        table[i, 1] = item.field.block_stride // geom.itemsize
+        table[i, 2] = B.element_offset(B.byte_address(payload), pay, "payload")
+        table[i, 3] = B.element_offset(B.byte_address(scales), sc, "scales") if geom.columns else 0
+        table[i, 4:] = ids[i]
+    table = table.to(device)
+
+    bg = block_g(geom)
+    br = B.tile_rows(geom, bg)
+    grid = (triton.cdiv(geom.groups, br), len(items) * n)
+    B.grid_check(grid[0], grid[1])
+    _unpack_kernel[grid](
+        dst=dst,
+        tab=table,
+        payload=pay,
+        scales=sc,
+        N=n,
+        GROUPS=geom.groups,
+        GPR=geom.gpr,
+        S1=geom.sizes[1],
+        S2=geom.sizes[2],
+        T0=geom.strides[0],
+        T1=geom.strides[1],
+        T2=geom.strides[2],
+        TD=geom.td,
+        NUMEL=geom.numel,
+        TAB_W=4 + n,
+        FMT=B.FMT_CODE[geom.fmt],
+        DST=B.FLOAT_KIND.get(geom.dtype, 0),
+        G=geom.g,
+        BLOCK_R=br,
+        BLOCK_G=bg,
+        num_warps=8 if br * bg >= 4096 else 4,
+        enable_fp_fusion=False,
+    )
+
+
+def unpack_many(items: Sequence[B.UnpackItem]) -> None:
+    """`unpack` for many items in as few launches as possible (grouped as in `pack_many`).
+
+    The targets of different items must not overlap (the order of writes between items is
+    unspecified); each item's block ids must be distinct.
+    """
+    items = list(items)
+    ids = []
+    for it in items:
+        i = B.check_ids(it.block_ids, it.num_blocks)
+        if i.unique().numel() != i.numel():
+            raise ValueError(f"block ids must be distinct to scatter, found {i.tolist()}")
+        ids.append(i)
+    keys = [
+        B.signature(it.buffer.device, it.field, i, it.fmt, it.group) for it, i in zip(items, ids)
+    ]
+    for members in B.group_items(keys):
+        _launch([items[i] for i in members], [ids[i] for i in members])
+
+
+def unpack(
+    buffer: torch.Tensor,
+    field: StridedField,
+    block_ids: torch.Tensor,
+    num_blocks: int,
+    payload: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: Quant | str,
+    group: int | None,
+) -> None:
+    """Decode (payload, scales) of `[N, *F]` straight into blocks `block_ids` of `field`.
+
+    payload: uint8 `[bytes]` and scales: fp32 `[N * numel(F) / G, C]` as `pack` made them
+    (from any blocks; N = len(block_ids)). Each value is code * scale (+ min for int4, never
+    fused into an FMA), rounded once to the field's dtype (RNE); NaN results are written as the
+    dtype's canonical NaN. Only the selected blocks' field elements are written; the block ids
+    must be distinct.
+    """
+    unpack_many([B.UnpackItem(buffer, field, block_ids, num_blocks, payload, scales, fmt, group)])

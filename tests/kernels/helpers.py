@@ -1,0 +1,60 @@
+"""Regions, fields and byte comparisons shared by the kernel tests."""
+
+from __future__ import annotations
+
+import torch
+
+from anchorkv.kernels.geometry import StridedField, field_view
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CODECS = ("raw", "fp8", "int8", "int4")
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def make_field(dtype, shape, strides, *, offset_elems=3, pad_bytes=40) -> StridedField:
+    """A field at an odd element offset in a page padded by `pad_bytes` (kept 8-aligned)."""
+    size = itemsize(dtype)
+    extent = (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * size
+    offset = offset_elems * size
+    block_stride = offset + extent + pad_bytes
+    block_stride += (-block_stride) % 8
+    return StridedField(dtype, tuple(shape), tuple(strides), offset, block_stride)
+
+
+def make_region(field: StridedField, num_blocks: int, *, seed: int = 0, scale: float = 3.0,
+                tail: int = 24) -> torch.Tensor:
+    """Random canary bytes with finite random values written into every block's field.
+
+    The region starts 8 bytes into its storage, so storage offsets are exercised too.
+    """
+    g = torch.Generator().manual_seed(seed)
+    storage = torch.randint(0, 256, (8 + num_blocks * field.block_stride + tail,),
+                            dtype=torch.uint8, generator=g)
+    buffer = storage[8:]
+    view = field_view(buffer, field, num_blocks)
+    view.copy_((torch.randn(view.shape, generator=g) * scale).to(field.dtype))
+    return storage.to(DEVICE)[8:]
+
+
+def touched(buffer: torch.Tensor, field: StridedField, num_blocks: int, ids) -> torch.Tensor:
+    """Bool mask over `buffer`'s bytes: those of `field` in blocks `ids`."""
+    marker = torch.zeros_like(buffer)
+    as_int = StridedField(_INT_OF_SIZE[field.itemsize], field.shape, field.strides, field.offset,
+                          field.block_stride)
+    field_view(marker, as_int, num_blocks)[torch.as_tensor(ids, device=buffer.device)] = -1 \
+        if field.itemsize > 1 else 255
+    return marker != 0
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shape, dtype and bytes (NaNs compare by their bits)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    ai = a.contiguous().reshape(-1).view(torch.uint8)
+    bi = b.contiguous().reshape(-1).view(torch.uint8)
+    return torch.equal(ai.cpu(), bi.cpu())

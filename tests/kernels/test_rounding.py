@@ -1,0 +1,154 @@
+"""Adversarial values: the cases where a cast, a division or a reduction could round wrongly.
+
+Each builds groups of values, writes them through a strided field (last-axis stride 2) and
+checks the Triton pack and unpack against the reference bytes. The reference itself is checked
+against independent definitions in `tests/codec/test_reference.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from anchorkv.kernels import reference
+from anchorkv.kernels.geometry import StridedField, field_view
+from anchorkv.kernels.triton_pack import pack
+from anchorkv.kernels.triton_unpack import unpack
+from tests.kernels.helpers import DEVICE, DTYPES, same_bits
+
+pytestmark = pytest.mark.interpreter
+
+G = 32
+
+
+def _e4m3_values() -> torch.Tensor:
+    """Every finite positive e4m3fn value and every midpoint between neighbours."""
+    vals = []
+    for code in range(0x7F):
+        e, m = code >> 3, code & 7
+        vals.append(m * 2.0**-9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    v = torch.tensor(vals, dtype=torch.float64)
+    return torch.cat([v, (v[:-1] + v[1:]) / 2])
+
+
+def _groups(rows: list[list[float]]) -> torch.Tensor:
+    """Pad each row to a multiple of G with zeros: `[groups, G]` fp64."""
+    out = []
+    for r in rows:
+        r = list(r) + [0.0] * (-len(r) % G)
+        out += [r[i : i + G] for i in range(0, len(r), G)]
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def _pinned(values: torch.Tensor, amax: float) -> torch.Tensor:
+    """Rows of G with element 0 set to `amax`, so each group's scale is amax / levels exactly."""
+    flat = values.reshape(-1)
+    flat = torch.cat([flat, flat.new_zeros(-flat.numel() % (G - 1))]).reshape(-1, G - 1)
+    return torch.cat([flat.new_full((flat.shape[0], 1), amax), flat], dim=1)
+
+
+def _check(values: torch.Tensor, dtype: torch.dtype, codec: str) -> None:
+    """Pack `values` `[rows, G]` (as `dtype`) with Triton and the reference; unpack both ways."""
+    rows = values.shape[0]
+    isz = torch.empty((), dtype=dtype).element_size()
+    field = StridedField(dtype, (rows, G), (2 * G + 1, 2), 2 * isz, ((2 * G + 1) * rows + 4) * isz)
+    field = StridedField(dtype, field.shape, field.strides, field.offset,
+                         field.block_stride + (-field.block_stride) % 8)
+    g = torch.Generator().manual_seed(rows)
+    buffer = torch.randint(0, 256, (2 * field.block_stride + 16,), dtype=torch.uint8, generator=g)
+    field_view(buffer, field, 2)[1] = values.to(dtype)
+    buffer = buffer.to(DEVICE)
+    payload, scales = pack(buffer, field, [1], 2, codec, G)
+    want_payload, want_scales = reference.pack(buffer, field, [1], 2, codec, G)
+    assert torch.equal(payload, want_payload)
+    assert same_bits(scales, want_scales)
+    got, want = buffer.clone(), buffer.clone()
+    unpack(got, field, [0], 2, payload, scales, codec, G)
+    reference.unpack(want, field, [0], 2, want_payload, want_scales, codec, G)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("amax", [448.0, 56.0, 3.0, 1e-3], ids=lambda a: f"amax{a:g}")
+def test_fp8_ties_and_exponent_carries(dtype, amax):
+    """Midpoints between e4m3 codes, and 31.75 -> 32 (a carry into the exponent), at scales
+    that are and are not powers of two."""
+    v = _e4m3_values() * (amax / 448.0)
+    special = torch.tensor([31.75, -31.75, 15.875, 2.0**-9, 2.0**-10, 3 * 2.0**-11, 2.0**-6,
+                            2.0**-6 - 2.0**-10, 447.9, -447.9, -0.0, 1e-12], dtype=torch.float64)
+    values = torch.cat([v, -v, special * (amax / 448.0)])
+    _check(_pinned(values, amax), dtype, "fp8")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_int8_ties_round_half_to_even(dtype):
+    ties = torch.arange(-127, 127, dtype=torch.float64) + 0.5
+    near = torch.tensor([3.4999, 3.5001, -0.5, -1.5, 0.5, 1.5, -0.0], dtype=torch.float64)
+    _check(_pinned(torch.cat([ties, near]), 127.0), dtype, "int8")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_int4_ties_round_half_to_even(dtype):
+    ties = torch.arange(0, 15, dtype=torch.float64) + 0.5
+    row = torch.cat([torch.tensor([0.0, 15.0]), ties, torch.tensor([7.5, 8.5, 0.25, 14.75])])
+    _check(_groups([row.tolist(), (row - 8.0).tolist(), (row * 0.125).tolist()]), dtype, "int4")
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_zero_negative_zero_and_vanishing_groups(codec, dtype):
+    tiny = torch.finfo(dtype).smallest_normal / 8  # subnormal in the source dtype
+    rows = [
+        [0.0] * G,
+        [-0.0] * G,
+        [-0.0, 0.0] * (G // 2),
+        [0.0, -0.0] * (G // 2),
+        [tiny, -tiny] * (G // 2),
+        [tiny * (i - 16) for i in range(G)],
+        [1.0] + [tiny] * (G - 1),
+        [-1.0] + [-0.0] * (G - 1),
+    ]
+    _check(_groups(rows), dtype, codec)
+
+
+def test_fp32_subnormals_and_extremes():
+    """fp32-only: denormal amax (scale underflows to 0 -> 1.0), huge magnitudes."""
+    for codec in ["fp8", "int8"]:
+        rows = [[1e-44] * G, [1e-40 * (i - 16) for i in range(G)], [3e38] + [1e-30] * (G - 1),
+                [-3.4e38, 3.4e38] * (G // 2)]
+        _check(_groups(rows), torch.float32, codec)
+    _check(_groups([[1e-44] * G, [1e-40 * (i - 16) for i in range(G)], [1e30, -1e30] * (G // 2)]),
+           torch.float32, "int4")
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_heavy_tailed_random_values(codec, dtype):
+    g = torch.Generator().manual_seed(5)
+    mags = torch.pow(10.0, torch.empty(40, G).uniform_(-4, 4, generator=g))
+    signs = torch.where(torch.rand(40, G, generator=g) < 0.5, -1.0, 1.0)
+    values = (mags * signs * torch.randn(40, 1, generator=g).abs()).double()
+    limit = 6e4 if dtype == torch.float16 else 1e30
+    _check(values.clamp(-limit, limit), dtype, codec)
+
+
+BAD = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+@pytest.mark.parametrize("codec", ["raw", "fp8", "int8", "int4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_non_finite_groups_are_poisoned_exactly(bad, codec, dtype):
+    """Scale bits 0x7FC00000, zero codes, min 0, neighbours untouched; decodes to canonical NaN."""
+    x = BAD[bad]
+    rows = [
+        [1.0 + i for i in range(G)],
+        [x] + [2.0] * (G - 1),
+        [3.0] * (G - 1) + [x],
+        [x] * G,
+        [x, -x] * (G // 2) if bad != "nan" else [x, 1.0] * (G // 2),
+        [-(i + 0.5) for i in range(G)],
+    ]
+    _check(_groups(rows), dtype, codec)
