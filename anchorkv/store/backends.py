@@ -1,0 +1,290 @@
+"""Where entry bytes live: a local directory (default) or an S3-compatible object store.
+
+The store only needs a few operations, so a backend is small: whole-object reads and writes,
+listing one level of a prefix, deleting a prefix, and `publish`, the step that makes an entry
+visible. Paths are '/'-separated, relative to the store root, and built by the store from hex
+keys and fixed names only.
+
+Local: chunks go to a staging directory that `publish` renames into place (atomic; the loser of
+two concurrent publishes of one entry gets False). Object store: objects cannot be renamed,
+so chunks go straight under a prefix unique to the write, and the entry's group ``zarr.json``
+(its manifest) is put last; without it the prefix is invisible garbage that `gc` removes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+import shutil
+import time
+from typing import Sequence
+from urllib.parse import parse_qs, urlparse
+import uuid
+
+Buffers = Sequence[bytes | bytearray | memoryview]
+
+
+class LocalBackend:
+    """A directory. Chunk writes are one `os.open` + `os.writev` each (no temp file: the whole
+    staging directory is invisible until `publish` renames it)."""
+
+    atomic_publish = True
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root).expanduser().resolve()
+        self.url = str(self.root)
+
+    def _p(self, path: str) -> Path:
+        return self.root / path
+
+    def ensure_root(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def read(self, path: str) -> bytes:
+        with open(self._p(path), "rb") as f:
+            return f.read()
+
+    def read_into(self, path: str, buffers: list[memoryview]) -> int:
+        """Read a whole file into `buffers` in order (one `preadv`); returns the file size."""
+        fd = os.open(self._p(path), os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            got = os.preadv(fd, buffers, 0) if buffers else 0
+            want = sum(b.nbytes for b in buffers)
+            while got < min(size, want):  # short reads are legal; finish with plain reads
+                n = os.preadv(fd, _advance(buffers, got), got)
+                if n <= 0:
+                    break
+                got += n
+            return size
+        finally:
+            os.close(fd)
+
+    def write(self, path: str, buffers: Buffers, *, atomic: bool = False) -> None:
+        """Write a file from `buffers`; `atomic`: via a temp file and `os.replace` (metadata)."""
+        target = self._p(path)
+        dest = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp") if atomic else target
+        try:
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except FileNotFoundError:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            views = [memoryview(b).cast("B") for b in buffers]
+            total, done = sum(v.nbytes for v in views), 0
+            while done < total:
+                done += os.writev(fd, _advance(views, done))
+        finally:
+            os.close(fd)
+        if atomic:
+            os.replace(dest, target)
+
+    def exists(self, path: str) -> bool:
+        return self._p(path).exists()
+
+    def list_dir(self, prefix: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self._p(prefix)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def delete(self, path: str) -> None:
+        try:
+            os.unlink(self._p(path))
+        except FileNotFoundError:
+            pass
+
+    def delete_tree(self, prefix: str) -> None:
+        """Remove a directory: renamed into `.trash` first, so it vanishes atomically."""
+        src = self._p(prefix)
+        trash = self.root / ".trash" / uuid.uuid4().hex
+        trash.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(src, trash)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def data_prefix(self, final: str, write_id: str) -> str:
+        return f".staging/{write_id}/data"
+
+    def publish(self, staged: str, final: str) -> bool:
+        """Rename the staged directory to `final`; False if another write published it first."""
+        target = self._p(final)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(self._p(staged), target)
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                return False
+            raise
+        return True
+
+    def mtime(self, path: str) -> float | None:
+        try:
+            return self._p(path).stat().st_mtime
+        except FileNotFoundError:
+            return None
+
+    def touch_entry(self, entry: str) -> None:
+        """Record a use of `entry`: its directory's mtime (one `utime`, no data written)."""
+        try:
+            os.utime(self._p(entry))
+        except FileNotFoundError:
+            pass
+
+    def last_use(self, entry: str) -> float | None:
+        return self.mtime(entry)
+
+    def zarr_store(self, read_only: bool = True):
+        from zarr.storage import LocalStore
+
+        return LocalStore(self.root, read_only=read_only)
+
+
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    """`views` with their first `n` bytes dropped (to resume a short `writev`/`preadv`)."""
+    out = []
+    for v in views:
+        if n >= v.nbytes:
+            n -= v.nbytes
+            continue
+        out.append(v[n:])
+        n = 0
+    return out
+
+
+class ObjectBackend:
+    """An S3-compatible bucket through obstore (the library behind zarr's `ObjectStore`).
+
+    URL: ``s3://bucket/prefix``; options (endpoint, region, credentials, allow_http, ...) go to
+    `obstore.store.S3Store`; query parameters of the URL become options too
+    (``s3://bucket/p?endpoint=http://127.0.0.1:9000``). Credentials otherwise come from the
+    usual AWS environment variables.
+    """
+
+    atomic_publish = False
+
+    def __init__(self, url: str, **options) -> None:
+        from obstore.store import S3Store
+
+        parsed = urlparse(url)
+        if parsed.scheme != "s3" or not parsed.netloc:
+            raise ValueError(f"an object-store URL looks like s3://bucket/prefix, found {url!r}")
+        opts = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        opts.update(options)
+        if str(opts.get("endpoint", "")).startswith("http://"):
+            opts.setdefault("allow_http", True)
+        for k in ("allow_http", "virtual_hosted_style_request"):
+            if isinstance(opts.get(k), str):
+                opts[k] = opts[k].lower() in ("1", "true", "yes")
+        client = {k: opts.pop(k) for k in ("allow_http", "timeout", "connect_timeout") if k in opts}
+        if "timeout" not in client:
+            client["timeout"] = "30s"
+        if "connect_timeout" not in client:
+            client["connect_timeout"] = "5s"
+        self.prefix = parsed.path.strip("/")
+        self.url = f"s3://{parsed.netloc}/{self.prefix}".rstrip("/")
+        self.store = S3Store(parsed.netloc, prefix=self.prefix or None, client_options=client, **opts)
+
+    def ensure_root(self) -> None:
+        pass
+
+    def read(self, path: str) -> bytes:
+        import obstore
+
+        try:
+            return obstore.get(self.store, path).bytes().to_bytes()
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # obstore raises its own NotFoundError (a FileNotFoundError subclass in 0.12)
+            if "not found" in str(e).lower():
+                raise FileNotFoundError(path) from e
+            raise
+
+    def read_into(self, path: str, buffers: list[memoryview]) -> int:
+        data = memoryview(self.read(path))
+        done = 0
+        for b in buffers:
+            n = min(b.nbytes, len(data) - done)
+            b[:n] = data[done : done + n]
+            done += n
+        return len(data)
+
+    def write(self, path: str, buffers: Buffers, *, atomic: bool = False) -> None:
+        import obstore
+
+        obstore.put(self.store, path, b"".join(bytes(memoryview(b).cast("B")) for b in buffers))
+
+    def exists(self, path: str) -> bool:
+        import obstore
+
+        try:
+            obstore.head(self.store, path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def list_dir(self, prefix: str) -> list[str]:
+        import obstore
+
+        res = obstore.list_with_delimiter(self.store, prefix.rstrip("/") + "/")
+        names = {p.rstrip("/").rsplit("/", 1)[-1] for p in res["common_prefixes"]}
+        names |= {o["path"].rsplit("/", 1)[-1] for o in res["objects"]}
+        return sorted(names)
+
+    def delete(self, path: str) -> None:
+        import obstore
+
+        try:
+            obstore.delete(self.store, path)
+        except FileNotFoundError:
+            pass
+
+    def delete_tree(self, prefix: str) -> None:
+        """Delete the group ``zarr.json`` first (the entry vanishes at once), then the rest."""
+        import obstore
+
+        self.delete(f"{prefix}/zarr.json")
+        paths = [o["path"] for batch in obstore.list(self.store, prefix.rstrip("/") + "/") for o in batch]
+        if paths:
+            obstore.delete(self.store, paths)
+
+    def data_prefix(self, final: str, write_id: str) -> str:
+        return f"{final}.{write_id}"
+
+    def publish(self, staged: str, final: str) -> bool:
+        return True  # the manifest put by the caller is the publication
+
+    def mtime(self, path: str) -> float | None:
+        import obstore
+
+        try:
+            return obstore.head(self.store, path)["last_modified"].timestamp()
+        except FileNotFoundError:
+            return None
+
+    def touch_entry(self, entry: str) -> None:
+        """Record a use of `entry`: a tiny ``.last_use`` object (the store throttles this)."""
+        self.write(f"{entry}/.last_use", [str(time.time()).encode()])
+
+    def last_use(self, entry: str) -> float | None:
+        return self.mtime(f"{entry}/.last_use") or self.mtime(f"{entry}/zarr.json")
+
+    def zarr_store(self, read_only: bool = True):
+        from zarr.storage import ObjectStore
+
+        return ObjectStore(self.store, read_only=read_only)
+
+
+def open_backend(url: str | os.PathLike, **options):
+    """A backend for a path (local) or an ``s3://`` URL."""
+    text = os.fspath(url)
+    if text.startswith("s3://"):
+        return ObjectBackend(text, **options)
+    if "://" in text and not text.startswith("file://"):
+        raise ValueError(f"unsupported store URL {text!r}; use a local path or s3://bucket/prefix")
+    if options:
+        raise ValueError(f"a local store takes no options, found {sorted(options)}")
+    return LocalBackend(text.removeprefix("file://"))

@@ -1,0 +1,160 @@
+"""Capacity: LRU eviction by last use, leases that keep entries being read, garbage collection.
+
+Last use is recorded cheaply (`Backend.touch_entry`: a directory mtime locally, a tiny object
+on an object store; at most once a minute per entry and process). A reader holds a *pin*
+(in-process counter) during every `load`, and `Store.pin` adds a *lease* visible to other
+processes: a file ``.leases/<key>.<name>.<pid>.<random>``. Eviction skips pinned and leased
+entries; a lease whose process is gone (local) or older than `LEASE_TTL` is ignored.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+import contextlib
+import json
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Iterator
+import uuid
+
+from anchorkv.store.manifest import ENTRIES, parse_entry_name
+
+if TYPE_CHECKING:
+    from anchorkv.store.store import Store
+
+LEASES = ".leases"
+LEASE_TTL = 600.0
+
+
+class Pins:
+    """Entries being read in this process (thread-safe counters)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count: Counter[str] = Counter()
+
+    @contextlib.contextmanager
+    def pinned(self, entry_id: str) -> Iterator[None]:
+        with self._lock:
+            self._count[entry_id] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._count[entry_id] -= 1
+                if self._count[entry_id] <= 0:
+                    del self._count[entry_id]
+
+    def __contains__(self, entry_id: str) -> bool:
+        with self._lock:
+            return entry_id in self._count
+
+
+def _lease_prefix(entry_id: str) -> str:
+    return entry_id.replace("/", ".")
+
+
+@contextlib.contextmanager
+def lease(store: "Store", entry_id: str) -> Iterator[None]:
+    path = f"{LEASES}/{_lease_prefix(entry_id)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    store.backend.write(path, [json.dumps({"pid": os.getpid(), "t": time.time()}).encode()])
+    try:
+        yield
+    finally:
+        store.backend.delete(path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _live_leases(store: "Store", *, remove_stale: bool = False) -> set[str]:
+    """Entry ids with a live lease (lease prefixes map back to '<key>/<name>')."""
+    live = set()
+    local = store.backend.atomic_publish
+    for name in store.backend.list_dir(LEASES):
+        stem, _, rest = name.partition(".")  # key . name . pid . rand
+        entry_name, _, tail = rest.partition(".")
+        if tail.count(".") > 1:  # object-store names carry '.<write id>'
+            wid, _, tail = tail.partition(".")
+            entry_name = f"{entry_name}.{wid}"
+        pid = int(tail.split(".")[0]) if tail.split(".")[0].isdigit() else -1
+        mtime = store.backend.mtime(f"{LEASES}/{name}") or 0.0
+        stale = (local and not _pid_alive(pid)) or time.time() - mtime > LEASE_TTL
+        if stale:
+            if remove_stale:
+                store.backend.delete(f"{LEASES}/{name}")
+            continue
+        live.add(f"{stem}/{entry_name}")
+    return live
+
+
+def evict(store: "Store", capacity: int, keep: set[str] = frozenset()) -> list[str]:
+    """Delete least-recently-used entries until the total is <= `capacity`; returns their ids.
+
+    Never removes an entry pinned in this process, leased by any process, or in `keep`.
+    """
+    entries = store.list()
+    total = sum(e.stored_bytes for e in entries)
+    if total <= capacity:
+        return []
+    leased = _live_leases(store)
+    uses = [(store.backend.last_use(e.path) or e.created, e) for e in entries]
+    evicted = []
+    for _, e in sorted(uses, key=lambda u: u[0]):
+        if total <= capacity:
+            break
+        if e.id in keep or e.id in store.pins or e.id in leased:
+            continue
+        try:
+            store.delete(e.id)
+        except Exception:  # deleted by another process meanwhile
+            continue
+        total -= e.stored_bytes
+        evicted.append(e.id)
+    return evicted
+
+
+def gc(store: "Store", stale_after: float) -> dict[str, int]:
+    from anchorkv.store.writer import STAGING
+
+    backend = store.backend
+    report = {"abandoned_writes": 0, "stale_leases": 0, "duplicates": 0, "evicted": 0}
+    t = time.time()
+    for wid in backend.list_dir(STAGING):
+        markers = [n for n in backend.list_dir(f"{STAGING}/{wid}") if n.startswith("begun-")]
+        times = [backend.mtime(f"{STAGING}/{wid}/{n}") or 0.0 for n in markers]
+        newest = max(times, default=backend.mtime(f"{STAGING}/{wid}") or 0.0)
+        if t - newest < stale_after:
+            continue
+        for n in markers:
+            with contextlib.suppress(Exception):
+                data = json.loads(backend.read(f"{STAGING}/{wid}/{n}"))["data"]
+                if not backend.atomic_publish and not backend.exists(f"{data}/zarr.json"):
+                    backend.delete_tree(data)
+        backend.delete_tree(f"{STAGING}/{wid}")
+        report["abandoned_writes"] += 1
+    before = len(backend.list_dir(LEASES))
+    _live_leases(store, remove_stale=True)
+    report["stale_leases"] = before - len(backend.list_dir(LEASES))
+    if not backend.atomic_publish:  # same entry committed twice: keep the oldest
+        groups: dict[tuple, list] = {}
+        for e in store.list():
+            n, h, _ = parse_entry_name(e.id.split("/", 1)[1])
+            groups.setdefault((e.key, n, h), []).append(e)
+        for dup in groups.values():
+            for e in sorted(dup, key=lambda e: (e.created, e.id))[1:]:
+                store.delete(e.id)
+                report["duplicates"] += 1
+    if backend.atomic_publish:
+        backend.delete_tree(".trash")
+    if store.capacity_bytes is not None:
+        report["evicted"] = len(evict(store, store.capacity_bytes))
+    return report

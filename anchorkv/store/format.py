@@ -1,0 +1,293 @@
+"""The entry format: arrays, chunk grids and the bytes of one chunk.
+
+Axis letters: L layers of one field kind, T tokens, F the field's logical axes.
+
+* A **state** field (``conv``, ``recurrent``) is stored as `[L, *F]`, one chunk per layer and
+  per `1/MAX_TP` of the shard axis (``recurrent`` `[20, 32, 128, 128]` in chunks of
+  `[1, 4, 128, 128]`), so the slice of any rank at tp in {1, 2, 4, 8} is whole chunks.
+* A **paged** field (``latent``) is stored as `[L, T, *row]`, chunked by `TOKEN_CHUNK` tokens:
+  quantization groups lie within a row, so re-cutting token rows is a reshape and the entry
+  does not depend on vLLM's block size (which changes with tp).
+
+A chunk is encoded as ``payload || scales``: exactly `anchorkv.kernels.reference.quantize` of
+the chunk's values in the source dtype (payload uint8, then the fp32 little-endian scales
+`[groups, C]`), with no header; the codec configuration in the array's ``zarr.json`` holds the
+rest. Edge chunks are padded with zeros (zarr's fill value) *before* encoding, as zarr does.
+
+Group sizes are always stored resolved (a number, never "whole"), and for a field sharded along
+its last axis "whole" means the chunk's last axis (`logical / MAX_TP`): any other choice would
+make the groups depend on the tp the entry was written at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from anchorkv.codec.packed import dtype_from_name, dtype_name
+from anchorkv.codec.spec import CodecSpec
+from anchorkv.kernels import reference
+from anchorkv.kernels.formats import SCALE_COLUMNS, Quant
+from anchorkv.store.errors import FormatError
+
+FORMAT_VERSION = 1
+#: The largest tensor-parallel size whose rank slices are whole chunks.
+MAX_TP = 8
+#: Tokens per chunk of a paged field.
+TOKEN_CHUNK = 1024
+#: The zarr v3 codec name (also the numcodecs codec id) of `ChunkCodec`.
+CODEC_NAME = "anchorkv.quant"
+SOURCE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class ChunkCodec:
+    """How the values of one chunk become bytes: a built-in format, its group, the source dtype.
+
+    `group` is the resolved group size (None only for raw). Values are given and returned as
+    the *logical* float32 array; `source_dtype` is the field's dtype in the cache (bf16 values
+    are exact in float32, so nothing is lost in presenting them as float32).
+    """
+
+    format: Quant
+    group: int | None
+    source_dtype: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "format", Quant(self.format))
+        if self.source_dtype not in SOURCE_DTYPES:
+            raise FormatError(
+                f"source dtype {self.source_dtype!r} cannot be stored; expected one of {SOURCE_DTYPES}"
+            )
+        if self.format is Quant.RAW:
+            object.__setattr__(self, "group", None)
+        elif not isinstance(self.group, int) or self.group <= 0:
+            raise FormatError(f"{self.format} needs a resolved positive group size, found {self.group!r}")
+        elif self.format is Quant.INT4 and self.group % 2:
+            raise FormatError(f"int4 needs an even group size, found {self.group}")
+
+    # -- serialization
+    def to_config(self) -> dict[str, Any]:
+        return {"format": self.format.value, "group": self.group, "source_dtype": self.source_dtype}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "ChunkCodec":
+        unknown = set(config) - {"format", "group", "source_dtype"}
+        if unknown:
+            raise FormatError(f"unknown {CODEC_NAME} codec options {sorted(unknown)}")
+        return cls(Quant(config["format"]), config.get("group"), config["source_dtype"])
+
+    @classmethod
+    def for_field(cls, spec: CodecSpec | str, dtype: torch.dtype, chunk_last: int, *, where: str) -> "ChunkCodec":
+        """Resolve a codec spec for chunks whose last axis has `chunk_last` elements."""
+        spec = CodecSpec.parse(spec)
+        try:
+            fmt = Quant(spec.id)
+        except ValueError:
+            raise FormatError(
+                f"{where}: the store keeps the built-in formats {[q.value for q in Quant]}; "
+                f"codec {spec.id!r} has no chunk format yet"
+            ) from None
+        group = None if fmt is Quant.RAW else (chunk_last if spec.group is None else spec.group)
+        if group is not None and chunk_last % group:
+            raise FormatError(
+                f"{where}: group size {group} must divide the chunk's last axis ({chunk_last} "
+                f"elements); pick a divisor (e.g. {fmt.value}:{math.gcd(chunk_last, 128)})"
+            )
+        return cls(fmt, group, dtype_name(dtype))
+
+    @property
+    def spec(self) -> CodecSpec:
+        return CodecSpec(self.format.value, self.group)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.source_dtype)
+
+    @property
+    def columns(self) -> int:
+        return SCALE_COLUMNS[self.format]
+
+    @cached_property
+    def _itemsize(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    # -- geometry
+    def row_bytes(self, width: int) -> int:
+        """Payload bytes of `width` consecutive elements of the last axis."""
+        if self.format is Quant.RAW:
+            return width * self._itemsize
+        if self.format is Quant.INT4:
+            return width // 2
+        return width
+
+    def groups(self, width: int) -> int:
+        return 0 if self.format is Quant.RAW else width // self.group
+
+    def nbytes(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """(payload bytes, scale bytes) of a block of `shape`."""
+        outer = math.prod(shape[:-1])
+        return outer * self.row_bytes(shape[-1]), outer * self.groups(shape[-1]) * self.columns * 4
+
+    def views(self, payload: np.ndarray, scales: np.ndarray, shape: tuple[int, ...]) -> "Encoded":
+        """`payload`/`scales` of a block of `shape` as arrays indexable by its axes."""
+        p = payload.reshape(*shape[:-1], self.row_bytes(shape[-1]))
+        s = scales.reshape(*shape[:-1], self.groups(shape[-1]), self.columns) if self.columns else np.empty((*shape[:-1], 0, 0), np.float32)
+        return Encoded(self, p, s)
+
+    def split(self, data: bytes | bytearray | memoryview | np.ndarray, shape: tuple[int, ...]) -> "Encoded":
+        """The payload and scales of one encoded chunk (views, no copy)."""
+        buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.view(np.uint8).reshape(-1)
+        pn, sn = self.nbytes(shape)
+        if buf.size != pn + sn:
+            raise ValueError(f"a {list(shape)} chunk of {self.spec} {self.source_dtype} is {pn + sn} bytes, found {buf.size}")
+        scales = buf[pn:].view(np.float32) if sn else np.empty(0, np.float32)
+        return self.views(buf[:pn], scales, shape)
+
+    # -- values
+    def encode(self, values: np.ndarray) -> bytes:
+        """Encode logical float32 `values` (one chunk, zero-padded by the caller)."""
+        x = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(self.torch_dtype)
+        payload, scales = reference.quantize(x, self.format, self.group)
+        return payload.numpy().tobytes() + scales.contiguous().numpy().astype("<f4", copy=False).tobytes()
+
+    def decode(self, data, shape: tuple[int, ...]) -> np.ndarray:
+        """The logical float32 values of one encoded chunk of `shape`."""
+        enc = self.split(data, shape)
+        payload = torch.from_numpy(np.require(enc.payload, requirements=["C", "W"]).reshape(-1))
+        scales = torch.from_numpy(np.require(enc.scales, requirements=["C", "W"]).reshape(-1, max(self.columns, 0)) if self.columns else np.empty((0, 0), np.float32))
+        values = reference.dequantize(payload, scales, self.format, self.group, tuple(shape), self.torch_dtype)
+        return values.to(torch.float32).numpy()
+
+    def zeros(self, shape: tuple[int, ...]) -> "Encoded":
+        """The encoding of a zero block (zarr's fill value): what padding rows hold."""
+        return self.split(self.encode(np.zeros(shape, np.float32)), shape)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A block's payload `[*outer, row_bytes]` and scales `[*outer, groups, C]` (numpy views).
+
+    Slicing a region of the logical block is slicing both arrays: along the last axis by
+    `row_bytes` / `groups` of the start and stop (they are multiples of the group size).
+    """
+
+    codec: ChunkCodec
+    payload: np.ndarray
+    scales: np.ndarray
+
+    def region(self, sl: tuple[slice, ...]) -> "Encoded":
+        *outer, last = sl
+        c = self.codec
+        pl = slice(c.row_bytes(last.start), c.row_bytes(last.stop))
+        gl = slice(c.groups(last.start), c.groups(last.stop))
+        return Encoded(c, self.payload[(*outer, pl)], self.scales[(*outer, gl)])
+
+    def buffers(self) -> list[memoryview]:
+        """The chunk bytes as (payload, scales) buffers, copied only where not contiguous."""
+        out = [memoryview(np.ascontiguousarray(self.payload)).cast("B")]
+        if self.scales.size:
+            out.append(memoryview(np.ascontiguousarray(self.scales)).cast("B"))
+        return out
+
+
+# ----------------------------------------------------------------------------- arrays
+
+
+@dataclass(frozen=True)
+class ArrayLayout:
+    """One stored array: a field kind of the entry, `[L, *F]` (state) or `[L, T, *row]` (paged)."""
+
+    field: str
+    kind: str  # LayerKind value
+    layers: tuple[str, ...]
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    shard_axis: int | None  # axis of `shape` split by tp (None: replicated)
+    codec: ChunkCodec
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        return tuple(-(-n // c) for n, c in zip(self.shape, self.chunks))
+
+    def chunk_key(self, coords: tuple[int, ...]) -> str:
+        return f"{self.field}/c." + ".".join(str(int(i)) for i in coords)
+
+    def all_chunks(self) -> list[tuple[int, ...]]:
+        return [tuple(int(v) for v in c) for c in np.ndindex(*self.grid)]
+
+    def layer_index(self, layer: str) -> int:
+        try:
+            return self.layers.index(layer)
+        except ValueError:
+            raise KeyError(f"layer {layer!r} has no field {self.field!r} in this entry") from None
+
+    def rank_range(self, tp_size: int, tp_rank: int) -> tuple[int, int]:
+        """Chunk indices [start, stop) along the shard axis that rank `tp_rank` of `tp_size` owns."""
+        if self.shard_axis is None:
+            return 0, 1
+        per_axis = self.grid[self.shard_axis]
+        if tp_size <= 0 or per_axis % tp_size or not 0 <= tp_rank < tp_size:
+            raise FormatError(
+                f"field {self.field!r}: tp_size {tp_size} / rank {tp_rank} cannot read "
+                f"{per_axis} chunks along axis {self.shard_axis}; tp must divide {per_axis}"
+            )
+        n = per_axis // tp_size
+        return tp_rank * n, (tp_rank + 1) * n
+
+    def to_attrs(self) -> dict[str, Any]:
+        return {"field": self.field, "kind": self.kind, "layers": list(self.layers),
+                "shard_axis": self.shard_axis}
+
+
+def shard_chunk(n: int) -> int:
+    """Chunk length of a shard axis of `n`: n / the largest tp <= MAX_TP that divides it."""
+    tp = max(t for t in (1, 2, 4, 8, 16, 32, 64) if t <= MAX_TP and n % t == 0)
+    return n // tp
+
+
+def array_layouts(layout, codecs: dict[str, CodecSpec | str], num_tokens: int) -> dict[str, ArrayLayout]:
+    """The arrays of an entry of `layout` (a `ModelLayout`) holding `num_tokens` tokens."""
+    from anchorkv.codec.models import LayerKind
+
+    out: dict[str, ArrayLayout] = {}
+    fields: dict[str, tuple] = {}
+    for layer in layout.layers:
+        for f in layer.page.fields:
+            prev = fields.get(f.name)
+            key = (layer.kind, f.dtype, f.logical_shape[1:] if layer.kind is LayerKind.PAGED else f.logical_shape, f.shard_axis)
+            if prev is None:
+                fields[f.name] = (key, f, [layer.name])
+            elif prev[0] != key:
+                raise FormatError(
+                    f"field {f.name!r} of layer {layer.name!r} differs from layer "
+                    f"{prev[2][0]!r} ({key} vs {prev[0]}); the store keeps one array per field name"
+                )
+            else:
+                prev[2].append(layer.name)
+    for name, ((kind, dtype, logical, shard), f, layers) in fields.items():
+        if kind is LayerKind.STATE:
+            shape = (len(layers), *logical)
+            chunks = [1, *logical]
+            axis = None if shard is None else shard + 1
+        else:
+            if shard == 0:
+                raise FormatError(f"paged field {name!r} cannot be sharded along its token axis")
+            shape = (len(layers), num_tokens, *logical)
+            chunks = [1, TOKEN_CHUNK, *logical]
+            axis = None if shard is None else shard + 1
+        if axis is not None:
+            chunks[axis] = shard_chunk(shape[axis])
+        if name not in codecs:
+            raise FormatError(f"no codec given for field {name!r}; codecs were given for {sorted(codecs)}")
+        codec = ChunkCodec.for_field(codecs[name], dtype, chunks[-1], where=f"field {name!r}")
+        out[name] = ArrayLayout(name, kind.value, tuple(layers), shape, tuple(chunks), axis, codec)
+    unknown = set(codecs) - set(out)
+    if unknown:
+        raise FormatError(f"codecs given for fields {sorted(unknown)} that the layout lacks ({sorted(out)})")
+    return out

@@ -1,0 +1,425 @@
+"""`Store`: save, look up, load, list, verify and delete entries.
+
+Threading: every method may be called from any thread; `submit` / `load_async` run work on the
+store's small I/O pool and return futures, so a serving loop never blocks on disk or network.
+`lookup` reads at most one directory listing and one small manifest (cached), and changes
+nothing.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+import contextlib
+import json
+import logging
+import os
+import threading
+from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
+import uuid
+
+import crc32c
+import numpy as np
+import torch
+
+from anchorkv.codec.packed import Packed
+from anchorkv.codec.spec import CodecSpec
+from anchorkv.store import eviction
+from anchorkv.store.backends import open_backend
+from anchorkv.store.errors import CorruptEntry, EntryNotFound, FingerprintMismatch, FormatError
+from anchorkv.store.format import FORMAT_VERSION, TOKEN_CHUNK, ArrayLayout, Encoded, array_layouts
+from anchorkv.store.keys import PrefixHasher, TOKEN_BLOCK, anchor_key, check_key, normalize_anchor, token_key
+from anchorkv.store.manifest import (
+    ENTRIES,
+    EntryInfo,
+    arrays_to_manifest,
+    group_json,
+    entry_name,
+    numcodecs_compressor,
+    now,
+    parse_entry_name,
+    parse_group,
+)
+from anchorkv.store.writer import STAGING, EntryWriter, chunk_region, chunks_in, commit_staged, overlap, rank_region
+
+log = logging.getLogger("anchorkv.store")
+Mode = Literal["exact", "semantic"]
+
+
+class Store:
+    """A capacity-bounded cache of entries in a local directory or an S3-compatible bucket."""
+
+    def __init__(self, backend, *, capacity_bytes: int | None = None, io_threads: int = 4) -> None:
+        self.backend = backend
+        self.capacity_bytes = capacity_bytes
+        self._io_threads = io_threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._infos: dict[str, EntryInfo] = {}
+        self._arrays: dict[str, dict[str, ArrayLayout]] = {}
+        self._fingerprints: dict[int, tuple[Any, str]] = {}
+        self._groups: set[str] = set()
+        self.pins = eviction.Pins()
+        self._touched: dict[str, float] = {}
+        self._warned_semantic = False
+
+    @classmethod
+    def open(cls, url: str | os.PathLike, *, capacity_bytes: int | None = None, io_threads: int = 4,
+             **options) -> "Store":
+        """Open (creating if needed) the store at a local path or ``s3://bucket/prefix``."""
+        store = cls(open_backend(url, **options), capacity_bytes=capacity_bytes, io_threads=io_threads)
+        store.backend.ensure_root()
+        for path in ("zarr.json", f"{ENTRIES}/zarr.json"):
+            if not store.backend.exists(path):
+                attrs = {"anchorkv": {"format_version": FORMAT_VERSION}} if path == "zarr.json" else {}
+                store.backend.write(path, [group_json(attrs)], atomic=True)
+        return store
+
+    @property
+    def url(self) -> str:
+        return self.backend.url
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r}, capacity_bytes={self.capacity_bytes})"
+
+    # ------------------------------------------------------------------ keys
+    def _fingerprint(self, layout) -> str:
+        hit = self._fingerprints.get(id(layout))
+        if hit is None or hit[0] is not layout:
+            hit = (layout, layout.fingerprint_hash())
+            self._fingerprints[id(layout)] = hit
+        return hit[1]
+
+    @staticmethod
+    def key_for(fingerprint_hash: str, *, anchor: str | None = None, tokens=None) -> str:
+        """The key of an anchor (or, without one, of the prompt's first token block)."""
+        if anchor is not None:
+            return anchor_key(anchor, fingerprint_hash)
+        if tokens is None:
+            raise ValueError("a key needs an anchor or the prompt's tokens")
+        return token_key(tokens, fingerprint_hash)
+
+    # ------------------------------------------------------------------ writing
+    def begin_entry(self, layout, codecs: Mapping[str, CodecSpec | str], tokens: Sequence[int] | np.ndarray, *,
+                    num_tokens: int | None = None, anchor: str | None = None, write_id: str | None = None,
+                    compressor: dict[str, Any] | None = None) -> EntryWriter:
+        """Start writing this rank's part of the entry for the first `num_tokens` of `tokens`.
+
+        layout: this rank's `ModelLayout` (its tp_size/tp_rank say which slice it writes);
+        codecs: per field name (``{"conv": "raw", "recurrent": "int8:128", "latent":
+        "fp8:whole"}``); tokens: the prompt's token ids (hashed, never stored); anchor: the
+        anchor or None for a token-keyed entry; write_id: the same string on every rank of one
+        save (default: a fresh one, enough when tp_size == 1); compressor: an optional lossless
+        stage, ``{"id": "zstd", "level": 3}``.
+        """
+        fp = self._fingerprint(layout)
+        hasher = PrefixHasher(tokens, fp)
+        n = len(hasher) if num_tokens is None else int(num_tokens)
+        if not 0 < n <= len(hasher):
+            raise ValueError(f"num_tokens {n} must lie in [1, {len(hasher)}] (the tokens given)")
+        if anchor is None and n < TOKEN_BLOCK:
+            raise ValueError(f"an entry without an anchor needs >= {TOKEN_BLOCK} tokens, found {n}")
+        norm = None if anchor is None else normalize_anchor(anchor)
+        key = self.key_for(fp, anchor=norm, tokens=hasher.tokens[:n])
+        phash = hasher.hash(n)
+        numcodecs_compressor(compressor)  # validates
+        arrays = array_layouts(layout, dict(codecs), n)
+        for a in arrays.values():
+            a.rank_range(layout.tp_size, layout.tp_rank)  # the rank's slice must be whole chunks
+        wid = write_id or uuid.uuid4().hex
+        if not wid.isalnum() or not wid.islower() and not wid.isdigit() or len(wid) > 64:
+            raise ValueError(f"write_id must be 1-64 lowercase letters/digits, found {write_id!r}")
+        manifest_arrays, manifest_codecs = arrays_to_manifest(arrays)
+        header = {
+            "format_version": FORMAT_VERSION, "anchor": norm, "key": key,
+            "name": entry_name(n, phash), "num_tokens": n, "prefix_hash": phash,
+            "model_fingerprint": layout.fingerprint(), "fingerprint_hash": fp,
+            "layout_fingerprint": layout.layout_fingerprint(), "tp_size": layout.tp_size,
+            "arrays": manifest_arrays, "codecs": manifest_codecs, "compressor": compressor,
+            "write_id": wid, "created": now(),
+        }
+        writer = EntryWriter(self, layout, header, arrays)
+        self.backend.write(f"{STAGING}/{wid}/begun-{layout.tp_rank:03d}.json",
+                           [json.dumps({"data": writer.data}).encode()])
+        return writer
+
+    def commit_staged(self, write_id: str) -> EntryInfo:
+        """Commit a write whose ranks all called `finish_rank` (e.g. from the scheduler)."""
+        return commit_staged(self, write_id)
+
+    def save(self, layout, codecs, tokens, packed: Mapping[tuple[str, str], Packed], **kwargs) -> EntryInfo:
+        """Write and commit a whole entry from one process (tp_size 1, or tests)."""
+        writer = self.begin_entry(layout, codecs, tokens, **kwargs)
+        try:
+            for (layer, field), p in packed.items():
+                writer.write_layer(layer, field, p)
+            return writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+
+    def _ensure_groups(self, key: str) -> None:
+        if key in self._groups:
+            return
+        path = f"{ENTRIES}/{key}/zarr.json"
+        if not self.backend.exists(path):
+            self.backend.write(path, [group_json()], atomic=True)
+        self._groups.add(key)
+
+    def _after_commit(self, info: EntryInfo) -> None:
+        self._infos[info.id] = info
+        if self.capacity_bytes is not None:
+            eviction.evict(self, self.capacity_bytes, keep={info.id})
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, *, fingerprint_hash: str, tokens=None, anchor: str | None = None,
+               mode: Mode = "exact") -> EntryInfo | None:
+        """The best committed entry for a request, or None. No side effects.
+
+        exact (default): the longest entry under the key whose prefix hash equals the hash of
+        the same number of the request's tokens. semantic (opt-in, needs an anchor): the
+        longest entry of the anchor whatever its tokens; LOSSY, the anchor is trusted to
+        summarize the context.
+        """
+        if mode not in ("exact", "semantic"):
+            raise ValueError(f"mode must be 'exact' or 'semantic', found {mode!r}")
+        if mode == "semantic":
+            if anchor is None:
+                raise ValueError("semantic lookup needs an anchor")
+            if not self._warned_semantic:
+                log.warning("semantic lookup: entries are reused for other prompts with the same anchor (lossy)")
+                self._warned_semantic = True
+        hasher = None
+        if tokens is not None:
+            hasher = PrefixHasher(tokens, fingerprint_hash)
+        elif mode == "exact":
+            raise ValueError("exact lookup needs the request's tokens")
+        if anchor is None and len(hasher) < TOKEN_BLOCK:
+            return None
+        key = self.key_for(fingerprint_hash, anchor=anchor, tokens=None if anchor else hasher.tokens)
+        names = [(parse_entry_name(n), n) for n in self.backend.list_dir(f"{ENTRIES}/{key}")]
+        cands = sorted(((p[0], p[1], n) for p, n in names if p), key=lambda c: -c[0])
+        for n, h16, name in cands:
+            if mode == "exact" and (n > len(hasher) or hasher.hash(n)[:16] != h16):
+                continue
+            info = self._try_info(f"{key}/{name}")
+            if info is None or info.fingerprint_hash != fingerprint_hash:
+                continue
+            if mode == "exact" and info.prefix_hash != hasher.hash(n):
+                continue
+            same = [self._try_info(f"{key}/{m}") for k, h, m in cands if k == n and h == h16 and m != name]
+            return min([info, *[s for s in same if s is not None]], key=lambda e: (e.created, e.id))
+        return None
+
+    def _try_info(self, entry_id: str) -> EntryInfo | None:
+        try:
+            return self.get(entry_id)
+        except (EntryNotFound, CorruptEntry):
+            return None
+
+    def get(self, entry: EntryInfo | str) -> EntryInfo:
+        """The `EntryInfo` of an entry id (cached: entries never change once committed)."""
+        if isinstance(entry, EntryInfo):
+            return entry
+        info = self._infos.get(entry)
+        if info is not None:
+            return info
+        key, _, name = entry.partition("/")
+        check_key(key)
+        if parse_entry_name(name) is None:
+            raise EntryNotFound(f"{entry!r} is not an entry id ('<64 hex key>/t<tokens>-<hash>')")
+        try:
+            data = self.backend.read(f"{ENTRIES}/{entry}/zarr.json")
+        except FileNotFoundError:
+            raise EntryNotFound(f"entry {entry} does not exist in {self.url} (deleted, evicted or never committed)") from None
+        info = parse_group(entry, data)
+        self._infos[entry] = info
+        return info
+
+    def list(self) -> list[EntryInfo]:
+        """Every committed entry, newest first."""
+        out = []
+        for key in self.backend.list_dir(ENTRIES):
+            if len(key) != 64:
+                continue
+            for name in self.backend.list_dir(f"{ENTRIES}/{key}"):
+                if parse_entry_name(name):
+                    info = self._try_info(f"{key}/{name}")
+                    if info is not None:
+                        out.append(info)
+        return sorted(out, key=lambda e: -e.created)
+
+    # ------------------------------------------------------------------ loading
+    def check_fingerprint(self, entry: EntryInfo, layout) -> None:
+        fp = self._fingerprint(layout)
+        if entry.fingerprint_hash != fp:
+            raise FingerprintMismatch(
+                f"entry {entry.id} was written for model fingerprint {entry.fingerprint_hash[:16]} "
+                f"({entry.manifest['model_fingerprint']['architecture']}), the reader's layout is "
+                f"{fp[:16]} ({layout.architecture}); layers, field shapes or dtypes differ, so it "
+                "cannot be restored: recompute"
+            )
+
+    def load(self, entry: EntryInfo | str, layout, layer: str, field: str, *, start_token: int = 0,
+             num_blocks: int | None = None) -> Packed:
+        """This rank's slice of `field` of `layer`, as a host `Packed` ready for `unpack`.
+
+        State fields: `[1, *rank shape]` at the reader's tp (any tp dividing the chunk count).
+        Paged fields: `[num_blocks, block_size, *row]` of tokens from `start_token` (default:
+        enough blocks for the stored tokens); rows past the stored tokens hold the encoding of
+        zeros, so the caller restores only the first `num_tokens - start_token` rows' worth.
+        Raises `EntryNotFound`, `FingerprintMismatch`, `CorruptEntry` (checksum, size).
+        """
+        info = self.get(entry)
+        self.check_fingerprint(info, layout)
+        array = self._array(info, field)
+        lf = layout.layer(layer).page.field(field)
+        index = array.layer_index(layer)
+        array.rank_range(layout.tp_size, layout.tp_rank)
+        region = rank_region(array, index, layout.tp_size, layout.tp_rank)
+        codec = array.codec
+        if array.kind == "paged":
+            bs = layout.block_size
+            if num_blocks is None:
+                num_blocks = max(0, -(-(info.num_tokens - start_token) // bs))
+            region[1] = slice(start_token, start_token + num_blocks * bs)
+            shape = (num_blocks, bs, *lf.shape[1:])
+        else:
+            shape = (1, *lf.shape)
+        block = tuple(s.stop - s.start for s in region)
+        pn, sn = codec.nbytes(block)
+        payload, scales = np.empty(pn, np.uint8), np.empty(sn // 4, np.float32)
+        out = codec.views(payload, scales, block)
+        with self.pins.pinned(info.id):
+            for coords in chunks_in(array, region):
+                into_chunk, into_out = overlap(chunk_region(array, coords), region)
+                chunk = self._read_chunk(info, array, coords)
+                _copy(out.region(into_out), chunk.region(into_chunk))
+            if array.kind == "paged":
+                end = -(-array.shape[1] // array.chunks[1]) * array.chunks[1]
+                if region[1].stop > end:
+                    lo = max(0, end - start_token)
+                    tail = out.region((slice(0, 1), slice(lo, block[1]), *[slice(0, n) for n in block[2:]]))
+                    _copy(tail, codec.zeros((1, 1, *block[2:])), broadcast=True)
+            self._touch(info.id)
+        cols = codec.columns
+        return Packed(codec.spec, shape, lf.dtype, torch.from_numpy(payload),
+                      torch.from_numpy(scales.reshape(-1, cols) if cols else np.empty((0, 0), np.float32)))
+
+    def load_async(self, *args, **kwargs) -> Future:
+        """`load` on the I/O pool: a future of the `Packed`."""
+        return self.submit(self.load, *args, **kwargs)
+
+    def _array(self, info: EntryInfo, field: str) -> ArrayLayout:
+        arrays = self._arrays.get(info.id)
+        if arrays is None:
+            arrays = self._arrays[info.id] = info.arrays()
+        try:
+            return arrays[field]
+        except KeyError:
+            raise KeyError(f"entry {info.id} has no field {field!r}; it has {sorted(arrays)}") from None
+
+    def _read_chunk(self, info: EntryInfo, array: ArrayLayout, coords: tuple[int, ...]) -> Encoded:
+        key = array.chunk_key(coords)
+        expected = info.manifest["checksums"].get(key)
+        if expected is None:
+            raise CorruptEntry(info.id, f"the manifest has no checksum for chunk {key}")
+        try:
+            data = self.backend.read(f"{info.path}/{key}")
+        except FileNotFoundError:
+            raise CorruptEntry(info.id, f"chunk {key} is missing") from None
+        crc, size = expected
+        if len(data) != size or crc32c.crc32c(data) != crc:
+            raise CorruptEntry(
+                info.id,
+                f"chunk {key} fails its check: expected {size} bytes with crc32c {crc:#010x}, found "
+                f"{len(data)} bytes with crc32c {crc32c.crc32c(data):#010x}; delete the entry "
+                "(anchorkv rm) and recompute",
+            )
+        comp = numcodecs_compressor(info.manifest.get("compressor"))
+        if comp is not None:
+            data = comp.decode(data)
+        return array.codec.split(data, array.chunks)
+
+    def _touch(self, entry_id: str) -> None:
+        """Record a use for LRU eviction, at most once a minute per entry and process."""
+        t = now()
+        if t - self._touched.get(entry_id, 0.0) > 60.0:
+            self._touched[entry_id] = t
+            self.backend.touch_entry(f"{ENTRIES}/{entry_id}")
+
+    @contextlib.contextmanager
+    def pin(self, entry: EntryInfo | str) -> Iterator[EntryInfo]:
+        """Hold a lease on an entry (eviction and gc skip it, across processes) while restoring."""
+        info = self.get(entry)
+        with self.pins.pinned(info.id), eviction.lease(self, info.id):
+            self._touch(info.id)
+            yield info
+
+    # ------------------------------------------------------------------ admin
+    def delete(self, entry: EntryInfo | str) -> None:
+        """Delete an entry (it vanishes atomically: readers see all of it or nothing)."""
+        entry_id = entry.id if isinstance(entry, EntryInfo) else entry
+        self.get(entry_id)  # EntryNotFound for a bad id
+        self.backend.delete_tree(f"{ENTRIES}/{entry_id}")
+        self._infos.pop(entry_id, None)
+        self._arrays.pop(entry_id, None)
+
+    def verify(self, entry: EntryInfo | str, progress: Callable[[int], None] | None = None) -> list[str]:
+        """Read every chunk of an entry and check it; returns the problems found (empty: ok)."""
+        try:
+            info = self.get(entry)
+        except (CorruptEntry, EntryNotFound) as e:
+            return [str(e)]
+        problems = []
+        for array in info.arrays().values():
+            if not self.backend.exists(f"{info.path}/{array.field}/zarr.json"):
+                problems.append(f"entry {info.id}: array {array.field!r} has no zarr.json")
+            for coords in array.all_chunks():
+                try:
+                    self._read_chunk(info, array, coords)
+                except CorruptEntry as e:
+                    problems.append(str(e))
+                if progress:
+                    progress(1)
+        return problems
+
+    def usage(self) -> int:
+        """Bytes of all committed entries (from their manifests)."""
+        return sum(e.stored_bytes for e in self.list())
+
+    def evict(self, capacity_bytes: int | None = None) -> list[str]:
+        """Delete least-recently-used entries until the store holds <= capacity bytes."""
+        cap = self.capacity_bytes if capacity_bytes is None else capacity_bytes
+        if cap is None:
+            raise ValueError("no capacity: pass capacity_bytes here or to Store.open")
+        return eviction.evict(self, cap)
+
+    def gc(self, *, stale_after: float = 3600.0) -> dict[str, int]:
+        """Remove garbage: abandoned writes older than `stale_after` seconds, stale leases,
+        duplicate object-store entries; then evict down to the capacity, if one is set."""
+        return eviction.gc(self, stale_after)
+
+    # ------------------------------------------------------------------ threads
+    def submit(self, fn: Callable[..., Any], *args, **kwargs) -> Future:
+        """Run `fn(*args, **kwargs)` on the store's I/O threads."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="anchorkv-io")
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _copy(dst: Encoded, src: Encoded, broadcast: bool = False) -> None:
+    np.copyto(dst.payload, src.payload)
+    if dst.scales.size:
+        np.copyto(dst.scales, src.scales)

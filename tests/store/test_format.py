@@ -1,0 +1,146 @@
+"""The chunk format: zarr codec, numcodecs codec, fast path and golden bytes agree exactly."""
+
+import base64
+import json
+from pathlib import Path
+import shutil
+
+import numcodecs
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import anchorkv.store  # noqa: F401  (registers the codec)
+from anchorkv.kernels import reference
+from anchorkv.store.errors import FormatError
+from anchorkv.store.format import CODEC_NAME, MAX_TP, TOKEN_CHUNK, ChunkCodec
+from anchorkv.store.store import Store
+from anchorkv.store.zarr_codec import AnchorQuant, AnchorQuantCodec
+from tests.store import golden
+from tests.store.helpers import CODECS, RAW_CODECS, all_packed, logical_values, rank_packed, tiny_layout, tokens
+
+CODEC_SETS = {
+    "quant": CODECS,
+    "raw": RAW_CODECS,
+    "int4": {"conv": "int4:8", "recurrent": "int4:16", "latent": "int4:24"},
+}
+
+
+@pytest.mark.parametrize("name", [c[0] for c in golden.CASES])
+def test_golden_chunk_bytes(name):
+    path = golden.FIXTURES / f"{name}.json"
+    assert path.exists(), f"missing fixture {path}; run `python tests/store/golden.py` (format change only)"
+    fixture = json.loads(path.read_text())
+    case = next(c for c in golden.CASES if c[0] == name)
+    assert golden.encode_case(*case[1:]) == fixture
+    codec = AnchorQuantCodec.from_dict(fixture["zarr_codec"]).chunk_codec
+    data = base64.b64decode(fixture["chunk_b64"])
+    values = codec.decode(data, tuple(fixture["chunk_shape"]))
+    assert codec.encode(values) == data or codec.format.value != "raw"
+
+
+@pytest.mark.parametrize("fmt,group,dtype", [("raw", None, "bfloat16"), ("fp8", 24, "bfloat16"),
+                                             ("int8", 8, "float32"), ("int4", 6, "float16")])
+def test_chunk_bytes_are_the_reference_quantize(fmt, group, dtype):
+    codec = ChunkCodec(fmt, group, dtype)
+    x = logical_values(1, "latent", 7).to(getattr(torch, dtype))
+    payload, scales = reference.quantize(x, fmt, group)
+    data = codec.encode(x.float().numpy())
+    assert data == payload.numpy().tobytes() + scales.contiguous().numpy().tobytes()
+    assert sum(codec.nbytes((7, 72))) == len(data)
+
+
+def test_numcodecs_codec_matches():
+    codec = numcodecs.get_codec({"id": CODEC_NAME, "format": "int8", "group": 8, "source_dtype": "bfloat16"})
+    assert isinstance(codec, AnchorQuant)
+    x = logical_values(0, "latent", 5).float().numpy()
+    data = codec.encode(x)
+    assert data == ChunkCodec("int8", 8, "bfloat16").encode(x)
+    back = codec.decode(data).reshape(x.shape)
+    np.testing.assert_array_equal(back, ChunkCodec("int8", 8, "bfloat16").decode(data, x.shape))
+    assert numcodecs.get_codec(codec.get_config()).get_config() == codec.get_config()
+
+
+@pytest.fixture
+def entry(tmp_path, request):
+    codecs, compressor = request.param
+    layout = tiny_layout()
+    n = TOKEN_CHUNK + 100  # an edge chunk along the token axis
+    store = Store.open(tmp_path / "s")
+    packed = all_packed(layout, codecs, n)
+    info = store.save(layout, codecs, tokens(n), packed, anchor="a", compressor=compressor)
+    return store, layout, info, packed, codecs
+
+
+ENTRIES = [(CODECS, None), (RAW_CODECS, None), (CODEC_SETS["int4"], None), (CODECS, {"id": "zstd", "level": 3})]
+
+
+@pytest.mark.parametrize("entry", ENTRIES, indirect=True, ids=["quant", "raw", "int4", "quant-zstd"])
+def test_fast_path_write_reads_with_plain_zarr(entry):
+    store, layout, info, packed, codecs = entry
+    group = zarr.open_group(store.backend.root / info.path, mode="r")
+    for layer in layout.layers:
+        for f in layer.page.fields:
+            p = packed[(layer.name, f.name)]
+            arr = group[f.name]
+            i = arr.attrs["anchorkv"]["layers"].index(layer.name)
+            expected = reference.dequantize(p.payload, p.scales, p.codec.id, p.codec.group, p.shape, p.dtype).float()
+            if layer.kind.value == "paged":
+                expected = expected.reshape(-1, f.shape[-1])[: info.num_tokens]
+            else:
+                expected = expected[0]
+            got = arr[i]
+            assert got.dtype == np.float32
+            np.testing.assert_array_equal(got, expected.numpy())
+
+
+@pytest.mark.parametrize("entry", ENTRIES, indirect=True, ids=["quant", "raw", "int4", "quant-zstd"])
+def test_zarr_write_gives_fast_path_bytes(entry, tmp_path):
+    """zarr encoding the logical values writes exactly the chunk files of the fast path,
+    edge padding included; so the fast path then loads what zarr wrote."""
+    store, layout, info, packed, codecs = entry
+    src = store.backend.root / info.path
+    dst = tmp_path / "zarr-written"
+    for meta in src.rglob("zarr.json"):
+        (dst / meta.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(meta, dst / meta.relative_to(src))
+    group = zarr.open_group(dst, mode="r+")
+    for name in ("conv", "recurrent", "latent"):
+        arr = zarr.open_array(dst / name, mode="r+", config={"write_empty_chunks": True})
+        for i, layer_name in enumerate(group[name].attrs["anchorkv"]["layers"]):
+            index = layout.layer(layer_name).index
+            arr[i] = logical_values(index, name, info.num_tokens).float().numpy()
+    chunks = sorted(p.relative_to(src) for p in src.rglob("c.*"))
+    assert chunks == sorted(p.relative_to(dst) for p in dst.rglob("c.*"))
+    assert len(chunks) == len(info.manifest["checksums"])
+    for rel in chunks:
+        assert (src / rel).read_bytes() == (dst / rel).read_bytes(), rel
+    shutil.rmtree(src)
+    shutil.copytree(dst, src)
+    p = store.load(info, layout, "model.layers.2.attn", "latent")
+    ref = packed[("model.layers.2.attn", "latent")]
+    rows = info.num_tokens * ref.payload.numel() // (ref.shape[0] * ref.shape[1])
+    assert torch.equal(p.payload[:rows], ref.payload[:rows])
+
+
+def test_group_for_last_axis_shard_is_fixed(tmp_path):
+    store = Store.open(tmp_path)
+    layout = tiny_layout()
+    with pytest.raises(FormatError, match="must divide the chunk's last axis"):
+        store.begin_entry(layout, {**CODECS, "conv": "int8:16"}, tokens(300))
+    # "whole" means the chunk's last axis (64 / MAX_TP channels), whatever tp writes it
+    writer = store.begin_entry(layout, {**CODECS, "conv": "int8:whole"}, tokens(300))
+    assert writer.arrays["conv"].codec.group == 64 // MAX_TP
+    bad = rank_packed(layout, "model.layers.0.attn", "conv", "int8:whole", 300)  # group 64 at tp=1
+    with pytest.raises(FormatError, match="int8:8"):
+        writer.write_layer("model.layers.0.attn", "conv", bad)
+    ok = rank_packed(layout, "model.layers.0.attn", "conv", "int8:8", 300)
+    assert writer.write_layer("model.layers.0.attn", "conv", ok) > 0
+    writer.abort()
+
+
+def test_unknown_codec_is_refused(tmp_path):
+    store = Store.open(tmp_path)
+    with pytest.raises(FormatError, match="built-in formats"):
+        store.begin_entry(tiny_layout(), {**CODECS, "latent": "learned-proj"}, tokens(300))
