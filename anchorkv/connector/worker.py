@@ -226,6 +226,11 @@ class WorkerSide:
                         del self._loads[req_id]
         return sending, recving, failed
 
+    def flush(self) -> None:
+        """Block until every queued save and load has finished (tests, shutdown)."""
+        self._save_pool.submit(lambda: None).result()
+        self._load_pool.submit(lambda: None).result()
+
     def shutdown(self) -> None:
         self._save_pool.shutdown(wait=True)
         self._load_pool.shutdown(wait=False, cancel_futures=True)

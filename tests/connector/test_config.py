@@ -1,0 +1,63 @@
+"""Connector settings and import behaviour; no vLLM needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from anchorkv.codec import CodecSpec
+from anchorkv.connector.config import ConnectorConfig, parse_size
+
+
+def test_defaults():
+    c = ConnectorConfig.from_extra_config({})
+    assert c.lookup == "exact" and c.save_points == ("prefill", "finish") and c.async_load
+    assert set(c.codec) == {"conv", "recurrent", "latent"}
+
+
+def test_full_config():
+    c = ConnectorConfig.from_extra_config({
+        "store": "/tmp/x", "codec": {"latent": "fp8:64", "recurrent": "int8"},
+        "lookup": "semantic", "save_points": ["finish"], "capacity": "1.5GiB",
+        "load_timeout_s": 5, "async_load": False,
+    })
+    assert c.codec_for("latent") == CodecSpec("fp8", 64) and c.codec_for("recurrent") == CodecSpec("int8", 128)
+    assert c.capacity == int(1.5 * 2**30) and c.save_points == ("finish",) and not c.async_load
+
+
+@pytest.mark.parametrize("extra,msg", [
+    ({"stor": "/x"}, r"unknown kv_connector_extra_config key\(s\) \['stor'\]; known keys are"),
+    ({"lookup": "fuzzy"}, "'lookup' must be one of"),
+    ({"codec": {"latent": "fp9:64"}}, None),
+    ({"codec": {"latent": "fp8:abc"}}, "codec for field 'latent': .*group must be a number"),
+    ({"codec": "fp8"}, "'codec' must map field kinds to codecs"),
+    ({"save_points": ["prefil"]}, "'save_points' must be a list drawn from"),
+    ({"capacity": "12 parsecs"}, "capacity"),
+    ({"capacity": True}, "capacity"),
+    ({"load_timeout_s": -1}, "'load_timeout_s' must be a positive number"),
+    ({"async_load": "yes"}, "'async_load' must be true or false"),
+    ({"store": ""}, "'store' must be a path or s3:// URL"),
+])
+def test_bad_config_is_refused(extra, msg):
+    if msg is None:  # an unknown codec id is only known at use; spelling is valid
+        ConnectorConfig.from_extra_config(extra)
+        return
+    with pytest.raises(ValueError, match=msg):
+        ConnectorConfig.from_extra_config(extra)
+
+
+@pytest.mark.parametrize("text,n", [("200GB", 200 * 10**9), ("1 TiB", 2**40), (4096, 4096), ("10mb", 10**7)])
+def test_parse_size(text, n):
+    assert parse_size(text) == n
+
+
+def test_import_without_vllm_names_the_install():
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "import anchorkv.connector as c\n"
+        "try:\n    c.AnchorKVConnector\nexcept ImportError as e:\n    print('ERR', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "ERR" in out and "vllm==0.33.0" in out
