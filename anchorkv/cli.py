@@ -12,6 +12,7 @@ import sys
 
 _COMMAND_MODULES = (
     "anchorkv.demo",
+    "anchorkv.bench",
 )
 
 

@@ -1,0 +1,338 @@
+"""`anchorkv bench`: run the benchmark suites and the fidelity study, write the report.
+
+Needs a source checkout: the suites (`benchmarks/bench_*.py`, pytest-benchmark) and the
+fidelity study (`benchmarks/fidelity`) are not installed with the package. Each suite runs in a
+subprocess of this Python (`pytest --benchmark-json`), then the study (`python -m
+benchmarks.fidelity`); the results go to `<out>/<machine>.json`, a markdown table
+`<out>/<machine>.md` and a plot `<out>/<machine>.png` (throughput vs size, error vs bits).
+`<machine>` is the GPU's name, or `cpu-<processor>-<cores>c`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+from pathlib import Path
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+#: Suites `anchorkv bench` runs when their file exists, in this order.
+SUITES = ("codec", "kernels", "store")
+
+
+def find_checkout(start: Path | None = None) -> Path:
+    """The repository root holding `benchmarks/` (the current directory or the package's parent)."""
+    here = Path(__file__).resolve().parent.parent
+    for root in ([start] if start else []) + [Path.cwd(), here]:
+        if (root / "benchmarks" / "fidelity").is_dir():
+            return root
+    raise SystemExit(
+        "anchorkv bench needs a source checkout: benchmarks/ (the pytest-benchmark suites and "
+        "benchmarks/fidelity) is not installed with the package. Clone the repository, "
+        "`pip install -e .` it, and run `anchorkv bench` from its root."
+    )
+
+
+def machine_name() -> tuple[str, dict]:
+    """A file-name-safe machine id and a description of the device."""
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "python": platform.python_version()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            raw = info["gpu"]
+        else:
+            raw = f"cpu-{info['processor']}-{info['cores']}c"
+    except ImportError:  # pragma: no cover - torch is a dependency
+        raw = f"cpu-{info['processor']}-{info['cores']}c"
+    return re.sub(r"[^a-z0-9.]+", "-", raw.lower()).strip("-"), info
+
+
+def _run(cmd: list[str], root: Path, env: dict) -> tuple[int, float, str]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    return proc.returncode, time.perf_counter() - t0, (proc.stdout + proc.stderr)[-4000:]
+
+
+def _condense(bench_json: dict) -> list[dict]:
+    """The fields of pytest-benchmark's JSON the report uses."""
+    out = []
+    for b in bench_json.get("benchmarks", []):
+        s = b["stats"]
+        out.append({"name": b["name"], "group": b.get("group"), "params": b.get("params"),
+                    "median_s": s["median"], "mean_s": s["mean"], "stddev_s": s["stddev"],
+                    "min_s": s["min"], "rounds": s["rounds"], "extra_info": b.get("extra_info", {})})
+    return out
+
+
+def run_suites(root: Path, quick: bool, k: str | None, suites: tuple[str, ...]) -> dict:
+    env = {**os.environ, "ANCHORKV_BENCH_QUICK": "1" if quick else "0", "PYTHONPATH": str(root)}
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in suites:
+            path = root / "benchmarks" / f"bench_{name}.py"
+            if not path.exists():
+                continue
+            js = Path(tmp) / f"{name}.json"
+            cmd = [sys.executable, "-m", "pytest", str(path), "-q", "-p", "no:cacheprovider",
+                   f"--rootdir={root}", f"--benchmark-json={js}", "--benchmark-disable-gc"]
+            cmd += ["--quick"] if quick else []
+            cmd += ["-k", k] if k else []
+            rc, secs, tail = _run(cmd, root, env)
+            entry = {"returncode": rc, "seconds": secs, "command": " ".join(cmd[1:])}
+            if js.exists():
+                entry["benchmarks"] = _condense(json.loads(js.read_text()))
+                entry["machine_info"] = json.loads(js.read_text()).get("machine_info", {}).get("cpu", {})
+            if rc not in (0, 5):  # 5: nothing collected (e.g. -k matched nothing)
+                entry["log_tail"] = tail
+            out[name] = entry
+            print(f"  suite {name}: rc={rc} in {secs:.0f} s, {len(entry.get('benchmarks', []))} results")
+    return out
+
+
+def run_fidelity(root: Path, quick: bool, tiny: bool = False) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    with tempfile.TemporaryDirectory() as tmp:
+        js = Path(tmp) / "fidelity.json"
+        cmd = [sys.executable, "-m", "benchmarks.fidelity", "--json", str(js)]
+        cmd += ["--tiny"] if tiny else ["--quick"] if quick else []
+        rc, secs, tail = _run(cmd, root, env)
+        if rc != 0 or not js.exists():
+            return {"returncode": rc, "seconds": secs, "log_tail": tail}
+        res = json.loads(js.read_text())
+        res.update({"returncode": rc, "seconds": secs})
+        print(f"  fidelity: {secs:.0f} s, defaults {res['defaults']}")
+        return res
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _num(x, spec=".3g") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return "exact" if x == "inf" else x
+    if isinstance(x, float) and math.isinf(x):
+        return "exact"
+    return format(x, spec)
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return out
+
+
+def render_markdown(res: dict) -> str:
+    lines = [f"# anchorkv benchmarks: {res['machine']}", "",
+             f"{res['created']}, mode {res['mode']}, device {res['device'].get('gpu') or 'CPU (torch reference path)'}"
+             f", {res['device'].get('cores')} cores, torch {res['device'].get('torch')}; "
+             f"command `{res['command']}` ({res['seconds']:.0f} s).", ""]
+    fid = res.get("fidelity") or {}
+    if fid.get("fields"):
+        lines += ["## Fidelity", "", f"Rule: {fid['rule']}.", "",
+                  "Defaults: " + ", ".join(f"`{k}` = **{v}**" for k, v in fid["defaults"].items()), ""]
+        for name, t in fid.get("size_targets", {}).items():
+            lines.append(f"- size target `{name}` <= {t['target']}x raw: default gives "
+                         f"{_num(t['default_ratio'], '.4f')}x ({'met' if t['ok'] else 'NOT met'})")
+        tog = fid.get("kda_defaults_together")
+        if tog:
+            lines.append(f"- KDA conv and recurrent both restored with the defaults: continuation "
+                         f"error mean {_num(tog['cont_err_mean'])}, max {_num(tog['cont_err_max'])}")
+        lines.append("")
+        head = ["field", "codec", "bits/value", "size vs raw", "SQNR dB", "max rel err",
+                "cont. err mean", "cont. err max"]
+        rows = []
+        for name, f in fid["fields"].items():
+            for r in f["rows"]:
+                codec = f"**{r['codec']}**" if r["codec"] == f.get("default") else r["codec"]
+                rows.append([name, codec, _num(r["bits_per_value"], ".2f"), _num(r["size_ratio"], ".4f"),
+                             _num(r["sqnr_db"], ".1f"), _num(r["max_rel_err"], ".2e"),
+                             _num(r["cont_err_mean"], ".2e"), _num(r["cont_err_max"], ".2e")])
+        lines += _table(head, rows) + [""]
+        c = fid["config"]
+        lines += [f"KDA: {c['kda_heads']} heads x {c['head_dim']} x {c['head_dim']}, {c['kda_prefix']}-token "
+                  f"prefix, {c['steps']} steps continued; MLA: {c['mla_heads']} heads, {c['mla_prefix']}-token "
+                  f"prefix, {c['steps']} query steps. Continuation error = relative L2 error of the "
+                  "layer's outputs per step vs the unquantized continuation.", ""]
+    codec = (res.get("suites") or {}).get("codec", {})
+    benches = codec.get("benchmarks", [])
+    fields = [b for b in benches if b["name"].startswith("test_field")]
+    if fields:
+        lines += ["## Codec throughput (one layer's field, one request)", ""]
+        rows = [[e["field"], e["tp"], e["codec"], e["op"], _num(e["bytes_raw"] / 1e6, ".2f"),
+                 _num(b["median_s"] * 1e3, ".2f"), _num(e["gbs"], ".2f"), _num(e["ratio_to_copy"], ".2f")]
+                for b in fields for e in [b["extra_info"]]]
+        lines += _table(["field", "tp", "codec", "op", "raw MB", "median ms", "GB/s", "vs copy"], rows) + [""]
+    scaling = [b for b in benches if b["name"].startswith("test_scaling")]
+    if scaling:
+        lines += ["## Scaling: one request, tp=1, latent tokens vary (KDA state constant)", ""]
+        rows = [[e["tokens"], e["op"], _num(e["bytes_raw"] / 1e6, ".1f"), _num(b["median_s"], ".3f"),
+                 _num(e["gbs"], ".2f"), _num(e["ratio_to_copy"], ".2f")]
+                for b in sorted(scaling, key=lambda b: (b["extra_info"]["op"], b["extra_info"]["tokens"]))
+                for e in [b["extra_info"]]]
+        lines += _table(["tokens", "op", "raw MB", "median s", "GB/s", "vs copy"], rows) + [""]
+        for op, fit in (res.get("scaling_fit") or {}).items():
+            lines.append(f"- {op}: t = {fit['fixed_s']:.3g} s + {fit['per_token_us']:.3g} us x tokens "
+                         f"(least squares); knee ~ {fit['knee_tokens']:.0f} tokens (where the per-token "
+                         f"part equals the fixed part); worst deviation from linear above the knee "
+                         f"{fit['max_dev_pct']:.0f}%")
+        lines.append("")
+    for name, suite in (res.get("suites") or {}).items():
+        if name == "codec":
+            continue
+        lines += [f"## Suite `{name}`", ""]
+        rows = [[b["name"], _num(b["median_s"] * 1e3, ".3f"),
+                 _num(b["extra_info"].get("gbs"), ".2f"),
+                 ", ".join(f"{k}={_num(v) if isinstance(v, float) else v}" for k, v in b["extra_info"].items()
+                           if k != "gbs")[:160]] for b in suite.get("benchmarks", [])]
+        lines += _table(["benchmark", "median ms", "GB/s", "extra"], rows) if rows else ["(no results)"]
+        lines.append("")
+    for name, suite in (res.get("suites") or {}).items():
+        if suite.get("returncode") not in (0, 5):
+            lines += [f"**Suite `{name}` failed (rc {suite['returncode']}).**", ""]
+    return "\n".join(lines)
+
+
+def scaling_fit(benches: list[dict]) -> dict:
+    """Fit t = a + b * tokens per op over the scaling runs; knee = a / b tokens."""
+    out = {}
+    for op in ("pack", "unpack"):
+        pts = sorted((b["extra_info"]["tokens"], b["median_s"]) for b in benches
+                     if b["name"].startswith("test_scaling") and b["extra_info"].get("op") == op)
+        if len(pts) < 2:
+            continue
+        n = len(pts)
+        mx = sum(p[0] for p in pts) / n
+        my = sum(p[1] for p in pts) / n
+        sxx = sum((p[0] - mx) ** 2 for p in pts)
+        b = sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx
+        a = my - b * mx
+        knee = a / b if b > 0 else float("inf")
+        dev = [abs(t - (a + b * x)) / t * 100 for x, t in pts if x >= knee]
+        out[op] = {"fixed_s": a, "per_token_us": b * 1e6, "knee_tokens": knee,
+                   "max_dev_pct": max(dev) if dev else 0.0}
+    return out
+
+
+def render_plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    ax = axes[0]
+    benches = (res.get("suites") or {}).get("codec", {}).get("benchmarks", [])
+    for op, marker in (("pack", "o"), ("unpack", "s")):
+        pts = sorted((b["extra_info"]["tokens"], b["extra_info"]["gbs"], b["extra_info"]["copy_gbs"])
+                     for b in benches if b["name"].startswith("test_scaling") and b["extra_info"]["op"] == op)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=f"{op} (default codecs)")
+            if op == "pack":
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], "k--", label="plain copy, same bytes")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("latent tokens in the request (KDA state constant)")
+    ax.set_ylabel("GB/s (bytes read + written)")
+    ax.set_title("Throughput vs request size")
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    fid = res.get("fidelity") or {}
+    colors = {"raw": "k", "fp8": "C0", "int8": "C1", "int4": "C2"}
+    markers = {"conv": "^", "recurrent": "o", "latent": "s"}
+    for ax, key, title, log in ((axes[1], "sqnr_db", "Round-trip SQNR vs size", False),
+                                (axes[2], "cont_err_max", "Continuation error vs size", True)):
+        for name, f in (fid.get("fields") or {}).items():
+            for r in f["rows"]:
+                val = r[key]
+                if isinstance(val, str) or val is None or (log and val <= 0) or math.isinf(val):
+                    continue
+                cid = r["codec"].split(":")[0]
+                ax.scatter(r["bits_per_value"], val, c=colors.get(cid, "C3"), marker=markers.get(name, "x"),
+                           s=60 if r["codec"] == f.get("default") else 25,
+                           edgecolors="r" if r["codec"] == f.get("default") else "none")
+        ax.set_xlabel("stored bits per value (scales included)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        if log:
+            ax.set_yscale("log")
+            ax.set_ylabel("max over steps of relative output error")
+            if fid.get("threshold"):
+                ax.axhline(fid["threshold"], color="r", ls=":", label=f"mean bound {fid['threshold']:g}")
+                ax.axhline(fid.get("max_threshold", fid["threshold"]), color="r", ls="--",
+                           label=f"max bound {fid.get('max_threshold', fid['threshold']):g}")
+        else:
+            ax.set_ylabel("SQNR (dB)")
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=c, marker="o", ls="", label=k) for k, c in colors.items() if k != "raw"]
+    handles += [Line2D([], [], color="gray", marker=m, ls="", label=k) for k, m in markers.items()]
+    handles += [Line2D([], [], color="w", marker="o", markeredgecolor="r", ls="", label="default")]
+    axes[2].legend(handles=handles + axes[2].get_legend_handles_labels()[0], fontsize=8)
+    fig.suptitle(f"anchorkv, {res['machine']} ({res['mode']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(res: dict, out: Path) -> dict[str, Path]:
+    """Write `<machine>.json`, `.md` and `.png` under `out`; return their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    benches = (res.get("suites") or {}).get("codec", {}).get("benchmarks", [])
+    res["scaling_fit"] = scaling_fit(benches)
+    paths = {ext: out / f"{res['machine']}.{ext}" for ext in ("json", "md", "png")}
+    paths["json"].write_text(json.dumps(res, indent=1, allow_nan=False, default=str) + "\n")
+    paths["md"].write_text(render_markdown(res) + "\n")
+    render_plot(res, paths["png"])
+    return paths
+
+
+def main(args: argparse.Namespace) -> int:
+    root = find_checkout()
+    machine, device = machine_name()
+    t0 = time.perf_counter()
+    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    print(f"anchorkv bench ({mode}) on {machine}, checkout {root}")
+    suites = run_suites(root, args.quick or args.tiny, args.k, tuple(args.suite or SUITES))
+    fidelity = None if args.no_fidelity else run_fidelity(root, args.quick, tiny=args.tiny)
+    res = {
+        "machine": machine, "device": device, "mode": mode,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "anchorkv bench" + (" --quick" if args.quick else "") + (f" -k {args.k!r}" if args.k else ""),
+        "suites": suites, "fidelity": fidelity, "defaults": (fidelity or {}).get("defaults"),
+        "seconds": time.perf_counter() - t0,
+    }
+    paths = write_report(res, Path(args.out) if os.path.isabs(args.out) else root / args.out)
+    for p in paths.values():
+        print(f"  wrote {p}")
+    failed = [n for n, s in suites.items() if s["returncode"] not in (0, 5)]
+    if fidelity is not None and fidelity.get("returncode"):
+        failed.append("fidelity")
+    if failed:
+        print(f"FAILED: {', '.join(failed)} (see the log tails in the JSON)")
+        return 1
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="run the benchmarks and the fidelity study; write the report "
+                       "(needs a source checkout)")
+    p.add_argument("--quick", action="store_true", help="small sizes (a smoke test, about a minute)")
+    p.add_argument("--out", default="benchmarks/results", help="report directory (default: %(default)s)")
+    p.add_argument("--suite", action="append", choices=SUITES, help="only these suites (repeatable)")
+    p.add_argument("-k", help="pytest -k expression selecting benchmarks")
+    p.add_argument("--no-fidelity", action="store_true", help="skip the fidelity study")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: seconds
+    p.set_defaults(func=main)

@@ -1,0 +1,219 @@
+"""Pack / unpack of one Kimi-Linear request at real sizes: our kernels against baselines.
+
+One request = 20 KDA layers x (conv `[3, 3, 4096/tp]` bf16 + recurrent `[32/tp, 128, 128]` fp32,
+one state block each) + 7 MLA layers x 4 blocks x `[block_size, 576]` bf16, laid out by
+`anchorkv.codec.kimi_linear_layout` (each MLA layer aliases the region of a KDA layer, as in
+vLLM's hybrid allocator). Codecs: conv int8, recurrent int8, latent fp8, group 128 (64 for the
+latent).
+
+Providers:
+    ours     `anchorkv.kernels.pack_many` / `unpack_many` (Triton on CUDA; on a CPU the auto
+             backend is the torch reference, so this row measures the reference)
+    copy     one device-to-device copy of the same source bytes (the ceiling)
+    eager    the torch reference, item by item, on the same device
+    compile  `torch.compile` of the reference (CUDA only)
+
+Each result records GB/s (bytes read + bytes written) and the ratio to `copy` measured in the
+same process, and all results go to `benchmarks/results/<device>-kernels.json`.
+
+    .venv/bin/python -m pytest benchmarks/bench_kernels.py --benchmark-only
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from anchorkv import kernels
+from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, kimi_linear_layout
+from anchorkv.kernels import reference
+from anchorkv.kernels.batch import PackItem, UnpackItem
+from anchorkv.kernels.dispatch import backend_for
+from anchorkv.kernels.geometry import field_view
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+RESULTS = Path(__file__).resolve().parent / "results"
+CODECS = {"conv": ("int8", 128), "recurrent": ("int8", 128), "latent": ("fp8", 64)}
+MLA_BLOCKS = 4
+ROUNDS = 10 if DEVICE.type == "cuda" else 3
+_rows: list[dict] = []
+
+
+def device_name() -> str:
+    if DEVICE.type == "cuda":
+        return torch.cuda.get_device_name()
+    return f"cpu-{platform.machine()}"
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Request:
+    """The regions and the pack/unpack items of one Kimi-Linear request at `tp`."""
+
+    def __init__(self, tp: int) -> None:
+        layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=tp)
+        kda = layout.of_kind("state")
+        mla = layout.of_kind("paged")
+        page = kda[0].page.page_bytes
+        blocks = 1 + MLA_BLOCKS + 1
+        g = torch.Generator().manual_seed(tp)
+        self.regions = []
+        self.items: list[PackItem] = []
+        for i, layer in enumerate(kda):
+            buf = torch.empty(blocks * page, dtype=torch.uint8, device=DEVICE)
+            for f in layer.page.fields:
+                view = field_view(buf, f.geometry(page), blocks)
+                view.copy_(torch.randn(view.shape, generator=g).to(f.dtype))
+            self.regions.append(buf)
+            for f in layer.page.fields:
+                fmt, group = CODECS[f.name]
+                self.items.append(PackItem(buf, f.geometry(page), [0], blocks, fmt, group))
+        for i, layer in enumerate(mla):
+            buf = self.regions[i]  # the MLA layer shares the bytes of a KDA layer's region
+            f = layer.page.fields[0]
+            view = field_view(buf, f.geometry(page), blocks)[1 : 1 + MLA_BLOCKS]
+            view.copy_(torch.randn(view.shape, generator=g).to(f.dtype))
+            fmt, group = CODECS[f.name]
+            ids = list(range(1 + MLA_BLOCKS, 0, -1))[:MLA_BLOCKS]
+            self.items.append(PackItem(buf, f.geometry(page), ids, blocks, fmt, group))
+        self.source_bytes = sum(
+            len(it.block_ids) * it.field.numel * it.field.itemsize for it in self.items
+        )
+        packed = kernels.pack_many(self.items)
+        self.packed_bytes = sum(p.numel() + s.numel() * 4 for p, s in packed)
+        self.unpack_items = [
+            UnpackItem(it.buffer, it.field, it.block_ids, it.num_blocks, p, s, it.fmt, it.group)
+            for it, (p, s) in zip(self.items, packed)
+        ]
+        self.copy_src = torch.empty(self.source_bytes, dtype=torch.uint8, device=DEVICE)
+        self.copy_dst = torch.empty_like(self.copy_src)
+
+    def copy_time(self) -> float:
+        """Median seconds of one copy of `source_bytes` (measured here, for the ratios)."""
+        times = []
+        for _ in range(ROUNDS + 1):
+            _sync()
+            t = time.perf_counter()
+            self.copy_dst.copy_(self.copy_src)
+            _sync()
+            times.append(time.perf_counter() - t)
+        return sorted(times[1:])[len(times[1:]) // 2]
+
+
+_requests: dict[int, Request] = {}
+
+
+def request(tp: int) -> Request:
+    if tp not in _requests:
+        _requests[tp] = Request(tp)
+    return _requests[tp]
+
+
+def _eager_pack(req: Request):
+    return [reference.pack(i.buffer, i.field, i.block_ids, i.num_blocks, i.fmt, i.group)
+            for i in req.items]
+
+
+def _eager_unpack(req: Request):
+    for i in req.unpack_items:
+        reference.unpack(i.buffer, i.field, i.block_ids, i.num_blocks, i.payload, i.scales,
+                         i.fmt, i.group)
+
+
+_compiled: dict[str, object] = {}
+
+
+def _compiled_fn(name):
+    if name not in _compiled:
+        _compiled[name] = torch.compile(getattr(reference, name), dynamic=False)
+    return _compiled[name]
+
+
+def _compile_pack(req: Request):
+    fn = _compiled_fn("pack")
+    return [fn(i.buffer, i.field, i.block_ids, i.num_blocks, i.fmt, i.group) for i in req.items]
+
+
+def _compile_unpack(req: Request):
+    fn = _compiled_fn("unpack")
+    for i in req.unpack_items:
+        fn(i.buffer, i.field, i.block_ids, i.num_blocks, i.payload, i.scales, i.fmt, i.group)
+
+
+PROVIDERS = {
+    ("pack", "ours"): lambda req: kernels.pack_many(req.items),
+    ("unpack", "ours"): lambda req: kernels.unpack_many(req.unpack_items),
+    ("pack", "eager"): _eager_pack,
+    ("unpack", "eager"): _eager_unpack,
+    ("pack", "compile"): _compile_pack,
+    ("unpack", "compile"): _compile_unpack,
+    ("pack", "copy"): lambda req: req.copy_dst.copy_(req.copy_src),
+    ("unpack", "copy"): lambda req: req.copy_dst.copy_(req.copy_src),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_results():
+    yield
+    if not _rows:
+        return
+    RESULTS.mkdir(exist_ok=True)
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", device_name()).strip("-").lower()
+    path = RESULTS / f"{name}-kernels.json"
+    path.write_text(json.dumps({
+        "device": device_name(),
+        "torch": torch.__version__,
+        "command": "python -m pytest benchmarks/bench_kernels.py --benchmark-only",
+        "results": _rows,
+    }, indent=1) + "\n")
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+@pytest.mark.parametrize("provider", ["ours", "copy", "eager", "compile"])
+@pytest.mark.parametrize("op", ["pack", "unpack"])
+def test_kimi_request(benchmark, op, provider, tp):
+    if provider == "compile" and DEVICE.type != "cuda":
+        pytest.skip("torch.compile baseline is measured on CUDA only (on a CPU it would time "
+                    "the C++ inductor backend, not the GPU comparison it stands for)")
+    req = request(tp)
+    fn = PROVIDERS[(op, provider)]
+    if provider == "compile":
+        fn(req)  # compile outside the timing
+
+    def run():
+        fn(req)
+        _sync()
+
+    benchmark.group = f"kimi-linear tp={tp} {op}"
+    benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+    seconds = benchmark.stats.stats.median
+    if provider == "copy":
+        moved = 2 * req.source_bytes
+    else:
+        moved = req.source_bytes + req.packed_bytes
+    copy_seconds = req.copy_time()
+    info = {
+        "op": op,
+        "provider": provider,
+        "tp": tp,
+        "device": device_name(),
+        "backend": backend_for(DEVICE) if provider == "ours" else provider,
+        "source_bytes": req.source_bytes,
+        "packed_bytes": req.packed_bytes,
+        "median_s": seconds,
+        "gbps": moved / seconds / 1e9,
+        "copy_gbps": 2 * req.source_bytes / copy_seconds / 1e9,
+        "items": len(req.items),
+    }
+    info["ratio_vs_copy"] = info["gbps"] / info["copy_gbps"]
+    benchmark.extra_info.update(info)
+    _rows.append(info)

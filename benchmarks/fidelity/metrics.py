@@ -1,0 +1,44 @@
+"""Error metrics of a lossy round trip: SQNR, max relative error, per-step output error."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of `y` against the reference `x`, in dB.
+
+    10 log10(sum x^2 / sum (x - y)^2) in float64; +inf when `y` equals `x` exactly.
+    """
+    x, y = x.double(), y.double()
+    noise = ((x - y) ** 2).sum().item()
+    signal = (x**2).sum().item()
+    if noise == 0:
+        return math.inf
+    if signal == 0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def max_rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
+    """max_i |x_i - y_i| / max(|x_i|, rms(x)).
+
+    Why the floor: elementwise relative error is unbounded near zero, where an integer code's
+    absolute step dominates; flooring the denominator at the tensor's RMS keeps true relative
+    error for the values that matter and error-relative-to-typical-magnitude for tiny ones.
+    """
+    x, y = x.double(), y.double()
+    rms = x.pow(2).mean().sqrt()
+    denom = torch.maximum(x.abs(), rms)
+    if rms == 0:
+        return 0.0 if torch.equal(x, y) else math.inf
+    return ((x - y).abs() / denom).max().item()
+
+
+def rel_err_per_step(ref: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """||out_t - ref_t|| / ||ref_t|| for each step t of `[T, ...]` outputs (float64 `[T]`)."""
+    ref = ref.double().reshape(ref.shape[0], -1)
+    out = out.double().reshape(out.shape[0], -1)
+    return (out - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-300)
