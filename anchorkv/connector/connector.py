@@ -9,6 +9,7 @@ Scheduler side (process of the engine core):
     get_num_new_matched_tokens  look the request's entry up (exact prefix or anchor), report
                                 tokens beyond the local hit, at a valid KDA boundary, async
     update_state_after_alloc    plan the load into the request's freshly allocated blocks
+    update_connector_output     loads the workers finished or failed (a failed one is not retried)
     build_connector_meta        hand planned loads and saves to the workers
     request_finished_all_groups plan the save of prompt + output; hold the blocks until read
 
@@ -82,9 +83,11 @@ class AnchorKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.groups = groups_of(kv_cache_config)
         self.mode = vllm_config.cache_config.mamba_cache_mode or "none"
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self.model_layout = kimi_linear_layout(hf_config, tp_size=1, block_size=max(
+        # the model at this tp (its fingerprint, what entries must agree with, is TP-independent)
+        self.model_layout = kimi_linear_layout(hf_config, tp_size=self.tp_size, block_size=max(
             g.block_size for g in self.groups if g.kind is GroupKind.PAGED))
         self.store = ZarrEntryStore(self.config, self.model_layout)
+        self.config = self.store.config  # codec groups resolved as the entries store them
         self._hf_config = hf_config
         self._finished_ids: set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
@@ -115,6 +118,10 @@ class AnchorKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return AnchorKVMetadata(self.scheduler.build_meta(scheduler_output))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler.loads_finished(set(connector_output.finished_recving or ()),
+                                      set(connector_output.failed_recving or ()))
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
         return self.scheduler.request_finished(request, block_ids)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import logging
+import time
 from typing import Any
 
 from anchorkv.connector.config import ConnectorConfig
@@ -24,6 +25,9 @@ from anchorkv.connector.plan import (
 from anchorkv.connector.storage import EntryRef, EntryStore
 
 log = logging.getLogger("anchorkv.connector")
+
+#: Seconds an entry whose load failed (corrupt, deleted, timed out) is not offered again.
+BAD_ENTRY_TTL_S = 300.0
 
 
 def anchor_of(request: Any) -> str | None:
@@ -55,6 +59,9 @@ class SchedulerSide:
         self._pending_loads: list[LoadSpec] = []
         self._pending_saves: list[SaveSpec] = []
         self._requests: dict[str, _Tracked] = {}
+        self._loading: dict[str, str] = {}  # req id -> entry id of a planned load
+        self._failed: set[str] = set()  # requests whose load failed: vLLM computes them
+        self._bad_entries: dict[str, float] = {}  # entry id -> when its load failed
 
     def on_new_request(self, request: Any) -> None:
         self._requests[request.request_id] = _Tracked(anchor_of(request), tuple(request.prompt_token_ids or ()))
@@ -62,6 +69,8 @@ class SchedulerSide:
     # -------------------------------------------------------------------- lookup / load
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if request.request_id in self._failed:
+            return 0, False  # its load failed once: recompute, do not retry
         prompt = list(request.prompt_token_ids or [])
         # never the whole prompt: vLLM must compute at least one token to sample from
         limit = len(prompt) - 1
@@ -74,6 +83,9 @@ class SchedulerSide:
         except Exception as e:  # a store outage is a cache miss, never a failed request
             log.warning("anchorkv: lookup for request %s failed (%s); computing it", request.request_id, e)
             return 0, False
+        if ref is not None and self._is_bad(ref.entry_id):
+            log.debug("anchorkv: entry %s failed to load recently; not offered", ref.entry_id)
+            ref = None
         if ref is None or ref.num_tokens <= num_computed_tokens:
             self._found.pop(request.request_id, None)
             return 0, False
@@ -95,9 +107,28 @@ class SchedulerSide:
                 f"request {request.request_id} (block ids {block_ids}); this is a bug"
             )
         self._pending_loads.append(LoadSpec(request.request_id, ref.entry_id, start, ref.num_tokens, blocks))
+        self._loading[request.request_id] = ref.entry_id
         tracked = self._requests.get(request.request_id)
         if tracked is not None:
             tracked.loaded = ref.num_tokens
+
+    def _is_bad(self, entry_id: str) -> bool:
+        t = self._bad_entries.get(entry_id)
+        if t is not None and time.monotonic() - t > BAD_ENTRY_TTL_S:
+            del self._bad_entries[entry_id]
+            t = None
+        return t is not None
+
+    def loads_finished(self, finished: set[str], failed: set[str]) -> None:
+        """Workers reported these loads done (`finished`) or failed (`failed`, a subset)."""
+        for req_id in finished | failed:
+            entry = self._loading.pop(req_id, None)
+            if req_id in failed:
+                self._failed.add(req_id)
+                if entry is not None:
+                    self._bad_entries[entry] = time.monotonic()
+                log.info("anchorkv: load of request %s from entry %s failed; vLLM recomputes it",
+                         req_id, entry)
 
     # -------------------------------------------------------------------- saves
 
@@ -145,6 +176,8 @@ class SchedulerSide:
         req_id = request.request_id
         tracked = self._requests.pop(req_id, None)
         self._found.pop(req_id, None)
+        self._failed.discard(req_id)
+        self._loading.pop(req_id, None)
         n = request.num_computed_tokens
         if "finish" not in self.config.save_points or n < 1 or (tracked and n <= tracked.loaded):
             return False, None

@@ -120,6 +120,9 @@ class WorkerSide:
                             spec.req_id, poisoned)
                 return
             nbytes = self.store.save_part(spec, host, tp_size=self.tp_size, tp_rank=self.tp_rank)
+            if nbytes == 0:  # already stored, or too short to key: nothing written
+                log.debug("anchorkv: request %s: nothing to save for %d tokens", spec.req_id, spec.num_tokens)
+                return
             log.info("anchorkv: saved %d tokens of request %s (rank %d/%d, %.1f MB) in %.3f s",
                      spec.num_tokens, spec.req_id, self.tp_rank, self.tp_size, nbytes / 1e6,
                      time.perf_counter() - t0)

@@ -23,6 +23,10 @@ if HERE not in sys.path:
 
 import vllm_harness as H  # noqa: E402
 
+# The platform is chosen when vLLM is first imported: select the CPU one before anything here
+# (or the connector module) imports vLLM, or the hybrid allocator turns itself off.
+H._set_env()
+
 CONNECTOR = "AnchorKVConnector"
 MODULE = "anchorkv.connector"
 
@@ -105,7 +109,9 @@ class Engine:
 
     def run(self, max_steps: int = 50, until=None) -> None:
         for _ in range(max_steps):
-            self.step()
+            out = self.step()
+            if not out.total_num_scheduled_tokens:
+                self.flush()  # only waiting for a load: let the background I/O finish
             if until is not None and until():
                 return
             if until is None and not self.scheduler.requests:
@@ -113,7 +119,7 @@ class Engine:
         raise AssertionError(f"engine did not settle in {max_steps} steps: {list(self.scheduler.requests)}")
 
     def flush(self) -> None:
-        """Wait for every background save of every rank."""
+        """Wait for every background save and load of every rank."""
         for rank in self.ranks:
             rank.connector.worker.flush()
 

@@ -61,3 +61,14 @@ def test_import_without_vllm_names_the_install():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "ERR" in out and "vllm==0.33.0" in out
+
+
+def test_worker_path_and_store_import_without_vllm():
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "import anchorkv.connector as c\n"
+        "import anchorkv.connector.storage_zarr, anchorkv.connector.worker, anchorkv.connector.demo_cycle\n"
+        "try:\n    c.NoSuchThing\nexcept AttributeError as e:\n    print('ATTR', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "ATTR module 'anchorkv.connector' has no attribute 'NoSuchThing'" in out

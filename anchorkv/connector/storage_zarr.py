@@ -1,0 +1,291 @@
+"""`ZarrEntryStore`: the connector's `EntryStore` over `anchorkv.store.Store` (Zarr v3 entries).
+
+Three things the store alone does not decide, decided here:
+
+* **Which layout the store sees.** The store keeps logical, TP-independent arrays; it needs a
+  `ModelLayout` only for the rank's field shapes, dtypes and shard axes. `store_layout` derives
+  it from the model layout for any (tp_size, tp_rank), with one token per paged "block": a
+  rank's latent rows `[n, row]` are then exactly the store's `[n, 1, row]` (no padding, no
+  copy) and any token range can be read. The fingerprint (what an entry must agree with) is
+  the same at every tp, so an entry written at tp=2 restores at tp=1 or 4.
+* **Which codecs, resolved.** Per field from the config, with the group size resolved the way
+  the entry format stores it (a field sharded along its last axis stores "whole" as the
+  chunk's last axis, so the groups do not depend on tp); a codec the store cannot keep is
+  refused at start-up.
+* **The multi-rank commit.** Every rank writes its part with the same write id, derived from
+  the save (request id, token count, anchor, tokens), then tries to commit: the last rank to
+  finish publishes the entry; the others get `IncompleteEntry` and leave it to that one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import threading
+from typing import Mapping
+
+import numpy as np
+
+from anchorkv.codec import CodecSpec, Field, LayerKind, LayerLayout, ModelLayout, Packed, PageLayout
+from anchorkv.codec.layout import dense_strides
+from anchorkv.connector.config import ConnectorConfig
+from anchorkv.connector.plan import SaveSpec
+from anchorkv.connector.storage import EntryRef
+from anchorkv.store.errors import FormatError, IncompleteEntry, StoreError
+from anchorkv.store.format import array_layouts
+from anchorkv.store.keys import TOKEN_BLOCK
+from anchorkv.store.manifest import ENTRIES, EntryInfo, parse_entry_name
+from anchorkv.store.store import Store
+
+log = logging.getLogger("anchorkv.connector")
+
+_COMMIT_LOCKS: dict[str, threading.Lock] = {}
+_COMMIT_LOCKS_GUARD = threading.Lock()
+
+
+def _commit_lock(url: str) -> threading.Lock:
+    """One lock per store and process: simulated ranks in one process never race a commit
+    (ranks in separate processes may; the store's publish keeps exactly one entry)."""
+    with _COMMIT_LOCKS_GUARD:
+        return _COMMIT_LOCKS.setdefault(url, threading.Lock())
+
+
+def store_layout(model: ModelLayout, tp_size: int, tp_rank: int) -> ModelLayout:
+    """The layout the store is given for rank `tp_rank` of `tp_size`: every field dense at its
+    rank-local shape, paged fields one token per block. Same fingerprint at every tp."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must lie in [0, tp_size={tp_size}), found {tp_rank}")
+    pages: dict[int, PageLayout] = {}
+    layers = []
+    for layer in model.layers:
+        page = pages.get(id(layer.page))
+        if page is None:
+            fields, offset = [], 0
+            for f in layer.page.fields:
+                logical = tuple(f.logical_shape) if layer.kind is LayerKind.STATE else (1, *f.logical_shape[1:])
+                shape = list(logical)
+                if f.shard_axis is not None:
+                    shape[f.shard_axis] //= tp_size  # Field checks that tp divides it
+                offset = -(-offset // f.itemsize) * f.itemsize
+                nf = Field(f.name, f.dtype, tuple(shape), dense_strides(tuple(shape)), offset,
+                           logical_shape=logical, shard_axis=f.shard_axis, tp_size=tp_size, tp_rank=tp_rank)
+                fields.append(nf)
+                offset = nf.extent
+            page = pages[id(layer.page)] = PageLayout(tuple(fields), offset)
+        layers.append(LayerLayout(layer.name, layer.index, layer.kind, page))
+    return ModelLayout(model.architecture, tuple(layers), 1, tp_size, tp_rank)
+
+
+def resolve_codecs(config: ConnectorConfig, model: ModelLayout) -> dict[str, CodecSpec]:
+    """The codec of every field of the model, group sizes resolved as the entry stores them.
+
+    Raises a `ValueError` naming the field, the codec and a working choice when the store
+    cannot keep it (an unknown codec id, a group that does not divide the chunk's last axis).
+    """
+    fields = model.field_kinds()
+    wanted = {name: config.codec_for(name) for name in fields}
+    unknown = sorted(set(config.codec) - set(fields) - {"conv", "recurrent", "latent"})
+    if unknown:
+        raise ValueError(
+            f"anchorkv: kv_connector_extra_config 'codec' names field kinds {unknown} that this "
+            f"model does not have; its fields are {sorted(fields)}"
+        )
+    try:
+        arrays = array_layouts(model, wanted, 1)
+    except FormatError as e:
+        raise ValueError(
+            f"anchorkv: kv_connector_extra_config 'codec' {({k: str(v) for k, v in wanted.items()})} "
+            f"cannot be stored: {e}"
+        ) from None
+    out = {}
+    for name, spec in wanted.items():
+        resolved = arrays[name].codec.spec
+        if spec.id != "raw" and spec.group != resolved.group:
+            log.info("anchorkv: codec %s for field %r is stored as %s (groups within one chunk, "
+                     "independent of tp)", spec, name, resolved)
+        out[name] = resolved
+    return out
+
+
+def write_id_of(spec: SaveSpec, fingerprint_hash: str) -> str:
+    """The id every rank uses for one save: the same inputs on every rank, nothing random."""
+    h = hashlib.sha256()
+    for part in (spec.req_id, str(spec.num_tokens), spec.anchor or "", fingerprint_hash):
+        h.update(part.encode())
+        h.update(b"\0")
+    h.update(np.asarray(spec.token_ids[: spec.num_tokens], dtype="<i8").tobytes())
+    return h.hexdigest()[:32]
+
+
+class ZarrEntryStore:
+    """`EntryStore` over a `Store` at `config.store` (a directory or ``s3://bucket/prefix``).
+
+    `config` is the connector config as given; `self.config` is the same with the codecs
+    resolved (what the worker must pack with). `model_layout` is the model at any tp.
+    """
+
+    def __init__(self, config: ConnectorConfig, model_layout: ModelLayout, *, store: Store | None = None) -> None:
+        self.model_layout = model_layout
+        self.codecs = resolve_codecs(config, model_layout)
+        self.config = dataclasses.replace(config, codec={**config.codec, **self.codecs})
+        self.fingerprint_hash = model_layout.fingerprint_hash()
+        if store is None:
+            try:
+                store = Store.open(config.store, capacity_bytes=config.capacity, **dict(config.storage_options))
+            except Exception as e:
+                raise ValueError(
+                    f"anchorkv: cannot open the store {config.store!r} (kv_connector_extra_config "
+                    f"'store'/'storage_options'): {e}"
+                ) from e
+        self.store = store
+        self._layouts: dict[tuple[int, int], ModelLayout] = {}
+        self._warned_semantic = False
+
+    def __repr__(self) -> str:
+        return f"ZarrEntryStore({self.store.url!r}, codecs={ {k: str(v) for k, v in self.codecs.items()} })"
+
+    def layout(self, tp_size: int, tp_rank: int) -> ModelLayout:
+        key = (tp_size, tp_rank)
+        out = self._layouts.get(key)
+        if out is None:
+            out = self._layouts[key] = store_layout(self.model_layout, tp_size, tp_rank)
+        return out
+
+    # ------------------------------------------------------------------ lookup
+
+    def lookup(self, *, anchor: str | None, token_ids: list[int], max_tokens: int, multiple_of: int,
+               mode: str) -> EntryRef | None:
+        """The longest usable committed entry (see `EntryStore.lookup`); reads manifests only."""
+        if multiple_of <= 0:
+            raise ValueError(f"multiple_of must be positive, found {multiple_of}")
+        limit = min(max_tokens, len(token_ids))
+        best = self._lookup_exact(anchor, token_ids, limit, multiple_of)
+        if mode == "semantic" and anchor is not None:
+            other = self._lookup_semantic(anchor, limit, multiple_of)
+            if other is not None and (best is None or other.num_tokens > best.num_tokens):
+                log.debug("anchorkv: semantic match %s (%d tokens) for anchor %r", other.id,
+                          other.num_tokens, anchor)
+                best = other
+        if best is None:
+            return None
+        return EntryRef(best.id, best.num_tokens)
+
+    def _lookup_exact(self, anchor: str | None, tokens: list[int], limit: int, multiple: int) -> EntryInfo | None:
+        """Longest entry whose prefix hash matches, with length <= limit and a multiple."""
+        m = (limit // multiple) * multiple
+        while m > 0:
+            if anchor is None and m < TOKEN_BLOCK:
+                return None  # anchorless entries hold >= TOKEN_BLOCK tokens
+            info = self.store.lookup(fingerprint_hash=self.fingerprint_hash, tokens=tokens[:m],
+                                     anchor=anchor, mode="exact")
+            if info is None:
+                return None
+            if info.num_tokens % multiple == 0:
+                return info
+            m = ((info.num_tokens - 1) // multiple) * multiple  # a shorter one may still fit
+        return None
+
+    def _lookup_semantic(self, anchor: str, limit: int, multiple: int) -> EntryInfo | None:
+        """Longest entry of the anchor with length <= limit and a multiple, whatever its tokens.
+        LOSSY by nature: the anchor is trusted to summarize the context."""
+        if not self._warned_semantic:
+            log.warning("anchorkv: semantic lookup is on: entries are reused for other prompts with "
+                        "the same anchor (lossy by nature)")
+            self._warned_semantic = True
+        key = Store.key_for(self.fingerprint_hash, anchor=anchor)
+        cands: dict[int, list[str]] = {}
+        for name in self.store.backend.list_dir(f"{ENTRIES}/{key}"):
+            parsed = parse_entry_name(name)
+            if parsed and parsed[0] <= limit and parsed[0] % multiple == 0:
+                cands.setdefault(parsed[0], []).append(name)
+        for n in sorted(cands, reverse=True):
+            infos = []
+            for name in cands[n]:
+                try:
+                    info = self.store.get(f"{key}/{name}")
+                except StoreError:
+                    continue
+                if info.fingerprint_hash == self.fingerprint_hash:
+                    infos.append(info)
+            if infos:
+                return min(infos, key=lambda e: (e.created, e.id))
+        return None
+
+    # ------------------------------------------------------------------ load
+
+    def load(self, entry_id: str, layer: str, field: str, *, tp_size: int, tp_rank: int,
+             rows: tuple[int, int] | None) -> Packed:
+        """This rank's slice of one field of one layer (see `EntryStore.load`).
+
+        Raises the store's `EntryNotFound`, `CorruptEntry` or `FingerprintMismatch` as they are.
+        """
+        layout = self.layout(tp_size, tp_rank)
+        if rows is None:
+            return self.store.load(entry_id, layout, layer, field)
+        start, stop = rows
+        stored = self.store.get(entry_id).num_tokens
+        if not 0 <= start < stop <= stored:
+            raise ValueError(f"entry {entry_id}: token rows [{start}, {stop}) requested, it holds "
+                             f"tokens [0, {stored})")
+        p = self.store.load(entry_id, layout, layer, field, start_token=start, num_blocks=stop - start)
+        return p.reshape(stop - start, *p.shape[2:])
+
+    # ------------------------------------------------------------------ save
+
+    def save_part(self, spec: SaveSpec, parts: Mapping[tuple[str, str], Packed], *, tp_size: int,
+                  tp_rank: int) -> int:
+        """Write this rank's part; commit if it is the last to finish. Returns bytes written
+        (0: nothing to write, e.g. the entry exists or the prompt is too short to key)."""
+        n = spec.num_tokens
+        if spec.anchor is None and n < TOKEN_BLOCK:
+            log.debug("anchorkv: request %s: %d tokens without an anchor (< %d); not saved",
+                      spec.req_id, n, TOKEN_BLOCK)
+            return 0
+        if self._committed(spec) is not None:
+            log.debug("anchorkv: request %s: an entry of its %d tokens exists; not saved again", spec.req_id, n)
+            return 0
+        layout = self.layout(tp_size, tp_rank)
+        wid = write_id_of(spec, self.fingerprint_hash)
+        writer = self.store.begin_entry(layout, self.codecs, spec.token_ids, num_tokens=n,
+                                        anchor=spec.anchor, write_id=wid)
+        written = 0
+        try:
+            for (layer, fname), p in parts.items():
+                if layout.layer(layer).kind is LayerKind.PAGED:
+                    if p.shape[0] != n:
+                        raise ValueError(f"request {spec.req_id}: {layer}.{fname} holds {p.shape[0]} "
+                                         f"token rows, the save is of {n} tokens")
+                    p = p.reshape(n, 1, *p.shape[1:])
+                written += writer.write_layer(layer, fname, p)
+            writer.finish_rank()
+        except BaseException:
+            if tp_size == 1:
+                writer.abort()  # other ranks' parts are left to Store.gc
+            raise
+        self._try_commit(spec, wid)
+        return written
+
+    def _committed(self, spec: SaveSpec) -> EntryInfo | None:
+        info = self.store.lookup(fingerprint_hash=self.fingerprint_hash, tokens=spec.token_ids[: spec.num_tokens],
+                                 anchor=spec.anchor, mode="exact")
+        return info if info is not None and info.num_tokens == spec.num_tokens else None
+
+    def _try_commit(self, spec: SaveSpec, wid: str) -> EntryInfo | None:
+        with _commit_lock(self.store.url):
+            try:
+                info = self.store.commit_staged(wid)
+            except IncompleteEntry as e:
+                log.debug("anchorkv: request %s: not committed yet (%s); the last rank commits", spec.req_id, e)
+                return None
+            except Exception as e:
+                info = self._committed(spec)  # another process's commit of this write may have won
+                if info is None:
+                    raise
+                log.debug("anchorkv: request %s: committed by another rank (%s)", spec.req_id, e)
+                return info
+        log.debug("anchorkv: committed entry %s (%d tokens)", info.id, info.num_tokens)
+        return info
+
+    def close(self) -> None:
+        self.store.close()

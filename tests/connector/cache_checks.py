@@ -1,0 +1,103 @@
+"""Checks on the cache bytes of a mini engine's ranks (not a test module).
+
+`snapshot` copies every byte of a rank's cache regions; `touched` marks the bytes a load may
+write (the fields of the request's blocks, only the restored token rows of paged blocks);
+`assert_only_touched` checks that nothing else changed; `assert_restored` compares the
+restored fields with what the fake model writes for the same tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import engine as E
+from anchorkv.connector.plan import GroupKind
+
+
+def _storages(caches: dict) -> dict[int, torch.Tensor]:
+    """Each distinct storage behind a rank's views, as a flat uint8 tensor (a view, no copy)."""
+    out = {}
+    for t in caches.values():
+        st = t.untyped_storage()
+        if st.data_ptr() not in out:
+            out[st.data_ptr()] = torch.empty(0, dtype=torch.uint8).set_(st)
+    return out
+
+
+def snapshot(rank: E.Rank) -> dict[int, torch.Tensor]:
+    return {k: v.clone() for k, v in _storages(rank.caches).items()}
+
+
+def touched(eng: E.Engine, rank: E.Rank, spec) -> dict[int, torch.Tensor]:
+    """Bytes a load of `spec` (a LoadSpec) may write, as a boolean mask per storage."""
+    masks = {k: torch.zeros(v.numel(), dtype=torch.bool) for k, v in _storages(rank.caches).items()}
+    groups = rank.connector.groups
+    for g in groups:
+        ids = spec.blocks[g.index]
+        for name in g.layers:
+            if name not in rank.views:
+                continue
+            t = rank.caches[name]
+            view = rank.views[name]
+            base = t.storage_offset() * t.element_size()
+            stride = t.stride(0) * t.element_size()
+            mask = masks[t.untyped_storage().data_ptr()]
+            for f in view.page.fields:
+                for i, b in enumerate(ids):
+                    start = base + b * stride + f.offset
+                    if g.kind is GroupKind.STATE:
+                        mask[start:f.extent - f.offset + start] = True
+                    else:
+                        row = f.nbytes // f.shape[0]
+                        first = spec.start + i * f.shape[0]
+                        rows = min(f.shape[0], spec.num_tokens - first)
+                        mask[start:start + rows * row] = True
+    return masks
+
+
+def assert_only_touched(rank: E.Rank, before: dict[int, torch.Tensor], masks: dict[int, torch.Tensor] | None) -> None:
+    """Every byte outside `masks` (all bytes when None) equals the snapshot."""
+    for k, now in _storages(rank.caches).items():
+        keep = torch.ones(now.numel(), dtype=torch.bool) if masks is None else ~masks[k]
+        changed = int((now[keep] != before[k][keep]).sum())
+        assert changed == 0, f"{changed} cache bytes changed outside the restored blocks"
+
+
+def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double(), y.double()
+    noise = ((x - y) ** 2).sum().item()
+    return math.inf if noise == 0 else 10 * math.log10((x**2).sum().item() / noise)
+
+
+def assert_restored(eng: E.Engine, rank: E.Rank, spec, tokens: list[int], *, min_sqnr: dict | None = None) -> None:
+    """The restored fields equal what the fake model writes for `tokens` (raw: bit for bit;
+    `min_sqnr` {field: dB}: at least that SQNR and not bit-identical)."""
+    n = spec.num_tokens
+    for g in rank.connector.groups:
+        ids = spec.blocks[g.index]
+        for name in g.layers:
+            if name not in rank.views:
+                continue
+            view = rank.views[name]
+            layer = int(name.split(".")[2])
+            if g.kind is GroupKind.STATE:
+                state = E.logical_state(layer, tuple(tokens[:n]))
+                pairs = [(fname, full[view.page.field(fname).rank_slice()], view.tensor(fname)[ids[0]])
+                         for fname, full in state.items()]
+            else:
+                pos = torch.arange(spec.start, n)
+                want = E.latent_rows(layer, pos, torch.tensor(tokens[spec.start:n]))
+                lat = view.tensor("latent")
+                bs = lat.shape[1]
+                got = torch.cat([lat[b] for b in ids])[: n - spec.start]
+                assert bs * len(ids) >= n - spec.start
+                pairs = [("latent", want, got)]
+            for fname, want, got in pairs:
+                if min_sqnr is None or fname not in min_sqnr:
+                    assert torch.equal(want, got), f"{name}.{fname}: restored bytes differ"
+                else:
+                    db = sqnr_db(want, got)
+                    assert db >= min_sqnr[fname], f"{name}.{fname}: SQNR {db:.1f} dB < {min_sqnr[fname]} dB"
+                    assert not torch.equal(want, got), f"{name}.{fname}: a lossy codec restored exact bytes"

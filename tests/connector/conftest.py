@@ -1,0 +1,33 @@
+"""Fixtures of the connector tests: a weight-less Kimi-Linear model directory, engines."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+ANCHOR = "alice-software-tokyo"
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    import vllm_harness as H
+
+    return H.write_kimi_linear_model_dir(tmp_path_factory.mktemp("kimi_linear"))
+
+
+@pytest.fixture(scope="session")
+def other_model_dir(tmp_path_factory):
+    """Kimi-Linear with layers 3 and 4 (1-based) swapped between KDA and MLA: the same group
+    shapes for vLLM, another model fingerprint for anchorkv."""
+    import vllm_harness as H
+
+    lin = dict(H.KIMI_LINEAR_48B_CONFIG["linear_attn_config"])
+    lin["kda_layers"] = sorted({*lin["kda_layers"]} - {3} | {4})
+    lin["full_attn_layers"] = sorted({*lin["full_attn_layers"]} - {4} | {3})
+    return H.write_kimi_linear_model_dir(tmp_path_factory.mktemp("kimi_other"), linear_attn_config=lin)

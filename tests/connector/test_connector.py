@@ -1,0 +1,196 @@
+"""AnchorKVConnector against the real vLLM 0.33 scheduler and allocator, on CPU.
+
+A request with an anchor saves (after prefill, at finish); a later request restores, in the
+same engine or in a fresh one (a restart: new allocation, other block ids). The restored
+bytes equal what the fake model writes for the same tokens, and no other byte changes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed; install it with scripts/install_vllm_cpu.sh PYTHON")
+
+import cache_checks as C  # noqa: E402
+from conftest import ANCHOR  # noqa: E402
+import engine as E  # noqa: E402
+import vllm_harness as H  # noqa: E402
+
+from anchorkv.connector.plan import select_blocks  # noqa: E402
+from anchorkv.store.store import Store  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+NONE_PROMPT = list(range(1000, 1300))  # 300 tokens: >= 256, so anchorless saves work too
+ALIGN_PROMPT = list(range(1000, 3000))  # 2000 tokens: one 1920-token block boundary
+EXTRA = list(range(7000, 7050))
+GENERATED = [1, 1]  # the fake model samples token 1; max_tokens=3 leaves 2 computed
+RAW = {"codec": {"conv": "raw", "recurrent": "raw", "latent": "raw"}}  # bit-exact restores
+
+
+def first_turn(eng: E.Engine, prompt: list[int], anchor: str | None, req_id: str = "r1") -> None:
+    eng.add(req_id, prompt, anchor=anchor)
+    eng.run()
+    eng.flush()
+    assert len(eng.tokens[req_id]) == len(prompt) + 3
+
+
+def start_load(eng: E.Engine, req_id: str, prompt: list[int], anchor: str | None):
+    """Add a request and run the step that plans and starts its load; wait for the load.
+
+    Returns (its LoadSpec or None, per-rank snapshots taken before the step)."""
+    snaps = [C.snapshot(r) for r in eng.ranks]
+    eng.add(req_id, prompt, anchor=anchor)
+    out = eng.step()
+    loads = [s for s in out.kv_connector_metadata.plan.loads if s.req_id == req_id]
+    eng.flush()
+    assert len(loads) <= 1
+    return (loads[0] if loads else None), snaps
+
+
+def matched(eng: E.Engine, prompt: list[int], anchor: str | None, num_computed: int = 0):
+    req = H.make_request("probe", prompt, kv_transfer_params={"anchor": anchor} if anchor else None)
+    return eng.scheduler.connector.get_num_new_matched_tokens(req, num_computed)
+
+
+def entries(path) -> list[int]:
+    return sorted(e.num_tokens for e in Store.open(path).list())
+
+
+def check_load(eng: E.Engine, spec, snaps, tokens, min_sqnr=None) -> None:
+    for rank, before in zip(eng.ranks, snaps):
+        C.assert_only_touched(rank, before, C.touched(eng, rank, spec))
+        C.assert_restored(eng, rank, spec, tokens, min_sqnr=min_sqnr)
+
+
+# ------------------------------------------------------------------------------ none mode
+
+
+def test_none_mode_save_then_restore_next_turn(model_dir, tmp_path):
+    store = tmp_path / "store"
+    eng = E.make_engine(model_dir, str(store), mode="none", num_blocks=8, extra=RAW)
+    first_turn(eng, NONE_PROMPT, ANCHOR)
+    assert entries(store) == [300, 302]  # after prefill, and prompt + output at finish
+
+    prompt2 = NONE_PROMPT + GENERATED + EXTRA
+    assert matched(eng, prompt2, ANCHOR) == (302, True)
+    assert matched(eng, prompt2, "<Alice-Software-Tokyo/>") == (302, True)  # tag form, any case
+    assert matched(eng, NONE_PROMPT + EXTRA, ANCHOR) == (300, True)  # the prefill entry
+    assert matched(eng, NONE_PROMPT + GENERATED, ANCHOR) == (300, True)  # never the whole prompt
+
+    spec, snaps = start_load(eng, "r2", prompt2, ANCHOR)
+    assert spec is not None and (spec.start, spec.num_tokens) == (0, 302)
+    table = eng.scheduler.kv_cache_manager.get_block_ids("r2")
+    assert spec.blocks == select_blocks(eng.ranks[0].connector.groups, table, 0, 302, "none")
+    check_load(eng, spec, snaps, prompt2)
+    eng.run()
+    assert len(eng.tokens["r2"]) == len(prompt2) + 3
+
+
+def test_none_mode_lossy_codecs_restore_within_sqnr_floor(model_dir, tmp_path):
+    store = tmp_path / "store"
+    codecs = {"latent": "fp8:64", "recurrent": "int8:128", "conv": "int8:128"}
+    eng = E.make_engine(model_dir, str(store), mode="none", num_blocks=8, extra={"codec": codecs})
+    first_turn(eng, NONE_PROMPT, ANCHOR)
+    prompt2 = NONE_PROMPT + GENERATED + EXTRA
+    spec, snaps = start_load(eng, "r2", prompt2, ANCHOR)
+    assert spec is not None and spec.num_tokens == 302
+    check_load(eng, spec, snaps, prompt2, min_sqnr={"latent": 30.0, "recurrent": 38.0, "conv": 38.0})
+
+
+def test_no_anchor_is_a_token_prefix_cache(model_dir, tmp_path):
+    store = tmp_path / "store"
+    eng = E.make_engine(model_dir, str(store), mode="none", num_blocks=8, extra=RAW)
+    first_turn(eng, NONE_PROMPT, None)
+    assert entries(store) == [300, 302]
+    prompt2 = NONE_PROMPT + GENERATED + EXTRA
+    assert matched(eng, prompt2, None) == (302, True)
+    assert matched(eng, prompt2, ANCHOR) == (0, False)  # anchored entries live under the anchor
+    assert matched(eng, [5] + prompt2[1:], None) == (0, False)  # first token block differs
+    spec, snaps = start_load(eng, "r2", prompt2, None)
+    check_load(eng, spec, snaps, prompt2)
+
+
+def test_short_anchorless_prompt_is_not_saved(model_dir, tmp_path):
+    store = tmp_path / "store"
+    eng = E.make_engine(model_dir, str(store), mode="none", num_blocks=8, extra=RAW)
+    first_turn(eng, NONE_PROMPT[:100], None)
+    assert entries(store) == []
+
+
+def test_exact_mode_needs_the_same_prefix(model_dir, tmp_path):
+    store = tmp_path / "store"
+    eng = E.make_engine(model_dir, str(store), mode="none", num_blocks=8, extra=RAW)
+    first_turn(eng, NONE_PROMPT, ANCHOR)
+    changed = NONE_PROMPT[:150] + [9] + NONE_PROMPT[151:] + GENERATED + EXTRA
+    assert matched(eng, changed, ANCHOR) == (0, False)
+    assert matched(eng, NONE_PROMPT + EXTRA, "bob-home-paris") == (0, False)
+
+
+def test_semantic_mode_reuses_the_anchor_whatever_the_tokens(model_dir, tmp_path):
+    store = tmp_path / "store"
+    eng = E.make_engine(model_dir, str(store), mode="none", num_blocks=8, extra={**RAW, "lookup": "semantic"})
+    first_turn(eng, NONE_PROMPT, ANCHOR)
+    other = list(range(20000, 20400))
+    assert matched(eng, other, ANCHOR) == (302, True)
+    assert matched(eng, other[:302], ANCHOR) == (300, True)  # at most len(prompt) - 1
+    assert matched(eng, other, None) == (0, False)  # no anchor: exact token prefix only
+    spec, snaps = start_load(eng, "r2", other, ANCHOR)
+    # the state is the saved context's, by design (lossy): tokens of r1, not of r2
+    check_load(eng, spec, snaps, NONE_PROMPT + GENERATED)
+    eng.run()
+    assert len(eng.tokens["r2"]) == len(other) + 3
+
+
+def test_other_model_fingerprint_gets_nothing(model_dir, other_model_dir, tmp_path):
+    store = tmp_path / "store"
+    eng = E.make_engine(model_dir, str(store), mode="none", num_blocks=8, extra=RAW)
+    first_turn(eng, NONE_PROMPT, ANCHOR)
+    other = E.make_engine(other_model_dir, str(store), mode="none", num_blocks=8, ranks=[])
+    assert matched(eng, NONE_PROMPT + EXTRA, ANCHOR) == (300, True)
+    assert matched(other, NONE_PROMPT + EXTRA, ANCHOR) == (0, False)
+    assert matched(other, NONE_PROMPT + EXTRA, None) == (0, False)
+
+
+# ------------------------------------------------------------------------------ align mode
+
+
+def test_align_mode_saves_block_boundaries_and_local_hits_win(model_dir, tmp_path):
+    store = tmp_path / "store"
+    eng = E.make_engine(model_dir, str(store), mode="align", num_blocks=16, extra=RAW)
+    assert eng.block_size == 1920
+    first_turn(eng, ALIGN_PROMPT, ANCHOR)
+    assert entries(store) == [1920]  # 2000 and 2002 are not block boundaries
+    prompt2 = ALIGN_PROMPT + GENERATED + EXTRA
+    assert matched(eng, prompt2, ANCHOR) == (1920, True)
+    assert matched(eng, prompt2, ANCHOR, num_computed=1920) == (0, False)  # vLLM has it locally
+    assert matched(eng, ALIGN_PROMPT[:1920], ANCHOR) == (0, False)  # never the whole prompt
+    spec, _ = start_load(eng, "r2", prompt2, ANCHOR)
+    assert spec is None  # the local prefix cache covers the entry: nothing to load
+    eng.run()
+    assert len(eng.tokens["r2"]) == len(prompt2) + 3
+
+
+@pytest.mark.parametrize("mode", ["none", "align"])
+def test_restart_restores_into_a_fresh_allocation(model_dir, tmp_path, mode):
+    store = tmp_path / "store"
+    prompt = NONE_PROMPT if mode == "none" else ALIGN_PROMPT
+    n = 302 if mode == "none" else 1920
+    blocks = 8 if mode == "none" else 16  # align: 2 blocks per group and request, 4 groups
+    first = E.make_engine(model_dir, str(store), mode=mode, num_blocks=blocks, extra=RAW)
+    first_turn(first, prompt, ANCHOR)
+    old_blocks = first.blocks["r1"]
+    for r in first.ranks:
+        r.connector.shutdown()
+    del first
+
+    eng = E.make_engine(model_dir, str(store), mode=mode, num_blocks=blocks + 2, extra=RAW)
+    first_turn(eng, list(range(40000, 40000 + len(prompt))), None, req_id="filler")  # moves block ids on
+    prompt2 = prompt + GENERATED + EXTRA
+    assert matched(eng, prompt2, ANCHOR) == (n, True)
+    spec, snaps = start_load(eng, "r2", prompt2, ANCHOR)
+    assert spec is not None and (spec.start, spec.num_tokens) == (0, n)
+    assert list(eng.scheduler.kv_cache_manager.get_block_ids("r2")) != old_blocks
+    check_load(eng, spec, snaps, prompt2)
+    eng.run()
+    assert len(eng.tokens["r2"]) == len(prompt2) + 3

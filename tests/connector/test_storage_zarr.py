@@ -1,0 +1,166 @@
+"""`ZarrEntryStore` on its own (no vLLM): lookup limits, the multi-rank commit, TP-independent
+fingerprints, codec resolution at start-up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, CodecSpec, Field, PageLayout, custom_layout, kimi_linear_layout, pack
+from anchorkv.codec.layout import CacheView, Region, dense_strides
+from anchorkv.connector.config import ConnectorConfig
+from anchorkv.connector.plan import SaveSpec
+from anchorkv.connector.storage_zarr import ZarrEntryStore, store_layout, write_id_of
+from anchorkv.store.errors import CorruptEntry, EntryNotFound, FingerprintMismatch
+
+TOKENS = list(range(500, 900))
+
+
+def tiny(tp_size: int = 1, tp_rank: int = 0, heads: int = 8):
+    """Two state layers (conv [3, 3, 64/tp], recurrent [heads/tp, 16, 16]) and a paged one."""
+    ch = 64 // tp_size
+    conv = Field("conv", torch.bfloat16, (3, 3, ch), dense_strides((3, 3, ch)), 0, logical_shape=(3, 3, 64),
+                 shard_axis=2, tp_size=tp_size, tp_rank=tp_rank)
+    rs = (heads // tp_size, 16, 16)
+    rec = Field("recurrent", torch.float32, rs, dense_strides(rs), conv.extent, logical_shape=(heads, 16, 16),
+                shard_axis=0, tp_size=tp_size, tp_rank=tp_rank)
+    lat = Field("latent", torch.bfloat16, (4, 32), (32, 1), 0, tp_size=tp_size, tp_rank=tp_rank)
+    page = max(rec.extent, lat.extent)
+    kda, mla = PageLayout((conv, rec), page), PageLayout((lat,), page)
+    return custom_layout("Tiny", [("s0", "state", kda), ("p1", "paged", mla), ("s2", "state", kda)],
+                         block_size=4, tp_size=tp_size, tp_rank=tp_rank)
+
+
+def raw_config(tmp_path, **kw) -> ConnectorConfig:
+    kw.setdefault("codec", {"conv": "raw", "recurrent": "raw", "latent": "raw"})
+    return ConnectorConfig.from_extra_config({"store": str(tmp_path / "store"), **kw})
+
+
+def parts_of(layout, tokens: list[int], n: int, seed: int = 0) -> dict:
+    """A rank's parts: state fields [1, *rank shape], latent rows [n, 32], from logical values."""
+    g = torch.Generator().manual_seed(seed + len(tokens[:n]))
+    out = {}
+    for layer in layout.layers:
+        for f in layer.page.fields:
+            if layer.kind.value == "state":
+                full = torch.randn(f.logical_shape, generator=g).to(f.dtype)
+                value = full[f.rank_slice()].unsqueeze(0)
+            else:
+                value = torch.randn((n, 32), generator=g).to(f.dtype)
+            out[(layer.name, f.name)] = value
+    return out
+
+
+def packed(values: dict, codec: str = "raw") -> dict:
+    """Pack values through the public API (a one-block view per value)."""
+    out = {}
+    for key, v in values.items():
+        shape = tuple(v.shape[1:]) if v.shape[0] == 1 and v.dim() > 2 else tuple(v.shape)
+        f = Field("x", v.dtype, shape, dense_strides(shape), 0)
+        region = Region(v.reshape(-1).contiguous().view(torch.int8), 1, f.nbytes)
+        p = pack(CacheView(region, PageLayout((f,), f.nbytes)), "x", [0], codec)
+        out[key] = p.reshape(*v.shape) if p.shape != tuple(v.shape) else p
+    return out
+
+
+def save(es: ZarrEntryStore, n: int, anchor="a", tokens=TOKENS, tp_size=1, ranks=None, req="r"):
+    spec = SaveSpec(req, anchor, tuple(tokens[:n]), n, ())
+    values = {}
+    for r in (range(tp_size) if ranks is None else ranks):
+        vals = parts_of(tiny(tp_size, r), tokens, n)
+        values[r] = vals
+        es.save_part(spec, packed(vals), tp_size=tp_size, tp_rank=r)
+    return values
+
+
+def test_fingerprint_is_tp_independent():
+    kimi = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=1)
+    fp = kimi.fingerprint_hash()
+    for tp in (2, 4, 8):
+        assert kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=tp, tp_rank=tp - 1).fingerprint_hash() == fp
+        assert store_layout(kimi, tp, tp - 1).fingerprint_hash() == fp
+    assert store_layout(tiny(), 2, 1).fingerprint_hash() == tiny(2, 1).fingerprint_hash()
+
+
+def test_lookup_honours_max_tokens_multiple_and_prefix(tmp_path):
+    es = ZarrEntryStore(raw_config(tmp_path), tiny())
+    for n in (100, 150, 200):
+        save(es, n)
+    look = lambda tokens=TOKENS, **kw: es.lookup(**{"anchor": "a", "token_ids": tokens, "max_tokens": 399,  # noqa: E731
+                                                   "multiple_of": 1, "mode": "exact", **kw})
+    assert look().num_tokens == 200
+    assert look(max_tokens=199).num_tokens == 150
+    assert look(max_tokens=199, multiple_of=100).num_tokens == 100
+    assert look(multiple_of=70) is None  # no stored length is a multiple of 70
+    assert look(max_tokens=99) is None
+    changed = TOKENS[:120] + [1] + TOKENS[121:]
+    assert look(changed).num_tokens == 100  # exact: the prefix must match
+    assert look(changed, mode="semantic").num_tokens == 200  # semantic: the anchor's longest
+    assert look(changed, mode="semantic", max_tokens=160).num_tokens == 150
+    assert look(anchor="b") is None
+
+
+def test_anchorless_entries_need_a_token_block(tmp_path):
+    es = ZarrEntryStore(raw_config(tmp_path), tiny())
+    save(es, 100, anchor=None)
+    save(es, 300, anchor=None)
+    look = dict(anchor=None, token_ids=TOKENS, max_tokens=399, multiple_of=1, mode="exact")
+    assert es.lookup(**look).num_tokens == 300
+    assert es.lookup(**{**look, "max_tokens": 299}) is None  # the 100-token prompt was not saved
+
+
+def test_ranks_commit_when_all_finished_and_restore_at_any_tp(tmp_path):
+    es = ZarrEntryStore(raw_config(tmp_path), tiny())
+    spec = SaveSpec("req-1", "a", tuple(TOKENS[:120]), 120, ())
+    wid = write_id_of(spec, es.fingerprint_hash)
+    assert wid == write_id_of(SaveSpec("req-1", "a", tuple(TOKENS[:120]), 120, ((1,),)), es.fingerprint_hash)
+    assert wid != write_id_of(SaveSpec("req-2", "a", tuple(TOKENS[:120]), 120, ()), es.fingerprint_hash)
+    look = dict(anchor="a", token_ids=TOKENS, max_tokens=399, multiple_of=1, mode="exact")
+    vals = save(es, 120, tp_size=2, ranks=[1])
+    assert es.lookup(**look) is None  # rank 0 has not written its part
+    vals.update(save(es, 120, tp_size=2, ranks=[0]))
+    ref = es.lookup(**look)
+    assert ref.num_tokens == 120
+    for tp in (1, 4):
+        for r in range(tp):
+            lay = tiny(tp, r)
+            got = es.load(ref.entry_id, "s2", "recurrent", tp_size=tp, tp_rank=r, rows=None)
+            full = torch.cat([vals[q][("s2", "recurrent")] for q in (0, 1)], dim=1)
+            want = full[:, lay.layer("s2").page.field("recurrent").rank_slice()[0]]
+            assert torch.equal(got.payload, want.contiguous().view(torch.uint8).reshape(-1))
+    rows = es.load(ref.entry_id, "p1", "latent", tp_size=4, tp_rank=3, rows=(40, 120))
+    assert rows.shape == (80, 32)
+    assert torch.equal(rows.payload, vals[0][("p1", "latent")][40:120].contiguous().view(torch.uint8).reshape(-1))
+
+
+def test_load_errors_propagate(tmp_path):
+    es = ZarrEntryStore(raw_config(tmp_path), tiny())
+    save(es, 120)
+    ref = es.lookup(anchor="a", token_ids=TOKENS, max_tokens=399, multiple_of=1, mode="exact")
+    other = ZarrEntryStore(raw_config(tmp_path), tiny(heads=16))
+    with pytest.raises(FingerprintMismatch):
+        other.load(ref.entry_id, "s0", "conv", tp_size=1, tp_rank=0, rows=None)
+    chunk = tmp_path / "store" / "entries" / ref.entry_id / "conv" / "c.0.0.0.0"
+    data = bytearray(chunk.read_bytes())
+    data[3] ^= 1
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(CorruptEntry):
+        es.load(ref.entry_id, "s0", "conv", tp_size=1, tp_rank=0, rows=None)
+    es.store.delete(ref.entry_id)
+    with pytest.raises(EntryNotFound):
+        es.load(ref.entry_id, "s2", "conv", tp_size=1, tp_rank=0, rows=None)
+
+
+def test_codecs_are_resolved_and_checked_at_startup(tmp_path):
+    kimi = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=2)
+    es = ZarrEntryStore(raw_config(tmp_path, codec={"conv": "int8:whole", "recurrent": "int8", "latent": "fp8:64"}), kimi)
+    # conv is sharded along its last axis: "whole" is the chunk's last axis (4096 / 8), at any tp
+    assert es.codecs == {"conv": CodecSpec("int8", 512), "recurrent": CodecSpec("int8", 128),
+                         "latent": CodecSpec("fp8", 64)}
+    assert es.config.codec_for("conv") == CodecSpec("int8", 512)
+    with pytest.raises(ValueError, match=r"group size 128 must divide .*576.*fp8:64"):
+        ZarrEntryStore(raw_config(tmp_path, codec={"latent": "fp8"}), kimi)
+    with pytest.raises(ValueError, match="codec 'fp9' has no chunk format"):
+        ZarrEntryStore(raw_config(tmp_path, codec={"latent": "fp9:64"}), kimi)
+    with pytest.raises(ValueError, match=r"field kinds \['rope'\]"):
+        ZarrEntryStore(raw_config(tmp_path, codec={"rope": "raw"}), kimi)
