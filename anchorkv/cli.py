@@ -13,6 +13,7 @@ import sys
 _COMMAND_MODULES = (
     "anchorkv.demo",
     "anchorkv.bench",
+    "anchorkv.store.cli",
 )
 
 

@@ -23,6 +23,8 @@ from urllib.parse import parse_qs, urlparse
 import uuid
 
 Buffers = Sequence[bytes | bytearray | memoryview]
+#: Where a local store moves directories it deletes (then removes them).
+TRASH = ".trash"
 
 
 class LocalBackend:
@@ -96,15 +98,34 @@ class LocalBackend:
             pass
 
     def delete_tree(self, prefix: str) -> None:
-        """Remove a directory: renamed into `.trash` first, so it vanishes atomically."""
+        """Remove a directory: renamed into `.trash` first, so it vanishes atomically.
+
+        A kill -9 between the rename and the removal leaves the directory under `.trash`, which
+        `purge_trash` (called by `Store.gc`) removes. Paths inside `.trash` are removed in place.
+        """
         src = self._p(prefix)
-        trash = self.root / ".trash" / uuid.uuid4().hex
-        trash.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.rename(src, trash)
-        except FileNotFoundError:
+        if prefix.strip("/").split("/", 1)[0] == TRASH:
+            shutil.rmtree(src, ignore_errors=True)
             return
+        trash = self.root / TRASH / uuid.uuid4().hex
+        for _ in range(3):  # a concurrent purge_trash never removes `.trash` itself, but be safe
+            trash.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.rename(src, trash)
+                break
+            except FileNotFoundError:
+                if not src.exists():
+                    return
+        else:
+            raise OSError(f"could not move {src} into {trash.parent} to delete it")
         shutil.rmtree(trash, ignore_errors=True)
+
+    def purge_trash(self) -> int:
+        """Remove what deletes left in `.trash` (their process died); returns how many."""
+        names = self.list_dir(TRASH)
+        for name in names:
+            shutil.rmtree(self._p(f"{TRASH}/{name}"), ignore_errors=True)
+        return len(names)
 
     def data_prefix(self, final: str, write_id: str) -> str:
         return f".staging/{write_id}/data"
@@ -265,12 +286,25 @@ class ObjectBackend:
         except FileNotFoundError:
             return None
 
+    def newest_mtime(self, prefix: str) -> float | None:
+        """The newest modification time of the objects under `prefix` (None: no object)."""
+        import obstore
+
+        times = [o["last_modified"].timestamp() for batch in obstore.list(self.store, prefix.rstrip("/") + "/")
+                 for o in batch]
+        return max(times, default=None)
+
     def touch_entry(self, entry: str) -> None:
         """Record a use of `entry`: a tiny ``.last_use`` object (the store throttles this)."""
         self.write(f"{entry}/.last_use", [str(time.time()).encode()])
 
     def last_use(self, entry: str) -> float | None:
-        return self.mtime(f"{entry}/.last_use") or self.mtime(f"{entry}/zarr.json")
+        """The time stored in ``.last_use`` (object mtimes have only 1 s resolution); None if
+        the entry was never used (eviction then takes its creation time)."""
+        try:
+            return float(self.read(f"{entry}/.last_use"))
+        except (FileNotFoundError, ValueError):
+            return None
 
     def zarr_store(self, read_only: bool = True):
         from zarr.storage import ObjectStore

@@ -5,6 +5,14 @@ on an object store; at most once a minute per entry and process). A reader holds
 (in-process counter) during every `load`, and `Store.pin` adds a *lease* visible to other
 processes: a file ``.leases/<key>.<name>.<pid>.<random>``. Eviction skips pinned and leased
 entries; a lease whose process is gone (local) or older than `LEASE_TTL` is ignored.
+
+Across processes, only `Store.pin` protects: a bare `Store.load` pins in its own process
+(a lease per load call would cost two object writes per layer), so the connector wraps each
+restore in `Store.pin`. There is no lock between eviction and a reader that takes its lease
+just as the entry is chosen; that reader then gets `CorruptEntry` / `EntryNotFound` and
+recomputes, never wrong state. On an object store a lease cannot be checked against a pid
+(other machines), so a reader killed while pinning keeps its entry for up to `LEASE_TTL`.
+Last use is at most a minute stale per process, which is fine for LRU at cache scale.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import json
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 import uuid
 
 from anchorkv.store.manifest import ENTRIES, parse_entry_name
@@ -122,25 +130,34 @@ def evict(store: "Store", capacity: int, keep: set[str] = frozenset()) -> list[s
     return evicted
 
 
-def gc(store: "Store", stale_after: float) -> dict[str, int]:
+def gc(store: "Store", stale_after: float, progress: Callable[[str, int], None] | None = None) -> dict[str, int]:
+    """See `Store.gc`. `progress(step, n)` is called as work is done (for a progress bar)."""
     from anchorkv.store.writer import STAGING
 
     backend = store.backend
-    report = {"abandoned_writes": 0, "stale_leases": 0, "duplicates": 0, "evicted": 0}
+    report = {"abandoned_writes": 0, "stale_leases": 0, "duplicates": 0, "orphans": 0, "trash": 0,
+              "evicted": 0}
     t = time.time()
+    live_data: set[str] = set()  # data prefixes of writes still in progress (object store)
     for wid in backend.list_dir(STAGING):
         markers = [n for n in backend.list_dir(f"{STAGING}/{wid}") if n.startswith("begun-")]
         times = [backend.mtime(f"{STAGING}/{wid}/{n}") or 0.0 for n in markers]
         newest = max(times, default=backend.mtime(f"{STAGING}/{wid}") or 0.0)
-        if t - newest < stale_after:
-            continue
+        datas = []
         for n in markers:
             with contextlib.suppress(Exception):
-                data = json.loads(backend.read(f"{STAGING}/{wid}/{n}"))["data"]
-                if not backend.atomic_publish and not backend.exists(f"{data}/zarr.json"):
-                    backend.delete_tree(data)
+                datas.append(json.loads(backend.read(f"{STAGING}/{wid}/{n}"))["data"])
+        if t - newest < stale_after:
+            live_data.update(datas)
+            continue
+        for data in datas:
+            if not backend.atomic_publish and not backend.exists(f"{data}/zarr.json"):
+                backend.delete_tree(data)
         backend.delete_tree(f"{STAGING}/{wid}")
         report["abandoned_writes"] += 1
+        if progress:
+            progress("staging", 1)
+    report["orphans"] = _remove_orphans(store, stale_after, live_data, t)
     before = len(backend.list_dir(LEASES))
     _live_leases(store, remove_stale=True)
     report["stale_leases"] = before - len(backend.list_dir(LEASES))
@@ -153,8 +170,36 @@ def gc(store: "Store", stale_after: float) -> dict[str, int]:
             for e in sorted(dup, key=lambda e: (e.created, e.id))[1:]:
                 store.delete(e.id)
                 report["duplicates"] += 1
-    if backend.atomic_publish:
-        backend.delete_tree(".trash")
+    if hasattr(backend, "purge_trash"):
+        report["trash"] = backend.purge_trash()
     if store.capacity_bytes is not None:
         report["evicted"] = len(evict(store, store.capacity_bytes))
     return report
+
+
+def _remove_orphans(store: "Store", stale_after: float, live_data: set[str], t: float) -> int:
+    """Remove what no entry owns under ``entries/<key>/``: on an object store, prefixes with
+    chunks but no group ``zarr.json`` (a write or a delete killed half-way) that no write in
+    progress claims; on both, temp files of atomic writes whose process died."""
+    backend = store.backend
+    removed = 0
+    for key in backend.list_dir(ENTRIES):
+        if len(key) != 64:
+            continue
+        for name in backend.list_dir(f"{ENTRIES}/{key}"):
+            path = f"{ENTRIES}/{key}/{name}"
+            if name.startswith(".") and name.endswith(".tmp"):
+                if t - (backend.mtime(path) or t) >= stale_after:
+                    backend.delete(path)
+                    removed += 1
+                continue
+            if backend.atomic_publish or parse_entry_name(name) is None or path in live_data:
+                continue
+            if backend.exists(f"{path}/zarr.json"):
+                continue
+            newest = backend.newest_mtime(path) if hasattr(backend, "newest_mtime") else None
+            if newest is not None and t - newest < stale_after:
+                continue  # perhaps a write whose begun marker we have not seen yet
+            backend.delete_tree(path)
+            removed += 1
+    return removed

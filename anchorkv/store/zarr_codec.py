@@ -4,8 +4,9 @@ Both encode exactly as `anchorkv.store.format.ChunkCodec` (``payload || scales``
 what the store's fast path writes from `Packed` objects, so a plain zarr-python script reads an
 entry with ``zarr.open_group(path)["recurrent"][3]`` (the dequantized layer, as float32).
 
-zarr finds the codec through the ``zarr.codecs`` entry point ``anchorkv.quant`` (lazy), or
-after `register()`; ``import anchorkv.store`` calls it, as zarr's own codec modules do.
+zarr finds the codec after `register()`; ``import anchorkv.store`` calls it, as zarr's own
+codec modules do. (A ``zarr.codecs`` entry point ``anchorkv.quant`` would spare even that
+import; pyproject.toml does not declare it yet.)
 """
 
 from __future__ import annotations

@@ -105,15 +105,21 @@ class TestStoreConformance:
 
     def test_flipped_byte_is_detected(self, store):
         info = save(store)
+        # chunk [1, 3, 0, 0] of `recurrent`: its second layer (model.layers.1), heads 3
         key = "recurrent/c.1.3.0.0"
+        layer = info.arrays()["recurrent"].layers[1]
+        assert layer == "model.layers.1.attn"
         path = f"{info.path}/{key}"
         data = bytearray(store.backend.read(path))
         data[len(data) // 2] ^= 0x01
         store.backend.write(path, [bytes(data)])
         fresh = Store(store.backend)
         with pytest.raises(CorruptEntry, match=f"{info.id}.*{key}.*crc32c"):
-            fresh.load(info.id, tiny_layout(), "model.layers.3.attn", "recurrent")
-        assert fresh.load(info.id, tiny_layout(8, 0), "model.layers.3.attn", "recurrent") is not None
+            fresh.load(info.id, tiny_layout(), layer, "recurrent")
+        # rank 0 of tp 8 reads only heads 0 of that layer: its chunk is intact
+        assert fresh.load(info.id, tiny_layout(8, 0), layer, "recurrent") is not None
+        with pytest.raises(CorruptEntry, match=f"{info.id}.*{key}"):
+            fresh.load(info.id, tiny_layout(8, 3), layer, "recurrent")
         problems = fresh.verify(info.id)
         assert len(problems) == 1 and key in problems[0]
 
@@ -121,9 +127,9 @@ class TestStoreConformance:
         info = save(store)
         store.backend.write(f"{info.path}/latent/c.0.0.0", [store.backend.read(f"{info.path}/latent/c.0.0.0")[:-3]])
         store.backend.delete(f"{info.path}/conv/c.0.0.0.0")
-        with pytest.raises(CorruptEntry, match="expected .* bytes"):
+        with pytest.raises(CorruptEntry, match=f"entry {info.id}: chunk latent/c.0.0.0 .*expected .* bytes"):
             store.load(info, tiny_layout(), "model.layers.2.attn", "latent")
-        with pytest.raises(CorruptEntry, match="missing"):
+        with pytest.raises(CorruptEntry, match=f"entry {info.id}: chunk conv/c.0.0.0.0 is missing"):
             store.load(info, tiny_layout(), "model.layers.0.attn", "conv")
         assert len(store.verify(info)) == 2
 

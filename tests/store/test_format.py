@@ -144,3 +144,61 @@ def test_unknown_codec_is_refused(tmp_path):
     store = Store.open(tmp_path)
     with pytest.raises(FormatError, match="built-in formats"):
         store.begin_entry(tiny_layout(), {**CODECS, "latent": "learned-proj"}, tokens(300))
+
+
+#: The README's "read an entry with plain zarr-python" snippet, run verbatim (paths substituted).
+README_SNIPPET = '''
+import zarr
+import anchorkv.store  # registers the "anchorkv.quant" codec with zarr (and numcodecs)
+
+entry = zarr.open_group("STORE/entries/ENTRY_ID", mode="r")  # ENTRY_ID: from `anchorkv ls`
+print(entry.attrs["anchorkv"]["num_tokens"], entry["recurrent"].shape)
+layer3 = entry["recurrent"][3]  # float32, dequantized state of the 4th KDA layer
+'''
+
+
+def _reference_recurrent(layout, info, i):
+    name = info.arrays()["recurrent"].layers[i]
+    p = rank_packed(layout, name, "recurrent", CODECS["recurrent"], info.num_tokens)
+    return reference.dequantize(p.payload, p.scales, p.codec.id, p.codec.group, p.shape, torch.float32)[0].numpy()
+
+
+def test_readme_snippet_reads_an_entry_with_plain_zarr(tmp_path):
+    """A separate Python process that imports only zarr and anchorkv.store (no Store) reads
+    `entry["recurrent"][3]` equal to the dequantized values the fast path wrote."""
+    import subprocess
+    import sys
+
+    # 4 state layers so that index 3 exists: the tiny model with one more state layer
+    from anchorkv.codec.models import custom_layout
+
+    base = tiny_layout()
+    pages = {l.kind.value: l.page for l in base.layers}
+    kinds = ["state", "state", "paged", "state", "state"]
+    layout = custom_layout("TinyHybrid4", [(f"model.layers.{i}.attn", k, pages[k]) for i, k in enumerate(kinds)],
+                           block_size=base.block_size, tp_size=1, tp_rank=0)
+    store = Store.open(tmp_path / "store")
+    info = store.save(layout, CODECS, tokens(700), all_packed(layout, CODECS, 700), anchor="readme")
+    script = README_SNIPPET.replace("STORE", str(tmp_path / "store")).replace("ENTRY_ID", info.id)
+    script += f"\nimport numpy as np\nnp.save({str(tmp_path / 'layer3.npy')!r}, layer3)\n"
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert res.returncode == 0, f"the README snippet failed:\n{res.stderr[-3000:]}"
+    assert res.stdout.split() == ["700", "(4,", "8,", "16,", "16)"], res.stdout
+    got = np.load(tmp_path / "layer3.npy")
+    expected = _reference_recurrent(layout, info, 3)
+    assert got.dtype == np.float32 and got.shape == (8, 16, 16)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_zarr_finds_the_codec_through_its_entry_point(tmp_path):
+    """Without importing anchorkv at all, zarr resolves `anchorkv.quant` from its entry point."""
+    import subprocess
+    import sys
+
+    code = ("import zarr.registry as r; c = r.get_codec_class('anchorkv.quant'); "
+            "print(c.__module__ + '.' + c.__name__)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, f"zarr could not find the codec without `import anchorkv.store`:\n{res.stderr[-1500:]}"
+    assert res.stdout.strip() == "anchorkv.store.zarr_codec.AnchorQuantCodec"

@@ -1,0 +1,284 @@
+"""Save / load of one Kimi-Linear request to the local store, against plain files and safetensors.
+
+One request at tp=1, 7680 tokens, laid out by `anchorkv.codec.kimi_linear_layout` and packed
+with `anchorkv.codec.pack`: 20 KDA layers x (conv `[3, 3, 4096]` bf16 + recurrent
+`[32, 128, 128]` fp32) + 7 MLA layers x 7680 x 576 bf16 = 105.4 MB of raw state.
+
+Providers (all in the same process, on the same filesystem, none calls fsync):
+    store-raw     `Store.save` / `Store.load` with the raw codec: the same bytes as `plain`,
+                  cut into 376 chunks with crc32c, manifest, staged commit and rename
+    store-quant   the same with conv int8:128, recurrent int8:128, latent fp8:64 (the packing
+                  is done before timing: the kernels have their own benchmark)
+    plain         the same raw bytes as one file per (layer, field): open, write, close /
+                  open, read (the baseline of the 0.8x target)
+    safetensors   one safetensors file per layer (`save_file` / `load_file`), as vLLM's
+                  ExampleConnector stores KV caches
+
+`extra_info`: `state_GBps` (raw state bytes / time, the same numerator for every provider, so
+compression makes it exceed what the disk moves), `io_GBps` (stored bytes / time), stored
+bytes (on disk), and `ratio_vs_plain` = plain time / this time measured in the same
+run (>= 0.8 is the target). Reads are served from the OS page cache (nothing is dropped),
+and writes end in the page cache (no fsync): these are software-path numbers, not disk ones.
+
+A second table scales the MLA latent alone (7 layers) from 1920 to 122,880 tokens (quick mode:
+the two smallest), store-raw against plain. Results: `benchmarks/results/cpu-<arch>-store.json`.
+
+    .venv/bin/python -m pytest benchmarks/bench_store.py --benchmark-only --benchmark-json=/tmp/store.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+import platform
+import shutil
+import statistics
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, CacheView, LayerKind, Region, kimi_linear_layout, pack
+from anchorkv.codec.models import custom_layout
+from anchorkv.store.store import Store
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TOKENS = 7680
+BLOCK = 1920  # vLLM's MLA block size for Kimi-Linear at tp=1
+CODEC_SETS = {
+    "raw": {"conv": "raw", "recurrent": "raw", "latent": "raw"},
+    "quant": {"conv": "int8:128", "recurrent": "int8:128", "latent": "fp8:64"},
+}
+SCALE_TOKENS = [1920, 7680, 30720, 122880]
+COMMAND = "python -m pytest benchmarks/bench_store.py --benchmark-only --benchmark-json=/tmp/store.json"
+_rows: list[dict] = []
+_plain: dict[tuple, float] = {}
+
+
+class Request:
+    """The packed fields of one request (per codec set) and its raw bytes per (layer, field)."""
+
+    def __init__(self, tokens: int, kinds: tuple[str, ...] = ("state", "paged")) -> None:
+        self.tokens = tokens
+        self.layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=1, block_size=BLOCK)
+        if kinds != ("state", "paged"):  # an entry holds every layer of its layout: keep only these
+            self.layout = custom_layout("KimiLinear-" + "+".join(kinds), [
+                (l.name, l.kind.value, l.page) for l in self.layout.layers if l.kind.value in kinds
+            ], block_size=BLOCK, tp_size=1, tp_rank=0)
+        page = self.layout.layers[0].page.page_bytes
+        blocks = -(-tokens // BLOCK)
+        g = torch.Generator().manual_seed(0)
+        self.views: dict[str, tuple[CacheView, list[int]]] = {}
+        for layer in self.layout.layers:
+            if layer.kind.value not in kinds:
+                continue
+            n = 1 if layer.kind is LayerKind.STATE else blocks
+            buf = torch.empty(n * page, dtype=torch.uint8)
+            view = CacheView(Region(buf, n, page), layer.page, layer.name)
+            for f in layer.page.fields:
+                t = view.tensor(f.name)
+                t.copy_((torch.randn(t.shape, generator=g) * 0.1).to(f.dtype))
+            self.views[layer.name] = (view, list(range(n)))
+        self.packed = {name: self._pack(codecs) for name, codecs in CODEC_SETS.items()}
+        self.raw = {k: p.payload.numpy() for k, p in self.packed["raw"].items()}
+        # bytes of state the request holds (a multiple of BLOCK tokens: no padding rows)
+        assert tokens % BLOCK == 0, "sizes are whole MLA blocks, so every provider moves the same bytes"
+        self.raw_bytes = sum(a.nbytes for a in self.raw.values())
+        self.token_ids = np.arange(tokens, dtype=np.int64)
+
+    def _paged(self, layer: str) -> bool:
+        return self.layout.layer(layer).kind is LayerKind.PAGED
+
+    def _pack(self, codecs):
+        return {(name, f.name): pack(view, f.name, ids, codecs[f.name])
+                for name, (view, ids) in self.views.items() for f in view.page.fields}
+
+    def codecs(self, kind: str) -> dict[str, str]:
+        fields = {f for (_, f) in self.raw}
+        return {f: c for f, c in CODEC_SETS[kind].items() if f in fields}
+
+
+_requests: dict[tuple, Request] = {}
+
+
+def request(tokens: int, kinds=("state", "paged")) -> Request:
+    key = (tokens, kinds)
+    if key not in _requests:
+        _requests[key] = Request(tokens, kinds)
+    return _requests[key]
+
+
+def tree_bytes(path: Path) -> tuple[int, int]:
+    """(sum of file sizes, bytes allocated on disk) under `path`."""
+    size = alloc = 0
+    for p in path.rglob("*"):
+        if p.is_file():
+            st = p.stat()
+            size += st.st_size
+            alloc += st.st_blocks * 512
+    return size, alloc
+
+
+# ----------------------------------------------------------------------------- providers
+
+
+def _layer_file(root: Path, layer: str, field: str | None = None) -> Path:
+    return root / (f"{layer}.{field}.bin" if field else f"{layer}.safetensors")
+
+
+def plain_save(req: Request, root: Path) -> None:
+    for (layer, field), a in req.raw.items():
+        with open(_layer_file(root, layer, field), "wb") as f:
+            f.write(memoryview(a))
+
+
+def plain_load(req: Request, root: Path) -> list[torch.Tensor]:
+    out = []
+    for layer, field in req.raw:
+        with open(_layer_file(root, layer, field), "rb") as f:
+            out.append(torch.frombuffer(bytearray(f.read()), dtype=torch.uint8))
+    return out
+
+
+def safetensors_save(req: Request, root: Path) -> None:
+    from safetensors.torch import save_file
+
+    by_layer: dict[str, dict[str, torch.Tensor]] = {}
+    for (layer, field), p in req.packed["raw"].items():
+        by_layer.setdefault(layer, {})[field] = p.payload.view(p.dtype).reshape(p.shape)
+    for layer, tensors in by_layer.items():
+        save_file(tensors, str(_layer_file(root, layer)))
+
+
+def safetensors_load(req: Request, root: Path) -> list[dict]:
+    from safetensors.torch import load_file
+
+    return [load_file(str(_layer_file(root, layer))) for layer in {k[0] for k in req.raw}]
+
+
+def store_save(req: Request, root: Path, kind: str):
+    with Store.open(root) as store:
+        return store.save(req.layout, req.codecs(kind), req.token_ids, req.packed[kind], anchor="bench")
+
+
+def store_load(req: Request, root: Path, entry: str):
+    store = Store.open(root)  # a fresh Store: the manifest is read inside the timing
+    return [store.load(entry, req.layout, layer, field) for layer, field in req.raw]
+
+
+# ----------------------------------------------------------------------------- harness
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_results(quick):
+    yield
+    if not _rows or quick:  # quick numbers (1 round) must not replace the recorded ones
+        return
+    RESULTS.mkdir(exist_ok=True)
+    fs = subprocess.run(["df", "-T", str(RESULTS)], capture_output=True, text=True).stdout.split("\n")[1:2]
+    (RESULTS / f"cpu-{platform.machine()}-store.json").write_text(json.dumps({
+        "device": f"cpu-{platform.machine()}", "cpus": os.cpu_count(), "torch": torch.__version__,
+        "filesystem": fs[0].split()[1] if fs and fs[0] else "?",
+        "command": ".venv/bin/" + COMMAND,
+        "notes": "no fsync; reads hit the OS page cache (not dropped); ratio_vs_plain = plain median / "
+                 "provider median, measured in the same process",
+        "results": _rows,
+    }, indent=1) + "\n")
+
+
+def _time(fn, setup, rounds: int) -> float:
+    """Median seconds of `fn()` with `setup()` untimed before each round (one warm-up)."""
+    times = []
+    for _ in range(rounds + 1):
+        setup()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
+def _fresh(path: Path) -> Path:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def _plain_median(op: str, req: Request, root: Path, rounds: int) -> float:
+    """The plain-file median for this request and op: the `plain` row of the same run (it runs
+    first in each group), or measured here if that row was deselected."""
+    key = (op, req.tokens, tuple(sorted(req.raw)))
+    if key not in _plain:
+        d = root / "plain-ref"
+        if op == "save":
+            _plain[key] = _time(lambda: plain_save(req, d), lambda: _fresh(d), rounds)
+        else:
+            _fresh(d)
+            plain_save(req, d)
+            _plain[key] = _time(lambda: plain_load(req, d), lambda: None, rounds)
+    return _plain[key]
+
+
+def _run(benchmark, op: str, provider: str, req: Request, root: Path, rounds: int, group: str) -> None:
+    d = root / provider
+    kind = provider.removeprefix("store-")
+    if op == "save":
+        fn = {"plain": lambda: plain_save(req, d), "safetensors": lambda: safetensors_save(req, d)}.get(
+            provider, lambda: store_save(req, d, kind))
+        setup = lambda: (_fresh(d), None)[1]  # noqa: E731
+    else:
+        _fresh(d)
+        if provider.startswith("store"):
+            entry = store_save(req, d, kind).id
+            fn = lambda: store_load(req, d, entry)  # noqa: E731
+        else:
+            (plain_save if provider == "plain" else safetensors_save)(req, d)
+            fn = {"plain": lambda: plain_load(req, d), "safetensors": lambda: safetensors_load(req, d)}[provider]
+        setup = lambda: None  # noqa: E731
+    benchmark.group = group
+    benchmark.pedantic(fn, setup=setup, rounds=rounds, iterations=1, warmup_rounds=1)
+    if provider == "plain":  # the reference of the other providers of this group
+        _plain[(op, req.tokens, tuple(sorted(req.raw)))] = benchmark.stats.stats.median
+    plain = _plain_median(op, req, root, rounds)
+    if op == "save":  # leave the last save on disk to measure it
+        _fresh(d)
+        fn()
+    median = benchmark.stats.stats.median
+    size, alloc = tree_bytes(d)
+    info = {
+        "op": op, "provider": provider, "tokens": req.tokens, "raw_bytes": req.raw_bytes,
+        "median_s": round(median, 6),
+        "state_GBps": round(req.raw_bytes / median / 1e9, 3),  # logical (raw) state bytes per second
+        "io_GBps": round(size / median / 1e9, 3),  # bytes actually written / read per second
+        "stored_bytes": size, "allocated_bytes": alloc,
+        "size_vs_raw": round(size / req.raw_bytes, 4),
+        "plain_median_s": round(plain, 6), "ratio_vs_plain": round(plain / median, 3),
+    }
+    benchmark.extra_info.update(info)
+    _rows.append({"group": group, **info})
+
+
+PROVIDERS = ["plain", "store-raw", "store-quant", "safetensors"]
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("op", ["save", "load"])
+def test_kimi_request(benchmark, op, provider, quick, rounds, tmp_path_factory):
+    """One Kimi-Linear request (tp=1, 7680 tokens, 105 MB of state)."""
+    req = request(TOKENS)
+    _run(benchmark, op, provider, req, tmp_path_factory.mktemp("req"), rounds,
+         f"kimi-linear request tp=1 {TOKENS} tokens {op}")
+
+
+@pytest.mark.parametrize("provider", ["plain", "store-raw"])
+@pytest.mark.parametrize("tokens", SCALE_TOKENS)
+@pytest.mark.parametrize("op", ["save", "load"])
+def test_latent_scaling(benchmark, op, tokens, provider, quick, rounds, tmp_path_factory):
+    """The MLA latent alone (7 layers x tokens x 576 bf16), from 1920 to 122,880 tokens."""
+    if quick and tokens > SCALE_TOKENS[1]:
+        pytest.skip("quick mode: the two smallest sizes only")
+    req = request(tokens, ("paged",))
+    _run(benchmark, op, provider, req, tmp_path_factory.mktemp("lat"), rounds,
+         f"mla latent x7 {tokens} tokens {op}")
