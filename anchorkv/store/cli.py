@@ -57,7 +57,7 @@ def codecs_text(info: EntryInfo) -> str:
 
 
 def _default_store() -> str:
-    from anchorkv.connector.config import DEFAULT_STORE  # the one place the default lives
+    from anchorkv.store.settings import DEFAULT_STORE
 
     return DEFAULT_STORE
 
@@ -212,7 +212,7 @@ def cmd_rm(args) -> int:
 def cmd_gc(args) -> int:
     store = _open(args)
     if args.capacity is not None:
-        from anchorkv.connector.config import parse_size
+        from anchorkv.store.settings import parse_size
 
         store.capacity_bytes = parse_size(args.capacity, "--capacity")
     with _progress() as bar:

@@ -1,0 +1,34 @@
+"""Settings shared by the store, its CLI and the connector: the default location, sizes."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+#: Where the store lives when nobody says (the connector's and the CLI's default).
+DEFAULT_STORE = os.path.join(os.path.expanduser("~"), ".cache", "anchorkv")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(value: Any, key: str = "capacity") -> int | None:
+    """`None`, an int of bytes, or a string like "200GB" / "1.5 TiB"."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{key} must be a size like 200GB or a number of bytes, found {value!r}")
+    if isinstance(value, (int, float)) and value > 0:
+        return int(value)
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ValueError(f"{key} must be a size like 200GB or a number of bytes, found {value!r}")
+    unit = m.group(2).lower().rstrip("b") if m.group(2).lower() not in ("b",) else ""
+    if unit not in _UNITS:
+        raise ValueError(f"{key}: unknown unit in {value!r}; use B, KB, MB, GB, TB or KiB..TiB")
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise ValueError(f"{key} must be positive, found {value!r}")
+    return n
