@@ -55,7 +55,8 @@ class SchedulerSide:
         self.mode = mode
         self.store = store
         self.block_size = next(g.block_size for g in groups if g.kind is GroupKind.PAGED)
-        self._found: dict[str, EntryRef] = {}  # req id -> entry matched by the last lookup
+        # req id -> (entry matched by the last lookup, tokens vLLM had computed locally then)
+        self._found: dict[str, tuple[EntryRef, int]] = {}
         self._pending_loads: list[LoadSpec] = []
         self._pending_saves: list[SaveSpec] = []
         self._requests: dict[str, _Tracked] = {}
@@ -71,6 +72,14 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if request.request_id in self._failed:
             return 0, False  # its load failed once: recompute, do not retry
+        if num_computed_tokens % self.block_size:
+            # A load writes whole paged rows from a block boundary on. vLLM 0.33 floors the
+            # local hit it presents to a block; should it not, load nothing rather than
+            # misplace rows or overwrite the local hit's (shared) partial block.
+            log.debug("anchorkv: request %s: local hit of %d tokens is not block-aligned; no load",
+                      request.request_id, num_computed_tokens)
+            self._found.pop(request.request_id, None)
+            return 0, False
         prompt = list(request.prompt_token_ids or [])
         # never the whole prompt: vLLM must compute at least one token to sample from
         limit = len(prompt) - 1
@@ -89,17 +98,26 @@ class SchedulerSide:
         if ref is None or ref.num_tokens <= num_computed_tokens:
             self._found.pop(request.request_id, None)
             return 0, False
-        self._found[request.request_id] = ref
+        self._found[request.request_id] = (ref, num_computed_tokens)
         return ref.num_tokens - num_computed_tokens, self.config.async_load
 
     def update_state_after_alloc(self, request: Any, block_ids: tuple[list[int], ...],
                                  num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
-        ref = self._found.pop(request.request_id, None)
-        if ref is None:
+        found = self._found.pop(request.request_id, None)
+        if found is None:
             return
-        start = request.num_computed_tokens
+        # The local hit as presented to the lookup: vLLM 0.33 sets request.num_computed_tokens
+        # only after this call (it is 0 here for a new request, local + external for a
+        # deferred load), so it cannot tell where the load starts.
+        ref, start = found
+        if start + num_external_tokens != ref.num_tokens:
+            raise RuntimeError(
+                f"anchorkv: vLLM accepted {num_external_tokens} external tokens for request "
+                f"{request.request_id} after a local hit of {start}; the entry holds the state "
+                f"after {ref.num_tokens} tokens only; this is a bug"
+            )
         blocks = select_blocks(self.groups, block_ids, start, ref.num_tokens, self.mode)
         if blocks is None:
             raise RuntimeError(
