@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from anchorkv.connector.config import DEFAULT_CODECS
+
 #: Suites `anchorkv bench` runs when their file exists, in this order.
 SUITES = ("codec", "kernels", "store")
 
@@ -76,12 +78,21 @@ def _condense(bench_json: dict) -> list[dict]:
 
 
 def run_suites(root: Path, quick: bool, k: str | None, suites: tuple[str, ...]) -> dict:
+    """Run each suite's file under pytest; a suite whose file is absent is reported `missing`.
+
+    Each entry has `status`: `ok`, `failed` (pytest's exit code is neither 0 nor 5, or it wrote
+    no results; the log tail is kept), `missing` (no `benchmarks/bench_<name>.py`) or `empty`
+    (nothing collected, e.g. `-k` matched nothing).
+    """
     env = {**os.environ, "ANCHORKV_BENCH_QUICK": "1" if quick else "0", "PYTHONPATH": str(root)}
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in suites:
             path = root / "benchmarks" / f"bench_{name}.py"
             if not path.exists():
+                out[name] = {"status": "missing", "returncode": None, "seconds": 0.0,
+                             "file": str(path.relative_to(root))}
+                print(f"  suite {name}: MISSING ({path.relative_to(root)} does not exist)")
                 continue
             js = Path(tmp) / f"{name}.json"
             cmd = [sys.executable, "-m", "pytest", str(path), "-q", "-p", "no:cacheprovider",
@@ -91,12 +102,19 @@ def run_suites(root: Path, quick: bool, k: str | None, suites: tuple[str, ...]) 
             rc, secs, tail = _run(cmd, root, env)
             entry = {"returncode": rc, "seconds": secs, "command": " ".join(cmd[1:])}
             if js.exists():
-                entry["benchmarks"] = _condense(json.loads(js.read_text()))
-                entry["machine_info"] = json.loads(js.read_text()).get("machine_info", {}).get("cpu", {})
-            if rc not in (0, 5):  # 5: nothing collected (e.g. -k matched nothing)
+                data = json.loads(js.read_text())
+                entry["benchmarks"] = _condense(data)
+                entry["machine_info"] = data.get("machine_info", {}).get("cpu", {})
+            if rc == 5:
+                entry["status"] = "empty"
+            elif rc == 0 and entry.get("benchmarks"):
+                entry["status"] = "ok"
+            else:
+                entry["status"] = "failed"
                 entry["log_tail"] = tail
             out[name] = entry
-            print(f"  suite {name}: rc={rc} in {secs:.0f} s, {len(entry.get('benchmarks', []))} results")
+            print(f"  suite {name}: {entry['status'].upper()} (rc={rc}) in {secs:.0f} s, "
+                  f"{len(entry.get('benchmarks', []))} results")
     return out
 
 
@@ -128,6 +146,11 @@ def _num(x, spec=".3g") -> str:
     return format(x, spec)
 
 
+def _status(suite: dict) -> str:
+    st = suite.get("status", "ok" if suite.get("returncode") == 0 else "failed")
+    return st if st in ("ok", "empty") else f"**{st.upper()}**"
+
+
 def _table(header: list[str], rows: list[list]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
@@ -139,10 +162,25 @@ def render_markdown(res: dict) -> str:
              f"{res['created']}, mode {res['mode']}, device {res['device'].get('gpu') or 'CPU (torch reference path)'}"
              f", {res['device'].get('cores')} cores, torch {res['device'].get('torch')}; "
              f"command `{res['command']}` ({res['seconds']:.0f} s).", ""]
+    suites = res.get("suites") or {}
+    if suites:
+        rows = [[f"`{n}`", _status(s), len(s.get("benchmarks", [])), _num(s.get("seconds"), ".0f")]
+                for n, s in suites.items()]
+        lines += _table(["suite", "status", "results", "seconds"], rows) + [""]
     fid = res.get("fidelity") or {}
+    if fid and not fid.get("fields"):
+        lines += [f"**Fidelity study FAILED (rc {fid.get('returncode')}); log tail in the JSON.**", ""]
     if fid.get("fields"):
         lines += ["## Fidelity", "", f"Rule: {fid['rule']}.", "",
-                  "Defaults: " + ", ".join(f"`{k}` = **{v}**" for k, v in fid["defaults"].items()), ""]
+                  "Defaults by the rule: " + ", ".join(f"`{k}` = **{v}**" for k, v in fid["defaults"].items()) + "."]
+        shipped = res.get("shipped_defaults")
+        if shipped:
+            same = all(shipped.get(k) == v for k, v in fid["defaults"].items())
+            lines.append(f"Shipped `DEFAULT_CODECS` (anchorkv/connector/config.py): "
+                         + ", ".join(f"`{k}` = {v}" for k, v in shipped.items())
+                         + (" (the same)" if same else " (**DIFFERENT**: this mode's sizes may disagree "
+                            "with the full run that set them)"))
+        lines.append("")
         for name, t in fid.get("size_targets", {}).items():
             lines.append(f"- size target `{name}` <= {t['target']}x raw: default gives "
                          f"{_num(t['default_ratio'], '.4f')}x ({'met' if t['ok'] else 'NOT met'})")
@@ -164,8 +202,12 @@ def render_markdown(res: dict) -> str:
         c = fid["config"]
         lines += [f"KDA: {c['kda_heads']} heads x {c['head_dim']} x {c['head_dim']}, {c['kda_prefix']}-token "
                   f"prefix, {c['steps']} steps continued; MLA: {c['mla_heads']} heads, {c['mla_prefix']}-token "
-                  f"prefix, {c['steps']} query steps. Continuation error = relative L2 error of the "
-                  "layer's outputs per step vs the unquantized continuation.", ""]
+                  f"prefix, {c['steps']} query steps; seed {c['seed']}. Continuation error = relative L2 error "
+                  "per step of the layer's outputs (KDA: per-head RMS-normalized, as o_proj reads them) "
+                  "vs the unquantized continuation. `recurrent` rows give the worse of the state "
+                  "stored `[H, K, V]` (groups along V) and `[H, V, K]` (groups along K); both are in "
+                  "the JSON. Reproduce: `python -m benchmarks.fidelity"
+                  + {"full": "", "quick": " --quick", "tiny": " --tiny"}.get(res["mode"], "") + "`.", ""]
     codec = (res.get("suites") or {}).get("codec", {})
     benches = codec.get("benchmarks", [])
     fields = [b for b in benches if b["name"].startswith("test_field")]
@@ -189,19 +231,30 @@ def render_markdown(res: dict) -> str:
                          f"part equals the fixed part); worst deviation from linear above the knee "
                          f"{fit['max_dev_pct']:.0f}%")
         lines.append("")
-    for name, suite in (res.get("suites") or {}).items():
-        if name == "codec":
+    kern = [b for b in suites.get("kernels", {}).get("benchmarks", []) if "provider" in b["extra_info"]]
+    if kern:
+        lines += ["## Kernels: pack / unpack of one whole Kimi-Linear request (47 items)", ""]
+        rows = [[e["op"], e["tp"], e["provider"] + (f" ({e['backend']})" if e["provider"] == "ours" else ""),
+                 _num(e["source_bytes"] / 1e6, ".1f"), _num(b["median_s"] * 1e3, ".1f"),
+                 _num(e["gbps"], ".2f"), _num(e["copy_gbps"], ".1f"), _num(e["ratio_vs_copy"], ".3f")]
+                for b in sorted(kern, key=lambda b: (b["extra_info"]["op"], b["extra_info"]["tp"]))
+                for e in [b["extra_info"]]]
+        lines += _table(["op", "tp", "provider", "source MB", "median ms", "GB/s", "copy GB/s",
+                         "vs copy"], rows) + [""]
+    for name, suite in suites.items():
+        if name in ("codec", "kernels") or not suite.get("benchmarks"):
             continue
         lines += [f"## Suite `{name}`", ""]
         rows = [[b["name"], _num(b["median_s"] * 1e3, ".3f"),
-                 _num(b["extra_info"].get("gbs"), ".2f"),
+                 _num(b["extra_info"].get("gbs", b["extra_info"].get("gbps")), ".2f"),
                  ", ".join(f"{k}={_num(v) if isinstance(v, float) else v}" for k, v in b["extra_info"].items()
-                           if k != "gbs")[:160]] for b in suite.get("benchmarks", [])]
-        lines += _table(["benchmark", "median ms", "GB/s", "extra"], rows) if rows else ["(no results)"]
-        lines.append("")
-    for name, suite in (res.get("suites") or {}).items():
-        if suite.get("returncode") not in (0, 5):
-            lines += [f"**Suite `{name}` failed (rc {suite['returncode']}).**", ""]
+                           if k not in ("gbs", "gbps"))[:200]] for b in suite["benchmarks"]]
+        lines += _table(["benchmark", "median ms", "GB/s", "extra"], rows) + [""]
+    for name, suite in suites.items():
+        if suite.get("status") == "failed":
+            lines += [f"**Suite `{name}` FAILED (rc {suite['returncode']}); log tail in the JSON.**", ""]
+        elif suite.get("status") == "missing":
+            lines += [f"**Suite `{name}` MISSING: `{suite.get('file')}` does not exist in this checkout.**", ""]
     return "\n".join(lines)
 
 
@@ -227,13 +280,16 @@ def scaling_fit(benches: list[dict]) -> dict:
 
 
 def render_plot(res: dict, path: Path) -> None:
+    """Four panels: throughput vs request size (log-log, with the plain copy of the same bytes),
+    then SQNR, mean and worst-step continuation error vs stored bits per value."""
     import matplotlib
 
     matplotlib.use("Agg")
+    from matplotlib.lines import Line2D
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-    ax = axes[0]
+    fig, axes = plt.subplots(2, 2, figsize=(14, 10))
+    ax = axes[0, 0]
     benches = (res.get("suites") or {}).get("codec", {}).get("benchmarks", [])
     for op, marker in (("pack", "o"), ("unpack", "s")):
         pts = sorted((b["extra_info"]["tokens"], b["extra_info"]["gbs"], b["extra_info"]["copy_gbs"])
@@ -242,48 +298,50 @@ def render_plot(res: dict, path: Path) -> None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=f"{op} (default codecs)")
             if op == "pack":
                 ax.plot([p[0] for p in pts], [p[2] for p in pts], "k--", label="plain copy, same bytes")
+    codecs = next((b["extra_info"].get("codecs") for b in benches if b["name"].startswith("test_scaling")), None)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("latent tokens in the request (KDA state constant)")
+    ax.set_yscale("log")
+    ax.set_xlabel("latent tokens in the request (tp=1; KDA state constant)")
     ax.set_ylabel("GB/s (bytes read + written)")
-    ax.set_title("Throughput vs request size")
+    ax.set_title("Throughput vs request size" + (f"\n{codecs}" if codecs else ""), fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     if ax.lines:
         ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no scaling results", ha="center", transform=ax.transAxes)
     fid = res.get("fidelity") or {}
     colors = {"raw": "k", "fp8": "C0", "int8": "C1", "int4": "C2"}
     markers = {"conv": "^", "recurrent": "o", "latent": "s"}
-    for ax, key, title, log in ((axes[1], "sqnr_db", "Round-trip SQNR vs size", False),
-                                (axes[2], "cont_err_max", "Continuation error vs size", True)):
+    panels = ((axes[0, 1], "sqnr_db", "Round-trip SQNR (dB)", None),
+              (axes[1, 0], "cont_err_mean", "Continuation error, mean over steps", fid.get("threshold")),
+              (axes[1, 1], "cont_err_max", "Continuation error, worst step", fid.get("max_threshold")))
+    for ax, key, title, bound in panels:
         for name, f in (fid.get("fields") or {}).items():
             for r in f["rows"]:
                 val = r[key]
-                if isinstance(val, str) or val is None or (log and val <= 0) or math.isinf(val):
+                if isinstance(val, str) or val is None or math.isinf(val) or (key != "sqnr_db" and val <= 0):
                     continue
-                cid = r["codec"].split(":")[0]
-                ax.scatter(r["bits_per_value"], val, c=colors.get(cid, "C3"), marker=markers.get(name, "x"),
-                           s=60 if r["codec"] == f.get("default") else 25,
-                           edgecolors="r" if r["codec"] == f.get("default") else "none")
+                default = r["codec"] == f.get("default")
+                ax.scatter(r["bits_per_value"], val, c=colors.get(r["codec"].split(":")[0], "C3"),
+                           marker=markers.get(name, "x"), s=90 if default else 30,
+                           edgecolors="r" if default else "none", linewidths=2)
         ax.set_xlabel("stored bits per value (scales included)")
-        ax.set_title(title)
+        ax.set_ylabel(title)
+        ax.set_title(title + " vs size", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        if log:
+        if key != "sqnr_db":
             ax.set_yscale("log")
-            ax.set_ylabel("max over steps of relative output error")
-            if fid.get("threshold"):
-                ax.axhline(fid["threshold"], color="r", ls=":", label=f"mean bound {fid['threshold']:g}")
-                ax.axhline(fid.get("max_threshold", fid["threshold"]), color="r", ls="--",
-                           label=f"max bound {fid.get('max_threshold', fid['threshold']):g}")
-        else:
-            ax.set_ylabel("SQNR (dB)")
-    from matplotlib.lines import Line2D
-
+        if bound:
+            ax.axhline(bound, color="r", ls="--", lw=1)
+            ax.text(ax.get_xlim()[0], bound, f" bound {bound:g}", color="r", va="bottom", fontsize=8)
     handles = [Line2D([], [], color=c, marker="o", ls="", label=k) for k, c in colors.items() if k != "raw"]
     handles += [Line2D([], [], color="gray", marker=m, ls="", label=k) for k, m in markers.items()]
-    handles += [Line2D([], [], color="w", marker="o", markeredgecolor="r", ls="", label="default")]
-    axes[2].legend(handles=handles + axes[2].get_legend_handles_labels()[0], fontsize=8)
-    fig.suptitle(f"anchorkv, {res['machine']} ({res['mode']})")
+    handles += [Line2D([], [], color="w", marker="o", markeredgecolor="r", markeredgewidth=2, ls="",
+                       label="default (rule)")]
+    axes[0, 1].legend(handles=handles, fontsize=8, loc="lower right")
+    fig.suptitle(f"anchorkv, {res['machine']} ({res['mode']} mode)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -312,16 +370,20 @@ def main(args: argparse.Namespace) -> int:
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "anchorkv bench" + (" --quick" if args.quick else "") + (f" -k {args.k!r}" if args.k else ""),
         "suites": suites, "fidelity": fidelity, "defaults": (fidelity or {}).get("defaults"),
+        "shipped_defaults": dict(DEFAULT_CODECS),
         "seconds": time.perf_counter() - t0,
     }
     paths = write_report(res, Path(args.out) if os.path.isabs(args.out) else root / args.out)
     for p in paths.values():
         print(f"  wrote {p}")
-    failed = [n for n, s in suites.items() if s["returncode"] not in (0, 5)]
+    missing = [n for n, s in suites.items() if s["status"] == "missing"]
+    failed = [n for n, s in suites.items() if s["status"] == "failed"]
     if fidelity is not None and fidelity.get("returncode"):
         failed.append("fidelity")
+    if missing:
+        print(f"MISSING suites (reported, not run): {', '.join(missing)}")
     if failed:
-        print(f"FAILED: {', '.join(failed)} (see the log tails in the JSON)")
+        print(f"FAILED: {', '.join(failed)} (see the log tails in {paths['json']})")
         return 1
     return 0
 

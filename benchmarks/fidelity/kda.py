@@ -128,6 +128,16 @@ def kda_layer(x, gate_in, beta_in, p: KDAParams, state: KDAState) -> tuple[torch
     return o, KDAState(conv.to(torch.bfloat16), S)
 
 
+def head_rms_norm(o: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Per-head RMS normalization of outputs `[T, H, V]`: what Kimi-Linear's o_proj reads.
+
+    Why: the layer feeds `RMSNorm(o_h) * sigmoid(gate)` per head into its output projection, so
+    every head counts alike downstream whatever its raw magnitude; the norm's weight and the
+    gate are elementwise and leave relative errors roughly as they are, so they are omitted.
+    """
+    return o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def empty_state(heads: int, head_dim: int) -> KDAState:
     c = heads * head_dim
     return KDAState(

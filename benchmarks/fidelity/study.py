@@ -30,8 +30,10 @@ MAX_THRESHOLD = 5e-2
 RULE = (
     "default = the codec with the fewest stored bytes (scales included) whose continuation "
     f"error after the restore averages under {THRESHOLD:g} over the steps and stays under "
-    f"{MAX_THRESHOLD:g} at every step; ties go to the lower error; group sizes must not depend "
-    "on the tensor-parallel size (so conv's 'whole' is measured but not eligible)"
+    f"{MAX_THRESHOLD:g} at every step; ties go to the lower error. Only group sizes the store "
+    "can hold at every tp are candidates (conv: divisors of its chunk's 512 channels; "
+    "recurrent: divisors of 128, judged on the worse of the two state orientations; latent: "
+    "divisors of 576)"
 )
 #: DESIGN.md's size targets (stored bytes / raw bytes) for the default codec.
 SIZE_TARGETS = {"latent": 0.52, "recurrent": 0.27}
@@ -43,16 +45,21 @@ def _codecs(groups: tuple[str, ...]) -> tuple[str, ...]:
     return ("raw",) + tuple(f"{q}:{g}" for q in _Q for g in groups)
 
 
-#: Codecs tried per field: the group sizes that divide the field's last axis (conv: 4096
-#: channels at tp=1, so "whole" is 4096 here and 1024 at tp=4; recurrent: 128 = whole;
-#: latent: 576 = 512 + 64, not a multiple of 128).
+#: Codecs tried per field: the group sizes the store accepts for the field at every tp
+#: (`anchorkv.store.format`: a group must divide the chunk's last axis). conv is sharded along
+#: its channels, so a chunk holds 4096 / MAX_TP = 512 of them and "whole" would mean a
+#: different group at each tp: 512 stands for the largest group instead. recurrent
+#: `[32, 128, 128]` is sharded on heads: its last axis 128 is whole. latent: 576 = 512 + 64,
+#: not a multiple of 128.
 CODECS = {
-    "conv": _codecs(("32", "64", "128", "whole")),
+    "conv": _codecs(("32", "64", "128", "512")),
     "recurrent": _codecs(("32", "64", "128")),
     "latent": _codecs(("32", "64", "192", "whole")),
 }
-
-
+#: The recurrent state `[H, K, V]` (fla's layout, groups along V) is also studied stored as
+#: `[H, V, K]` (groups along K, as vLLM's transposed gated-delta-net state layout holds it);
+#: a row reports the worse of the two, so the default holds for either layout.
+ORIENTATIONS = ("KV", "VK")
 @dataclass(frozen=True)
 class StudyConfig:
     kda_heads: int = 32
@@ -120,11 +127,14 @@ def study_kda(cfg: StudyConfig, g: torch.Generator) -> dict:
     pre = {k: v[: cfg.kda_prefix] for k, v in inp.items()}
     cont = {k: v[cfg.kda_prefix:] for k, v in inp.items()}
     _, state = kda.kda_layer(pre["x"], pre["gate_in"], pre["beta_in"], params, kda.empty_state(H, D))
-    ref, _ = kda.kda_layer(cont["x"], cont["gate_in"], cont["beta_in"], params, state)
 
     def continue_from(s: kda.KDAState) -> torch.Tensor:
+        """The outputs as the layer's o_proj reads them (per-head RMS-normalized)."""
         out, _ = kda.kda_layer(cont["x"], cont["gate_in"], cont["beta_in"], params, s)
-        return out
+        return kda.head_rms_norm(out)
+
+    raw_out, _ = kda.kda_layer(cont["x"], cont["gate_in"], cont["beta_in"], params, state)
+    ref = kda.head_rms_norm(raw_out)
 
     fields = {}
     for name, x in (("conv", state.conv), ("recurrent", state.recurrent)):
@@ -132,15 +142,29 @@ def study_kda(cfg: StudyConfig, g: torch.Generator) -> dict:
         for codec in CODECS[name]:
             if not _groups_ok(codec, x.shape[-1]):
                 continue
-            y, nbytes = round_trip(x, codec)
-            s = kda.KDAState(y, state.recurrent) if name == "conv" else kda.KDAState(state.conv, y)
-            rows.append({**_size_row(x, y, nbytes, codec), **_cont(ref, continue_from(s)),
-                         "tp_dependent": _tp_dependent(name, codec)})
+            if name == "conv":
+                y, nbytes = round_trip(x, codec)
+                rows.append({**_size_row(x, y, nbytes, codec),
+                             **_cont(ref, continue_from(kda.KDAState(y, state.recurrent)))})
+                continue
+            per = {}
+            for orient in ORIENTATIONS:
+                xo = x if orient == "KV" else x.transpose(-1, -2).contiguous()
+                yo, nbytes = round_trip(xo, codec)
+                y = yo if orient == "KV" else yo.transpose(-1, -2).contiguous()
+                per[orient] = {**_size_row(x, y, nbytes, codec),
+                               **_cont(ref, continue_from(kda.KDAState(state.conv, y)))}
+            worst = max(per.values(), key=lambda r: (r["cont_err_mean"], r["cont_err_max"]))
+            rows.append({**worst, "cont_err_max": max(r["cont_err_max"] for r in per.values()),
+                         "orientations": {o: {k: v for k, v in r.items() if k != "codec"}
+                                          for o, r in per.items()}})
         fields[name] = {"dtype": str(x.dtype).removeprefix("torch."), "shape": list(x.shape),
                         "rows": rows}
     stats = {"state_rms": state.recurrent.pow(2).mean().sqrt().item(),
              "state_absmax": state.recurrent.abs().max().item(),
-             "output_rms": ref.pow(2).mean().sqrt().item()}
+             "output_rms": raw_out.pow(2).mean().sqrt().item(),
+             "gate_min": kda.kda_gate(inp["gate_in"], params).exp().min().item(),
+             "gate_max": kda.kda_gate(inp["gate_in"], params).exp().max().item()}
     return {"fields": fields, "stats": stats, "continue_from": continue_from, "state": state,
             "ref": ref}
 
@@ -170,17 +194,10 @@ def study_mla(cfg: StudyConfig, g: torch.Generator) -> dict:
 # ----------------------------------------------------------------------------- rule
 
 
-def _tp_dependent(field: str, codec: str) -> bool:
-    """A "whole" group of a TP-sharded field is a different group at each tp (conv: 4096
-    channels at tp=1, 1024 at tp=4): not a codec the TP-independent store can default to."""
-    return field == "conv" and CodecSpec.parse(codec).group is None and codec != "raw"
-
-
 def choose_default(rows: list[dict], threshold: float = THRESHOLD,
                    max_threshold: float = MAX_THRESHOLD) -> dict | None:
     """Apply `RULE` to one field's rows: the passing row with the fewest stored bits per value."""
-    ok = [r for r in rows if r["cont_err_mean"] <= threshold and r["cont_err_max"] <= max_threshold
-          and not r.get("tp_dependent")]
+    ok = [r for r in rows if r["cont_err_mean"] <= threshold and r["cont_err_max"] <= max_threshold]
     if not ok:
         return None
     return min(ok, key=lambda r: (round(r["bits_per_value"], 9), r["cont_err_mean"]))
