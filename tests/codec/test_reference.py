@@ -171,3 +171,23 @@ def test_payload_size(fmt):
     expected = {"raw": 1024, "fp8": 512, "int8": 512, "int4": 256}[fmt.value]
     assert payload.numel() == expected
     assert scales.shape == ((0, 0) if fmt is Quant.RAW else (8, 2 if fmt is Quant.INT4 else 1))
+
+
+@pytest.mark.parametrize("fmt,group", [("fp8", 576), ("int8", 64), ("int4", 32)])
+def test_row_slicing_does_not_change_bytes(monkeypatch, fmt, group):
+    """`quantize`/`dequantize` work on cache-sized slices of rows; the bytes must not depend on
+    where the slices are cut (here: one group per slice vs everything in one slice)."""
+    from anchorkv.kernels import reference
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(7, 3, 576, generator=g) * 4).to(torch.bfloat16)
+    x[2, 1, 100] = float("nan")  # a poisoned group inside one slice
+    monkeypatch.setattr(reference, "_SLICE_ELEMENTS", 1 << 30)
+    whole_payload, whole_scales = quantize(x, fmt, group)
+    whole_values = dequantize(whole_payload, whole_scales, fmt, group, tuple(x.shape), x.dtype)
+    monkeypatch.setattr(reference, "_SLICE_ELEMENTS", 1)  # one group per slice
+    payload, scales = quantize(x, fmt, group)
+    assert torch.equal(payload, whole_payload)
+    assert torch.equal(scales.view(torch.int32), whole_scales.view(torch.int32))
+    values = dequantize(payload, scales, fmt, group, tuple(x.shape), x.dtype)
+    assert torch.equal(values.view(torch.int16), whole_values.view(torch.int16))
