@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from anchorkv.codec import CacheView, LayerKind, ModelLayout, Packed, pack, unpack
+from anchorkv.codec import CacheView, LayerKind, ModelLayout, Packed, pack_many, unpack_many
 from anchorkv.codec.layout import Field, PageLayout
 from anchorkv.connector.config import ConnectorConfig
 from anchorkv.connector.plan import GroupInfo, GroupKind, LoadSpec, Metadata, SaveSpec
@@ -92,15 +92,22 @@ class WorkerSide:
                 self._save_pool.submit(self._write, spec, packed, ready)
 
     def _pack(self, spec: SaveSpec) -> tuple[dict[PartKey, Packed], Any]:
+        """Pack every (layer, field) of the request in a few launches; on CUDA, on the side
+        stream after the forward pass, then copy to pinned host memory there too. Returns the
+        host-bound parts and an event the writer thread waits on (None on a CPU)."""
         stream = self._stream
         if stream is not None:  # order after the forward pass without blocking the host
             stream.wait_stream(torch.cuda.current_stream(stream.device))
-        out: dict[PartKey, Packed] = {}
+        parts = list(self._parts(spec.blocks))
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for layer, fname, ids, kind in self._parts(spec.blocks):
-                p = pack(self.views[layer], fname, ids, self.config.codec_for(fname))
+            packed = pack_many([(self.views[layer], fname, ids, self.config.codec_for(fname))
+                                for layer, fname, ids, kind in parts])
+            out: dict[PartKey, Packed] = {}
+            for (layer, fname, ids, kind), p in zip(parts, packed):
                 if kind is GroupKind.PAGED:
                     p = p.reshape(p.shape[0] * p.shape[1], *p.shape[2:]).narrow(0, spec.num_tokens)
+                if stream is not None:
+                    p = _to_pinned_host(p)
                 out[(layer, fname)] = p
             ready = None
             if stream is not None:
@@ -112,8 +119,8 @@ class WorkerSide:
         t0 = time.perf_counter()
         try:
             if ready is not None:
-                ready.synchronize()
-            host = {k: p.to("cpu") for k, p in packed.items()}
+                ready.synchronize()  # the pinned host copies are complete
+            host = {k: p.to("cpu") for k, p in packed.items()}  # no copy when already on the host
             poisoned = sum(p.poisoned_groups() for p in host.values())
             if poisoned:
                 log.warning("anchorkv: request %s has %d groups with NaN/Inf state; not saved",
@@ -180,20 +187,25 @@ class WorkerSide:
         return parts
 
     def _restore(self, spec: LoadSpec, parts: dict[PartKey, Packed]) -> None:
+        """Unpack every part into the request's blocks in a few launches (paged fields: whole
+        blocks, then the first rows of a partial last block)."""
+        work = []
+        for layer, fname, ids, kind in self._parts(spec.blocks):
+            view, p = self.views[layer], parts[(layer, fname)]
+            if kind is GroupKind.STATE:
+                work.append((p, view, fname, ids))
+                continue
+            bs = view.page.field(fname).shape[0]
+            full, tail = divmod(p.shape[0], bs)
+            if full:
+                work.append((p.narrow(0, full * bs).reshape(full, bs, *p.shape[1:]), view, fname, ids[:full]))
+            if tail:  # a partial last block: only its first `tail` rows
+                rows = _leading_rows(view, fname, tail)
+                work.append((p.narrow(full * bs, tail).reshape(1, tail, *p.shape[1:]), rows, fname,
+                             ids[full:full + 1]))
         stream = self._stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for layer, fname, ids, kind in self._parts(spec.blocks):
-                view, p = self.views[layer], parts[(layer, fname)]
-                if kind is GroupKind.STATE:
-                    unpack(p, view, fname, ids)
-                    continue
-                bs = view.page.field(fname).shape[0]
-                full, tail = divmod(p.shape[0], bs)
-                if full:
-                    unpack(p.narrow(0, full * bs).reshape(full, bs, *p.shape[1:]), view, fname, ids[:full])
-                if tail:  # a partial last block: only its first `tail` rows
-                    rows = _leading_rows(view, fname, tail)
-                    unpack(p.narrow(full * bs, tail).reshape(1, tail, *p.shape[1:]), rows, fname, ids[full:full + 1])
+            unpack_many(work)
             if stream is not None:
                 stream.synchronize()
 
@@ -237,6 +249,15 @@ class WorkerSide:
     def shutdown(self) -> None:
         self._save_pool.shutdown(wait=True)
         self._load_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _to_pinned_host(p: Packed) -> Packed:
+    """An asynchronous copy of `p` into pinned host memory (on the current stream)."""
+    payload = torch.empty(p.payload.shape, dtype=p.payload.dtype, pin_memory=True)
+    scales = torch.empty(p.scales.shape, dtype=p.scales.dtype, pin_memory=True)
+    payload.copy_(p.payload, non_blocking=True)
+    scales.copy_(p.scales, non_blocking=True)
+    return Packed(p.codec, p.shape, p.dtype, payload, scales)
 
 
 def _leading_rows(view: CacheView, fname: str, rows: int) -> CacheView:

@@ -15,8 +15,10 @@ from anchorkv.codec import (
     get_codec,
     kimi_linear_layout,
     pack,
+    pack_many,
     register_codec,
     unpack,
+    unpack_many,
 )
 from anchorkv.codec import registry
 from anchorkv.kernels import dispatch
@@ -180,3 +182,45 @@ def test_packed_rows_narrow_reshape_cat_match_direct_packing(kimi_views, codec):
     assert torch.equal(again.payload, whole.payload) and again.shape == (2, 256, 576)
     with pytest.raises(ValueError, match="last axis"):
         whole.reshape(1024, 288)
+
+
+def _same(a: Packed, b: Packed) -> bool:
+    return (a.codec == b.codec and a.shape == b.shape and a.dtype == b.dtype
+            and torch.equal(a.payload, b.payload)
+            and torch.equal(a.scales.view(torch.int32), b.scales.view(torch.int32)))
+
+
+def test_pack_many_and_unpack_many_equal_one_by_one(kimi_views, monkeypatch):
+    """The batched API (what the connector uses for a whole request) gives the same Packed and
+    writes the same bytes as pack/unpack per item, a custom codec mixed in included."""
+    monkeypatch.setattr(registry, "_codecs", dict(registry._codecs))
+    register_codec(HalfCodec)
+    buf, kda, mla = kimi_views
+    requests = [(kda, "recurrent", [1], "int8:128"), (kda, "conv", [2, 1], "fp8:64"),
+                (mla, "latent", [3, 4], "fp8:whole"), (kda, "recurrent", [2], "test-half"),
+                (mla, "latent", [5], "int4:64"), (kda, "conv", [1], "raw")]
+    many = pack_many(requests)
+    assert len(many) == len(requests)
+    for got, (view, field, ids, codec) in zip(many, requests):
+        assert _same(got, pack(view, field, ids, codec)), (field, codec)
+    targets = [[4], [0, 5], [0, 1], [3], [2], [0]]
+    fields = [(r[0], r[1]) for r in requests]
+    # one by one into a copy, batched into the original; the regions must end byte-identical
+    # (each target pair is disjoint within one batch: the first three, then the rest)
+    for lo, hi in ((0, 3), (3, 6)):
+        expect = buf.clone()
+        exp_views = {id(v): CacheView(Region(expect, 6, v.region.block_stride), v.page, v.name) for v in (kda, mla)}
+        for p, (view, field), ids in zip(many[lo:hi], fields[lo:hi], targets[lo:hi]):
+            unpack(p, exp_views[id(view)], field, ids)
+        unpack_many([(p, view, field, ids) for p, (view, field), ids in zip(many[lo:hi], fields[lo:hi], targets[lo:hi])])
+        assert torch.equal(buf, expect)
+
+
+def test_unpack_many_checks_everything_before_writing(kimi_views):
+    buf, kda, mla = kimi_views
+    before = buf.clone()
+    good = pack(kda, "recurrent", [1], "int8:128")
+    bad = pack(kda, "conv", [1, 2], "raw")  # two blocks packed, one target given
+    with pytest.raises(ValueError, match="cannot unpack into field 'conv'"):
+        unpack_many([(good, kda, "recurrent", [4]), (bad, kda, "conv", [5])])
+    assert torch.equal(buf, before)
