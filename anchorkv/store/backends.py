@@ -36,20 +36,24 @@ class LocalBackend:
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root).expanduser().resolve()
         self.url = str(self.root)
+        self._prefix = os.path.join(self.url, "")  # hot paths join strings, not `Path`s
 
     def _p(self, path: str) -> Path:
         return self.root / path
+
+    def _s(self, path: str) -> str:
+        return self._prefix + path
 
     def ensure_root(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def read(self, path: str) -> bytes:
-        with open(self._p(path), "rb") as f:
+        with open(self._s(path), "rb") as f:
             return f.read()
 
     def read_into(self, path: str, buffers: list[memoryview]) -> int:
         """Read a whole file into `buffers` in order (one `preadv`); returns the file size."""
-        fd = os.open(self._p(path), os.O_RDONLY)
+        fd = os.open(self._s(path), os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
             got = os.preadv(fd, buffers, 0) if buffers else 0
@@ -65,17 +69,22 @@ class LocalBackend:
 
     def write(self, path: str, buffers: Buffers, *, atomic: bool = False) -> None:
         """Write a file from `buffers`; `atomic`: via a temp file and `os.replace` (metadata)."""
-        target = self._p(path)
-        dest = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp") if atomic else target
+        target = self._s(path)
+        if atomic:
+            head, name = os.path.split(target)
+            dest = os.path.join(head, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
+        else:
+            dest = target
         try:
             fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        except FileNotFoundError:
-            dest.parent.mkdir(parents=True, exist_ok=True)
+        except FileNotFoundError:  # the first file of its directory (one mkdir per array)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
             fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             views = [memoryview(b).cast("B") for b in buffers]
-            total, done = sum(v.nbytes for v in views), 0
-            while done < total:
+            total = sum(v.nbytes for v in views)
+            done = os.writev(fd, views) if len(views) > 1 else os.write(fd, views[0]) if views else 0
+            while done < total:  # short writes are legal; resume after what was written
                 done += os.writev(fd, _advance(views, done))
         finally:
             os.close(fd)
@@ -83,7 +92,7 @@ class LocalBackend:
             os.replace(dest, target)
 
     def exists(self, path: str) -> bool:
-        return self._p(path).exists()
+        return os.path.exists(self._s(path))
 
     def list_dir(self, prefix: str) -> list[str]:
         try:

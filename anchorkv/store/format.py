@@ -22,6 +22,7 @@ make the groups depend on the tp the entry was written at.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import functools
 from functools import cached_property
 import math
 from typing import Any
@@ -167,6 +168,15 @@ class ChunkCodec:
     def zeros(self, shape: tuple[int, ...]) -> "Encoded":
         """The encoding of a zero block (zarr's fill value): what padding rows hold."""
         return self.split(self.encode(np.zeros(shape, np.float32)), shape)
+
+
+@functools.lru_cache(maxsize=64)
+def zero_chunk(codec: ChunkCodec, shape: tuple[int, ...]) -> "Encoded":
+    """`codec.zeros(shape)`, computed once per process (read-only views: copy before writing)."""
+    z = codec.zeros(tuple(shape))
+    z.payload.flags.writeable = False
+    z.scales.flags.writeable = False
+    return z
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ On disk (paths relative to the store root)::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import functools
 import json
 import re
 import time
@@ -44,7 +45,13 @@ def group_json(attributes: dict[str, Any] | None = None) -> bytes:
 
 
 def array_json(array: ArrayLayout, compressor: dict[str, Any] | None) -> bytes:
-    """The ``zarr.json`` of one array, as zarr-python itself writes it (made by zarr)."""
+    """The ``zarr.json`` of one array, as zarr-python itself writes it (made by zarr; cached)."""
+    return _array_json(array, json.dumps(compressor, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _array_json(array: ArrayLayout, compressor_key: str) -> bytes:
+    compressor = json.loads(compressor_key)
     from zarr.storage import MemoryStore
     import zarr
 

@@ -8,7 +8,7 @@ nothing.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 import contextlib
 import json
 import logging
@@ -26,7 +26,7 @@ from anchorkv.codec.spec import CodecSpec
 from anchorkv.store import eviction
 from anchorkv.store.backends import open_backend
 from anchorkv.store.errors import CorruptEntry, EntryNotFound, FingerprintMismatch, FormatError
-from anchorkv.store.format import FORMAT_VERSION, TOKEN_CHUNK, ArrayLayout, Encoded, array_layouts
+from anchorkv.store.format import FORMAT_VERSION, TOKEN_CHUNK, ArrayLayout, Encoded, array_layouts, zero_chunk
 from anchorkv.store.keys import PrefixHasher, TOKEN_BLOCK, anchor_key, check_key, normalize_anchor, token_key
 from anchorkv.store.manifest import (
     ENTRIES,
@@ -39,10 +39,13 @@ from anchorkv.store.manifest import (
     parse_entry_name,
     parse_group,
 )
-from anchorkv.store.writer import STAGING, EntryWriter, chunk_region, chunks_in, commit_staged, overlap, rank_region
+from anchorkv.store.writer import STAGING, EntryWriter, chunk_plan, commit_staged, rank_region
 
 log = logging.getLogger("anchorkv.store")
 Mode = Literal["exact", "semantic"]
+#: Threads that write the chunks of one `write_layer` call in parallel (os.write and crc32c
+#: release the GIL; 2 measured best on 2 CPU cores, benchmarks/bench_store.py); 1: serial.
+CHUNK_THREADS = 2
 
 
 class Store:
@@ -53,6 +56,7 @@ class Store:
         self.capacity_bytes = capacity_bytes
         self._io_threads = io_threads
         self._pool: ThreadPoolExecutor | None = None
+        self._chunk_pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._infos: dict[str, EntryInfo] = {}
         self._arrays: dict[str, dict[str, ArrayLayout]] = {}
@@ -291,10 +295,8 @@ class Store:
         out = codec.views(payload, scales, block)
         with self.pins.pinned(info.id):
             direct = info.manifest.get("compressor") is None
-            for coords in chunks_in(array, region):
-                into_chunk, into_out = overlap(chunk_region(array, coords), region)
+            for key, coords, into_chunk, into_out, whole in chunk_plan(array, region):
                 dst = out.region(into_out)
-                whole = all(s.stop - s.start == c for s, c in zip(into_chunk, array.chunks))
                 if direct and whole and dst.payload.flags.c_contiguous and dst.scales.flags.c_contiguous:
                     self._read_chunk_into(info, array, coords, dst)
                 else:
@@ -304,7 +306,7 @@ class Store:
                 if region[1].stop > end:
                     lo = max(0, end - start_token)
                     tail = out.region((slice(0, 1), slice(lo, block[1]), *[slice(0, n) for n in block[2:]]))
-                    _copy(tail, codec.zeros((1, 1, *block[2:])), broadcast=True)
+                    _copy(tail, zero_chunk(codec, (1, 1, *block[2:])), broadcast=True)
             self._touch(info.id)
         cols = codec.columns
         return Packed(codec.spec, shape, lf.dtype, torch.from_numpy(payload),
@@ -444,10 +446,26 @@ class Store:
                 self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="anchorkv-io")
         return self._pool.submit(fn, *args, **kwargs)
 
+    def _chunk_map(self, fn: Callable[[Any, Any], int], items: list[tuple]) -> list[int]:
+        """`[fn(*item) for item in items]`, on CHUNK_THREADS threads of their own (not the I/O
+        pool, whose tasks call this) when there are several; returns only once every call has
+        ended (so an abort never races a chunk write), raising the first error."""
+        if len(items) < 2 or CHUNK_THREADS < 2:
+            return [fn(*item) for item in items]
+        with self._lock:
+            if self._chunk_pool is None:
+                self._chunk_pool = ThreadPoolExecutor(CHUNK_THREADS, thread_name_prefix="anchorkv-chunk")
+        futures = [self._chunk_pool.submit(fn, *item) for item in items]
+        wait(futures)
+        return [f.result() for f in futures]
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._chunk_pool is not None:
+            self._chunk_pool.shutdown(wait=True)
+            self._chunk_pool = None
 
     def __enter__(self) -> "Store":
         return self

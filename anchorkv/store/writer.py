@@ -21,6 +21,7 @@ the oldest (gc removes the other).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,7 @@ import numpy as np
 from anchorkv.codec.packed import Packed
 from anchorkv.kernels.formats import Quant
 from anchorkv.store.errors import FormatError, IncompleteEntry
-from anchorkv.store.format import ArrayLayout, Encoded
+from anchorkv.store.format import ArrayLayout, Encoded, zero_chunk
 from anchorkv.store.manifest import (
     ENTRIES,
     EntryInfo,
@@ -68,6 +69,23 @@ def chunks_in(array: ArrayLayout, region: list[slice]) -> list[tuple[int, ...]]:
     return list(itertools.product(*ranges))
 
 
+@functools.lru_cache(maxsize=8192)
+def _plan(array: ArrayLayout, bounds: tuple[tuple[int, int], ...]) -> tuple:
+    out = []
+    region = [slice(a, b) for a, b in bounds]
+    for coords in chunks_in(array, region):
+        into_chunk, into_region = overlap(chunk_region(array, coords), region)
+        whole = all(s.stop - s.start == c for s, c in zip(into_chunk, array.chunks))
+        out.append((array.chunk_key(coords), coords, into_chunk, into_region, whole))
+    return tuple(out)
+
+
+def chunk_plan(array: ArrayLayout, region: list[slice]) -> tuple:
+    """For each chunk that intersects `region`: (key, coords, slices into the chunk, slices
+    into the region's block, whether the chunk is covered whole); cached per array and region."""
+    return _plan(array, tuple((s.start, s.stop) for s in region))
+
+
 def chunk_region(array: ArrayLayout, coords: tuple[int, ...]) -> list[slice]:
     return [slice(i * c, (i + 1) * c) for i, c in zip(coords, array.chunks)]
 
@@ -98,7 +116,6 @@ class EntryWriter:
         self.data = store.backend.data_prefix(self.final, self.write_id)
         self.checksums: dict[str, list[int]] = {}
         self._compressor = numcodecs_compressor(header["compressor"])
-        self._zeros: dict[tuple, Encoded] = {}
 
     @property
     def tp_size(self) -> int:
@@ -128,15 +145,13 @@ class EntryWriter:
         region = rank_region(array, index, self.tp_size, self.tp_rank)
         if array.kind == "paged":  # the rank block covers tokens [0, N*block_size)
             region[1] = slice(0, min(enc.payload.shape[1], array.shape[1]))
-        written = 0
-        for coords in chunks_in(array, region):
-            creg = chunk_region(array, coords)
-            into_chunk, into_rank = overlap(creg, region)
+        parts = []
+        for key, _, into_chunk, into_rank, whole in chunk_plan(array, region):
             part = enc.region(into_rank)
-            if any(s.stop - s.start != c for s, c in zip(into_chunk, array.chunks)):
+            if not whole:
                 part = self._padded(array, part, into_chunk)
-            written += self._put_chunk(array.chunk_key(coords), part.buffers())
-        return written
+            parts.append((key, part.buffers()))
+        return sum(self.store._chunk_map(self._put_chunk, parts))
 
     def _array(self, field: str) -> ArrayLayout:
         try:
@@ -178,10 +193,7 @@ class EntryWriter:
 
     def _padded(self, array: ArrayLayout, part: Encoded, into_chunk: tuple[slice, ...]) -> Encoded:
         """A whole edge chunk: `part` in its place, the rest the encoding of zeros (zarr's fill)."""
-        key = (array.field, array.chunks)
-        if key not in self._zeros:
-            self._zeros[key] = array.codec.zeros(array.chunks)
-        z = self._zeros[key]
+        z = zero_chunk(array.codec, array.chunks)
         full = Encoded(z.codec, z.payload.copy(), z.scales.copy())
         dst = full.region(into_chunk)
         np.copyto(dst.payload, part.payload)
