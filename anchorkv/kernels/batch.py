@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from anchorkv.kernels import reference
 from anchorkv.kernels.formats import SCALE_COLUMNS, Quant, payload_nbytes, resolve_group
 from anchorkv.kernels.geometry import StridedField
 
@@ -171,15 +172,7 @@ def check_ids(block_ids, num_blocks: int) -> torch.Tensor:
     Ids on a GPU are copied to the host (a synchronization): pass them as a list or a CPU tensor
     on the hot path.
     """
-    ids = torch.as_tensor(block_ids, dtype=torch.int64).cpu()
-    if ids.dim() != 1:
-        raise ValueError(f"block ids must be a 1-D tensor, found shape {tuple(ids.shape)}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-        raise IndexError(
-            f"block ids must lie in [0, {num_blocks}), found min {int(ids.min())} "
-            f"and max {int(ids.max())}"
-        )
-    return ids
+    return reference.check_block_ids(torch.as_tensor(block_ids, dtype=torch.int64).cpu(), num_blocks)
 
 
 def byte_address(t: torch.Tensor) -> int:

@@ -53,7 +53,7 @@ _CANONICAL_NAN = {
 # ----------------------------------------------------------------------------- gather/scatter
 
 
-def _check_block_ids(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
+def check_block_ids(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
     ids = torch.as_tensor(block_ids, dtype=torch.int64)
     if ids.dim() != 1:
         raise ValueError(f"block ids must be a 1-D tensor, found shape {tuple(ids.shape)}")
@@ -67,7 +67,7 @@ def _check_block_ids(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 def gather(buffer: torch.Tensor, field: StridedField, block_ids, num_blocks: int) -> torch.Tensor:
     """Copy the selected blocks of `field` out of `buffer`: a contiguous `[N, *F]` tensor."""
-    ids = _check_block_ids(block_ids, num_blocks).to(buffer.device)
+    ids = check_block_ids(block_ids, num_blocks).to(buffer.device)
     return field_view(buffer, field, num_blocks).index_select(0, ids).contiguous()
 
 
@@ -75,7 +75,7 @@ def scatter(
     buffer: torch.Tensor, field: StridedField, block_ids, num_blocks: int, values: torch.Tensor
 ) -> None:
     """Write `values` `[N, *F]` into the selected blocks of `field`; no other byte changes."""
-    ids = _check_block_ids(block_ids, num_blocks)
+    ids = check_block_ids(block_ids, num_blocks)
     expected = (ids.numel(), *field.shape)
     if tuple(values.shape) != expected or values.dtype != field.dtype:
         raise ValueError(
