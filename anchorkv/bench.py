@@ -345,13 +345,25 @@ def render_plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def finite(obj):
+    """`obj` with +-inf and NaN floats as strings, so strict JSON parsers accept it
+    (a raw codec's SQNR is inf; a timing can be too)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
 def write_report(res: dict, out: Path) -> dict[str, Path]:
     """Write `<machine>.json`, `.md` and `.png` under `out`; return their paths."""
     out.mkdir(parents=True, exist_ok=True)
     benches = (res.get("suites") or {}).get("codec", {}).get("benchmarks", [])
     res["scaling_fit"] = scaling_fit(benches)
     paths = {ext: out / f"{res['machine']}.{ext}" for ext in ("json", "md", "png")}
-    paths["json"].write_text(json.dumps(res, indent=1, allow_nan=False, default=str) + "\n")
+    paths["json"].write_text(json.dumps(finite(res), indent=1, allow_nan=False, default=str) + "\n")
     paths["md"].write_text(render_markdown(res) + "\n")
     render_plot(res, paths["png"])
     return paths

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from anchorkv.bench import finite  # noqa: F401  (re-exported: the study's JSON)
 from anchorkv.codec import CodecSpec, get_codec
 
 from . import data, kda, mla
@@ -255,14 +256,3 @@ def run_study(cfg: StudyConfig | None = None) -> dict:
         "synthetic": synthetic_table(cfg, g),
         "runtime_s": time.perf_counter() - t0,
     }
-
-
-def finite(obj):
-    """`obj` with +-inf and NaN floats as strings, so strict JSON parsers accept it."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [finite(v) for v in obj]
-    return obj
