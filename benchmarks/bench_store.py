@@ -6,7 +6,8 @@ with `anchorkv.codec.pack`: 20 KDA layers x (conv `[3, 3, 4096]` bf16 + recurren
 
 Providers (all in the same process, on the same filesystem, none calls fsync):
     store-raw     `Store.save` / `Store.load` with the raw codec: the same bytes as `plain`,
-                  cut into 376 chunks with crc32c, manifest, staged commit and rename
+                  as 47 zarr shard files (format version 2; 376 inner chunks, each with its
+                  crc32c, and a shard index), manifest, staged commit and rename
     store-quant   the same with conv int8:128, recurrent int8:128, latent fp8:64 (the packing
                   is done before timing: the kernels have their own benchmark)
     plain         the same raw bytes as one file per (layer, field): open, write, close /
@@ -19,6 +20,9 @@ compression makes it exceed what the disk moves), `io_GBps` (stored bytes / time
 bytes (on disk), and `ratio_vs_plain` = plain time / this time measured in the same
 run (>= 0.8 is the target). Reads are served from the OS page cache (nothing is dropped),
 and writes end in the page cache (no fsync): these are software-path numbers, not disk ones.
+Before each save round (untimed) the target directory is emptied and `os.sync()` flushes the
+dirty pages left by earlier rounds, so no round is throttled by the kernel's writeback of
+another round's (or provider's) data.
 
 A second table scales the MLA latent alone (7 layers) from 1920 to 122,880 tokens (quick mode:
 the two smallest), store-raw against plain. Results: `benchmarks/results/cpu-<arch>-store.json`.
@@ -213,7 +217,7 @@ def _plain_median(op: str, req: Request, root: Path, rounds: int) -> float:
     if key not in _plain:
         d = root / "plain-ref"
         if op == "save":
-            _plain[key] = _time(lambda: plain_save(req, d), lambda: _fresh(d), rounds)
+            _plain[key] = _time(lambda: plain_save(req, d), lambda: (_fresh(d), os.sync()), rounds)
         else:
             _fresh(d)
             plain_save(req, d)
@@ -227,7 +231,7 @@ def _run(benchmark, op: str, provider: str, req: Request, root: Path, rounds: in
     if op == "save":
         fn = {"plain": lambda: plain_save(req, d), "safetensors": lambda: safetensors_save(req, d)}.get(
             provider, lambda: store_save(req, d, kind))
-        setup = lambda: (_fresh(d), None)[1]  # noqa: E731
+        setup = lambda: (_fresh(d), os.sync(), None)[-1]  # noqa: E731  (untimed; see the docstring)
     else:
         _fresh(d)
         if provider.startswith("store"):

@@ -1,6 +1,7 @@
 """Where entry bytes live: a local directory (default) or an S3-compatible object store.
 
 The store only needs a few operations, so a backend is small: whole-object reads and writes,
+byte-range reads (`read_ranges_into`: an inner chunk of a shard),
 listing one level of a prefix, deleting a prefix, and `publish`, the step that makes an entry
 visible. Paths are '/'-separated, relative to the store root, and built by the store from hex
 keys and fixed names only.
@@ -51,19 +52,29 @@ class LocalBackend:
         with open(self._s(path), "rb") as f:
             return f.read()
 
-    def read_into(self, path: str, buffers: list[memoryview]) -> int:
-        """Read a whole file into `buffers` in order (one `preadv`); returns the file size."""
+    def read_ranges_into(self, path: str, ranges: list[tuple[int, list[memoryview]]]) -> tuple[int, list[int]]:
+        """Read byte ranges of a file into buffers: each range `(offset, buffers)` fills its
+        buffers in order from `offset`; adjacent ranges are read by one `preadv`. Returns (the
+        file size, bytes read per range: less than asked where the file ends early)."""
         fd = os.open(self._s(path), os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            got = os.preadv(fd, buffers, 0) if buffers else 0
-            want = sum(b.nbytes for b in buffers)
-            while got < min(size, want):  # short reads are legal; finish with plain reads
-                n = os.preadv(fd, _advance(buffers, got), got)
-                if n <= 0:
-                    break
-                got += n
-            return size
+            got = []
+            i = 0
+            while i < len(ranges):  # a run of ranges that follow each other in the file
+                start = end = ranges[i][0]
+                views: list[memoryview] = []
+                j = i
+                while j < len(ranges) and ranges[j][0] == end:
+                    views += ranges[j][1]
+                    end += sum(v.nbytes for v in ranges[j][1])
+                    j += 1
+                n = _preadv_all(fd, views, start, min(end, size) - start)
+                for k in range(i, j):
+                    want = sum(v.nbytes for v in ranges[k][1])
+                    got.append(max(0, min(want, n - (ranges[k][0] - start))))
+                i = j
+            return size, got
         finally:
             os.close(fd)
 
@@ -173,6 +184,19 @@ class LocalBackend:
         return LocalStore(self.root, read_only=read_only)
 
 
+def _preadv_all(fd: int, views: list[memoryview], offset: int, limit: int) -> int:
+    """`preadv` at `offset` until `limit` bytes (or end of file) are read; returns bytes read."""
+    if limit <= 0 or not views:
+        return 0
+    got = os.preadv(fd, views, offset)
+    while got < limit:  # short reads are legal; finish them
+        n = os.preadv(fd, _advance(views, got), offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got
+
+
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:
     """`views` with their first `n` bytes dropped (to resume a short `writev`/`preadv`)."""
     out = []
@@ -233,14 +257,51 @@ class ObjectBackend:
                 raise FileNotFoundError(path) from e
             raise
 
-    def read_into(self, path: str, buffers: list[memoryview]) -> int:
-        data = memoryview(self.read(path))
-        done = 0
-        for b in buffers:
-            n = min(b.nbytes, len(data) - done)
-            b[:n] = data[done : done + n]
-            done += n
-        return len(data)
+    def read_ranges_into(self, path: str, ranges: list[tuple[int, list[memoryview]]]) -> tuple[int, list[int]]:
+        """As `LocalBackend.read_ranges_into`: one ranged GET from the first range's start to
+        the last one's end (a rank's chunks lie together in a shard), copied into the buffers."""
+        import obstore
+
+        if not ranges:
+            return self.size(path), []
+        start = min(r[0] for r in ranges)
+        end = max(r[0] + sum(v.nbytes for v in r[1]) for r in ranges)
+        try:
+            res = obstore.get(self.store, path, options={"range": (start, end)})
+            data, size = memoryview(res.bytes()), int(res.meta["size"])
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            if "not found" in str(e).lower():
+                raise FileNotFoundError(path) from e
+            size = self.size(path)  # e.g. the range starts past the end of a truncated object
+            if size >= end:
+                raise
+            data = memoryview(b"")
+        got = []
+        for offset, views in ranges:
+            pos, n = offset - start, 0
+            for v in views:
+                k = max(0, min(v.nbytes, len(data) - pos))
+                v[:k] = data[pos : pos + k]
+                n += k
+                pos += v.nbytes
+                if k < v.nbytes:
+                    break
+            got.append(n)
+        return size, got
+
+    def size(self, path: str) -> int:
+        import obstore
+
+        try:
+            return int(obstore.head(self.store, path)["size"])
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            if "not found" in str(e).lower():
+                raise FileNotFoundError(path) from e
+            raise
 
     def write(self, path: str, buffers: Buffers, *, atomic: bool = False) -> None:
         import obstore

@@ -161,7 +161,8 @@ def cmd_inspect(args) -> int:
         ("codecs", codecs_text(info) + (f" + {m['compressor']['id']}" if m.get("compressor") else "")),
         ("created", f"{created} ({human_age(t - info.created)} ago)"),
         ("last use", "-" if last is None else f"{human_age(t - last)} ago"),
-        ("format", f"version {m['format_version']}, {len(m['checksums'])} chunks (crc32c)"),
+        ("format", f"version {m['format_version']}, {len(m['shards'])} shards of {len(m['checksums'])} chunks "
+                   "(crc32c per shard and per chunk)"),
     ]
     console = _console()
     for k, v in rows:
@@ -169,12 +170,13 @@ def cmd_inspect(args) -> int:
     from rich.table import Table
 
     table = Table()
-    for col in ("array", "kind", "layers", "shape", "chunks", "codec", "source", "stored"):
+    for col in ("array", "kind", "layers", "shape", "chunks", "shards", "codec", "source", "stored"):
         table.add_column(col)
     for name, a in info.arrays().items():
-        stored = sum(v[1] for k, v in m["checksums"].items() if k.startswith(f"{name}/"))
+        stored = sum(v[1] for k, v in m["shards"].items() if k.startswith(f"{name}/"))
         codec = str(a.codec.spec) if a.codec.group else a.codec.format.value
-        table.add_row(name, a.kind, str(len(a.layers)), str(list(a.shape)), str(list(a.chunks)), codec,
+        table.add_row(name, a.kind, str(len(a.layers)), str(list(a.shape)), str(list(a.chunks)),
+                      str(list(a.shards)), codec,
                       a.codec.source_dtype, human_bytes(stored))
     console.print(table)
     return 0
@@ -186,7 +188,7 @@ def cmd_verify(args) -> int:
     chosen = [resolve(store, e, entries) for e in args.entry] if args.entry else entries
     problems: list[str] = []
     with _progress() as bar:
-        total = sum(len(a.all_chunks()) for e in chosen for a in e.arrays().values())
+        total = sum(len(a.all_shards()) for e in chosen for a in e.arrays().values())
         task = bar.add_task(f"verify {len(chosen)} entries", total=total)
         for e in chosen:
             problems += store.verify(e, progress=lambda n: bar.advance(task, n))
@@ -247,7 +249,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add("inspect", cmd_inspect, "show one entry's manifest and arrays")
     p.add_argument("entry", metavar="ENTRY", help="entry id (as `ls` shows it) or anchor")
     p.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
-    p = add("verify", cmd_verify, "read every chunk and check its crc32c (exit 1 on a problem)")
+    p = add("verify", cmd_verify, "read every shard and check its crc32c (exit 1 on a problem)")
     p.add_argument("entry", metavar="ENTRY", nargs="*", help="entries to check (default: all)")
     p = add("rm", cmd_rm, "delete entries")
     p.add_argument("entry", metavar="ENTRY", nargs="+")

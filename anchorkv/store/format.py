@@ -14,6 +14,28 @@ the chunk's values in the source dtype (payload uint8, then the fp32 little-endi
 `[groups, C]`), with no header; the codec configuration in the array's ``zarr.json`` holds the
 rest. Edge chunks are padded with zeros (zarr's fill value) *before* encoding, as zarr does.
 
+**Shards** (format version 2): each array uses zarr v3's ``sharding_indexed`` codec. The chunks
+above are its *inner* chunks; a *shard* (one file / object, the key of the outer chunk grid) is
+
+* state field: one layer x the *writer's* rank slice (`[1, *F]` with the shard axis divided by
+  the tp the entry was written at), so every rank writes whole shards of its own, as in version 1
+  it wrote whole chunks of its own; a reader at any tp in {1, 2, 4, 8} reads only the inner chunks
+  it needs by byte range;
+* paged field (written by rank 0): one layer x up to `SHARD_TOKEN_CHUNKS` inner token chunks
+  (`min(8, ceil(T / 1024))` chunks: one shard per layer up to 8192 tokens, so a typical request
+  is one file per layer, while a very long context is cut into 8192-token files, which keeps a
+  save of a layer from building one huge file and bounds what a short window read has to skip).
+  Inner chunks wholly past the last token (only in the last shard of an entry longer than 8192
+  tokens) are *empty*: index entry ``(2**64-1, 2**64-1)``, exactly what zarr writes for a chunk it
+  leaves out (and reads as the fill value, zero); every other inner chunk is written, as zarr does
+  with ``write_empty_chunks=True``.
+
+A shard is the encoded inner chunks concatenated in zarr's order (`shard_order`, zarr's morton
+order of the chunks in the shard), then the index (``index_location: end``): uint64
+little-endian ``(offset, nbytes)`` per inner chunk, C order over the shard's chunk grid, followed
+by its crc32c (``index_codecs: [bytes little, crc32c]``), byte for byte what zarr-python's
+``ShardingCodec`` writes for the same values and metadata.
+
 Group sizes are always stored resolved (a number, never "whole"), and for a field sharded along
 its last axis "whole" means the chunk's last axis (`logical / MAX_TP`): any other choice would
 make the groups depend on the tp the entry was written at.
@@ -36,11 +58,15 @@ from anchorkv.kernels import reference
 from anchorkv.kernels.formats import SCALE_COLUMNS, Quant
 from anchorkv.store.errors import FormatError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: The largest tensor-parallel size whose rank slices are whole chunks.
 MAX_TP = 8
 #: Tokens per chunk of a paged field.
 TOKEN_CHUNK = 1024
+#: Inner token chunks per shard of a paged field (at most).
+SHARD_TOKEN_CHUNKS = 8
+#: zarr's marker of an empty inner chunk in a shard index.
+EMPTY = 2**64 - 1
 #: The zarr v3 codec name (also the numcodecs codec id) of `ChunkCodec`.
 CODEC_NAME = "anchorkv.quant"
 SOURCE_DTYPES = ("bfloat16", "float16", "float32")
@@ -220,16 +246,53 @@ class ArrayLayout:
     chunks: tuple[int, ...]
     shard_axis: int | None  # axis of `shape` split by tp (None: replicated)
     codec: ChunkCodec
+    shards: tuple[int, ...]  # shard shape (a multiple of `chunks` on every axis)
+
+    def __post_init__(self) -> None:
+        if len(self.shards) != len(self.chunks) or any(s % c or s <= 0 for s, c in zip(self.shards, self.chunks)):
+            raise FormatError(
+                f"field {self.field!r}: shard shape {list(self.shards)} must be a positive multiple of "
+                f"the chunk shape {list(self.chunks)} on every axis"
+            )
 
     @property
     def grid(self) -> tuple[int, ...]:
+        """The grid of inner chunks."""
         return tuple(-(-n // c) for n, c in zip(self.shape, self.chunks))
 
+    @property
+    def shard_grid(self) -> tuple[int, ...]:
+        return tuple(-(-n // s) for n, s in zip(self.shape, self.shards))
+
+    @property
+    def chunks_per_shard(self) -> tuple[int, ...]:
+        return tuple(s // c for s, c in zip(self.shards, self.chunks))
+
     def chunk_key(self, coords: tuple[int, ...]) -> str:
+        """The name of an inner chunk (in the manifest; zarr's key of it without sharding)."""
         return f"{self.field}/c." + ".".join(str(int(i)) for i in coords)
 
+    def shard_key(self, shard: tuple[int, ...]) -> str:
+        """The key (file / object) of a shard, by its coordinates in `shard_grid`."""
+        return f"{self.field}/c." + ".".join(str(int(i)) for i in shard)
+
+    def shard_of(self, coords: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(int(i) // k for i, k in zip(coords, self.chunks_per_shard))
+
     def all_chunks(self) -> list[tuple[int, ...]]:
+        """Every inner chunk that holds part of the array (not the empty ones past its end)."""
         return [tuple(int(v) for v in c) for c in np.ndindex(*self.grid)]
+
+    def all_shards(self) -> list[tuple[int, ...]]:
+        return [tuple(int(v) for v in c) for c in np.ndindex(*self.shard_grid)]
+
+    def in_bounds(self, coords: tuple[int, ...]) -> bool:
+        return all(i * c < n for i, c, n in zip(coords, self.chunks, self.shape))
+
+    def shard_chunks(self, shard: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The inner chunks of a shard in the order their bytes lie in it (zarr's order)."""
+        base = [s * k for s, k in zip(shard, self.chunks_per_shard)]
+        return [tuple(b + i for b, i in zip(base, local)) for local in shard_order(self.chunks_per_shard)]
 
     def layer_index(self, layer: str) -> int:
         try:
@@ -255,6 +318,112 @@ class ArrayLayout:
                 "shard_axis": self.shard_axis}
 
 
+@functools.lru_cache(maxsize=256)
+def array_keys(array: ArrayLayout) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(every shard key, every inner chunk key that holds part of the array) of `array`."""
+    return (tuple(array.shard_key(s) for s in array.all_shards()),
+            tuple(array.chunk_key(c) for c in array.all_chunks()))
+
+
+@functools.lru_cache(maxsize=256)
+def shard_order(chunks_per_shard: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Local coordinates of a shard's inner chunks in the order zarr-python lays out their
+    bytes (its `morton_order_iter`, taken from zarr itself so the two never differ)."""
+    from zarr.core.indexing import morton_order_iter
+
+    return tuple(tuple(int(v) for v in c) for c in morton_order_iter(tuple(chunks_per_shard)))
+
+
+def shard_index(chunks_per_shard: tuple[int, ...], slots: dict[tuple[int, ...], tuple[int, int]]) -> bytes:
+    """The encoded index of a shard (``index_location: end``): uint64 little-endian `(offset,
+    nbytes)` per inner chunk (local coordinates; absent ones `EMPTY`), C order, then its crc32c
+    (uint32 little-endian), as zarr's ``[bytes(little), crc32c]`` index codecs encode it."""
+    import crc32c
+
+    index = np.full((*chunks_per_shard, 2), EMPTY, dtype="<u8")
+    for local, (offset, nbytes) in slots.items():
+        index[local] = (offset, nbytes)
+    data = index.tobytes()
+    return data + np.array([crc32c.crc32c(data)], dtype="<u4").tobytes()
+
+
+def index_nbytes(chunks_per_shard: tuple[int, ...]) -> int:
+    return 16 * math.prod(chunks_per_shard) + 4
+
+
+def parse_shard_index(data: bytes, chunks_per_shard: tuple[int, ...]) -> np.ndarray:
+    """The `(offset, nbytes)` array of an encoded shard index; ValueError if its crc32c fails."""
+    import crc32c
+
+    n = index_nbytes(chunks_per_shard)
+    if len(data) != n:
+        raise ValueError(f"a shard index of {list(chunks_per_shard)} chunks is {n} bytes, found {len(data)}")
+    body, crc = data[:-4], int(np.frombuffer(data[-4:], dtype="<u4")[0])
+    if crc32c.crc32c(body) != crc:
+        raise ValueError(f"the shard index fails its crc32c (stored {crc:#010x}, computed {crc32c.crc32c(body):#010x})")
+    return np.frombuffer(body, dtype="<u8").reshape(*chunks_per_shard, 2)
+
+
+# crc32c of a concatenation from the parts' crcs (zlib's crc32_combine, CRC-32C polynomial): the
+# writer checks each inner chunk and the whole shard without reading the bytes twice.
+_POLY = 0x82F63B78
+
+
+def _multmodp(a: int, b: int) -> int:
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+@functools.lru_cache(maxsize=1024)
+def _x8n(n: int) -> int:
+    """x^(8n) mod p: the operator that shifts a crc over n zero bytes."""
+    p, k = 1 << 31, 3
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """crc32c(a + b) from crc32c(a), crc32c(b) and len(b)."""
+    return _multmodp(_x8n(len2), crc1) ^ crc2 if len2 else crc1
+
+
+@functools.lru_cache(maxsize=256)
+def _shift_tables(n: int) -> tuple[list[int], ...]:
+    """`crc -> x^(8n) * crc mod p` as 4 byte tables (the map is linear in crc)."""
+    op = _x8n(n)
+    basis = [_multmodp(op, 1 << j) for j in range(32)]
+    tables = []
+    for t in range(4):
+        table = [0] * 256
+        for b in range(1, 256):
+            low = (b & -b).bit_length() - 1
+            table[b] = table[b & (b - 1)] ^ basis[8 * t + low]
+        tables.append(table)
+    return tuple(tables)
+
+
+def crc32c_combine_fixed(crc1: int, crc2: int, len2: int) -> int:
+    """`crc32c_combine` by table lookups, for lengths that repeat (uncompressed chunks of one
+    array): a table costs about 40 `crc32c_combine` calls to build, once per length."""
+    t0, t1, t2, t3 = _shift_tables(len2)
+    return t0[crc1 & 255] ^ t1[(crc1 >> 8) & 255] ^ t2[(crc1 >> 16) & 255] ^ t3[crc1 >> 24] ^ crc2
+
+
 def shard_chunk(n: int) -> int:
     """Chunk length of a shard axis of `n`: n / the largest tp <= MAX_TP that divides it."""
     tp = max(t for t in (1, 2, 4, 8, 16, 32, 64) if t <= MAX_TP and n % t == 0)
@@ -262,7 +431,8 @@ def shard_chunk(n: int) -> int:
 
 
 def array_layouts(layout, codecs: dict[str, CodecSpec | str], num_tokens: int) -> dict[str, ArrayLayout]:
-    """The arrays of an entry of `layout` (a `ModelLayout`) holding `num_tokens` tokens."""
+    """The arrays of an entry of `layout` (a `ModelLayout`) holding `num_tokens` tokens, with
+    shards cut for the writer's tp (`layout.tp_size`)."""
     from anchorkv.codec.models import LayerKind
 
     out: dict[str, ArrayLayout] = {}
@@ -293,10 +463,23 @@ def array_layouts(layout, codecs: dict[str, CodecSpec | str], num_tokens: int) -
             axis = None if shard is None else shard + 1
         if axis is not None:
             chunks[axis] = shard_chunk(shape[axis])
+        shards = list(chunks)
+        if kind is LayerKind.STATE:
+            shards[1:] = logical
+            if axis is not None:
+                per_axis = shape[axis] // chunks[axis]
+                if layout.tp_size <= 0 or per_axis % layout.tp_size:
+                    raise FormatError(
+                        f"field {name!r}: tp_size {layout.tp_size} cannot write {per_axis} chunks along "
+                        f"axis {axis}; tp must divide {per_axis}"
+                    )
+                shards[axis] = shape[axis] // layout.tp_size
+        else:
+            shards[1] = TOKEN_CHUNK * min(SHARD_TOKEN_CHUNKS, -(-num_tokens // TOKEN_CHUNK))
         if name not in codecs:
             raise FormatError(f"no codec given for field {name!r}; codecs were given for {sorted(codecs)}")
         codec = ChunkCodec.for_field(codecs[name], dtype, chunks[-1], where=f"field {name!r}")
-        out[name] = ArrayLayout(name, kind.value, tuple(layers), shape, tuple(chunks), axis, codec)
+        out[name] = ArrayLayout(name, kind.value, tuple(layers), shape, tuple(chunks), axis, codec, tuple(shards))
     unknown = set(codecs) - set(out)
     if unknown:
         raise FormatError(f"codecs given for fields {sorted(unknown)} that the layout lacks ({sorted(out)})")

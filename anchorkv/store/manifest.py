@@ -6,7 +6,14 @@ On disk (paths relative to the store root)::
     entries/zarr.json                  group
     entries/<key>/zarr.json            group: one key (anchor or first token block)
     entries/<key>/<name>/zarr.json     group: the entry; attributes["anchorkv"] = manifest
-    entries/<key>/<name>/<field>/zarr.json, .../<field>/c.<layer>.<i>...   arrays and chunks
+    entries/<key>/<name>/<field>/zarr.json, .../<field>/c.<layer>.<i>...   arrays and shards
+
+Format version 2: each array is sharded (zarr's ``sharding_indexed``, see `anchorkv.store.format`);
+the files ``<field>/c.<...>`` are shards, keyed by their coordinates in the shard grid. The manifest
+keeps ``checksums``: per *inner* chunk (named by its coordinates in the chunk grid, as zarr would
+name it without sharding) ``[crc32c, nbytes, offset in its shard]``, so a reader that reads one
+inner chunk by byte range verifies it; and ``shards``: per shard file ``[crc32c, nbytes]`` of the
+whole file (index included), which `Store.verify` checks.
 
 `<name>` is ``t<prefix tokens, 8 digits>-<16 hex of the prefix hash>`` (object stores append
 ``.<write id>``). The manifest is JSON; its keys are the constants below.
@@ -41,7 +48,8 @@ def parse_entry_name(name: str) -> tuple[int, str, str | None] | None:
 
 def group_json(attributes: dict[str, Any] | None = None) -> bytes:
     doc = {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
-    return json.dumps(doc, indent=1, sort_keys=True).encode()
+    # no indent: json's C encoder (an entry's manifest lists every inner chunk's checksum)
+    return json.dumps(doc, sort_keys=True).encode()
 
 
 def array_json(array: ArrayLayout, compressor: dict[str, Any] | None) -> bytes:
@@ -62,6 +70,7 @@ def _array_json(array: ArrayLayout, compressor_key: str) -> bytes:
         store=mem,
         shape=array.shape,
         chunks=array.chunks,
+        shards=array.shards,
         dtype="float32",
         fill_value=0.0,
         serializer=AnchorQuantCodec.from_chunk_codec(array.codec),
@@ -151,7 +160,7 @@ def arrays_from_manifest(manifest: dict[str, Any]) -> dict[str, ArrayLayout]:
     return {
         name: ArrayLayout(
             name, a["kind"], tuple(a["layers"]), tuple(a["shape"]), tuple(a["chunks"]),
-            a["shard_axis"], ChunkCodec.from_config(manifest["codecs"][name]),
+            a["shard_axis"], ChunkCodec.from_config(manifest["codecs"][name]), tuple(a["shards"]),
         )
         for name, a in manifest["arrays"].items()
     }
@@ -160,7 +169,8 @@ def arrays_from_manifest(manifest: dict[str, Any]) -> dict[str, ArrayLayout]:
 def arrays_to_manifest(arrays: dict[str, ArrayLayout]) -> tuple[dict, dict]:
     """(manifest "arrays", manifest "codecs") of an entry's arrays."""
     return (
-        {n: {**a.to_attrs(), "shape": list(a.shape), "chunks": list(a.chunks)} for n, a in arrays.items()},
+        {n: {**a.to_attrs(), "shape": list(a.shape), "chunks": list(a.chunks),
+             "shards": list(a.shards)} for n, a in arrays.items()},
         {n: a.codec.to_config() for n, a in arrays.items()},
     )
 

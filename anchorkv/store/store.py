@@ -8,7 +8,7 @@ nothing.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 import contextlib
 import json
 import logging
@@ -26,7 +26,16 @@ from anchorkv.codec.spec import CodecSpec
 from anchorkv.store import eviction
 from anchorkv.store.backends import open_backend
 from anchorkv.store.errors import CorruptEntry, EntryNotFound, FingerprintMismatch, FormatError
-from anchorkv.store.format import FORMAT_VERSION, TOKEN_CHUNK, ArrayLayout, Encoded, array_layouts, zero_chunk
+from anchorkv.store.format import (
+    FORMAT_VERSION,
+    TOKEN_CHUNK,
+    ArrayLayout,
+    Encoded,
+    array_layouts,
+    index_nbytes,
+    parse_shard_index,
+    zero_chunk,
+)
 from anchorkv.store.keys import PrefixHasher, TOKEN_BLOCK, anchor_key, check_key, normalize_anchor, token_key
 from anchorkv.store.manifest import (
     ENTRIES,
@@ -43,8 +52,8 @@ from anchorkv.store.writer import STAGING, EntryWriter, chunk_plan, commit_stage
 
 log = logging.getLogger("anchorkv.store")
 Mode = Literal["exact", "semantic"]
-#: Threads that write the chunks of one `write_layer` call in parallel (os.write and crc32c
-#: release the GIL; 2 measured best on 2 CPU cores, benchmarks/bench_store.py); 1: serial.
+#: Threads that write shard files while the writing thread computes their crc32c (os.writev and
+#: crc32c release the GIL; 2 measured best on 2 CPU cores, benchmarks/bench_store.py); 1: serial.
 CHUNK_THREADS = 2
 
 
@@ -294,13 +303,11 @@ class Store:
         payload, scales = np.empty(pn, np.uint8), np.empty(sn // 4, np.float32)
         out = codec.views(payload, scales, block)
         with self.pins.pinned(info.id):
-            direct = info.manifest.get("compressor") is None
-            for key, coords, into_chunk, into_out, whole in chunk_plan(array, region):
-                dst = out.region(into_out)
-                if direct and whole and dst.payload.flags.c_contiguous and dst.scales.flags.c_contiguous:
-                    self._read_chunk_into(info, array, coords, dst)
-                else:
-                    _copy(dst, self._read_chunk(info, array, coords).region(into_chunk))
+            by_shard: dict[tuple[int, ...], list[tuple]] = {}
+            for item in chunk_plan(array, region):
+                by_shard.setdefault(array.shard_of(item[1]), []).append(item)
+            for shard, items in by_shard.items():
+                self._read_chunks(info, array, shard, items, out)
             if array.kind == "paged":
                 end = -(-array.shape[1] // array.chunks[1]) * array.chunks[1]
                 if region[1].stop > end:
@@ -325,52 +332,99 @@ class Store:
         except KeyError:
             raise KeyError(f"entry {info.id} has no field {field!r}; it has {sorted(arrays)}") from None
 
-    def _read_chunk(self, info: EntryInfo, array: ArrayLayout, coords: tuple[int, ...]) -> Encoded:
-        key = array.chunk_key(coords)
-        expected = info.manifest["checksums"].get(key)
-        if expected is None:
-            raise CorruptEntry(info.id, f"the manifest has no checksum for chunk {key}")
-        try:
-            data = self.backend.read(f"{info.path}/{key}")
-        except FileNotFoundError:
-            raise CorruptEntry(info.id, f"chunk {key} is missing") from None
-        crc, size = expected
-        if len(data) != size or crc32c.crc32c(data) != crc:
-            raise CorruptEntry(
-                info.id,
-                f"chunk {key} fails its check: expected {size} bytes with crc32c {crc:#010x}, found "
-                f"{len(data)} bytes with crc32c {crc32c.crc32c(data):#010x}; delete the entry "
-                "(anchorkv rm) and recompute",
-            )
-        comp = numcodecs_compressor(info.manifest.get("compressor"))
-        if comp is not None:
-            data = comp.decode(data)
-        return array.codec.split(data, array.chunks)
+    def _read_chunks(self, info: EntryInfo, array: ArrayLayout, shard: tuple[int, ...], items: list[tuple],
+                     out: Encoded) -> None:
+        """Read the inner chunks `items` (`chunk_plan` rows) of one shard into `out` by byte
+        range (offsets from the manifest), each checked against its crc32c and size.
 
-    def _read_chunk_into(self, info: EntryInfo, array: ArrayLayout, coords: tuple[int, ...], dst: Encoded) -> None:
-        """`_read_chunk` straight into contiguous output views (no intermediate bytes, no copy)."""
-        key = array.chunk_key(coords)
-        expected = info.manifest["checksums"].get(key)
-        if expected is None:
-            raise CorruptEntry(info.id, f"the manifest has no checksum for chunk {key}")
-        views = [memoryview(dst.payload).cast("B")]
-        if dst.scales.size:
-            views.append(memoryview(dst.scales).cast("B"))
+        A chunk covered whole, uncompressed, whose place in `out` is contiguous is read straight
+        into it (no intermediate bytes); the others go through a buffer of their own."""
+        skey = array.shard_key(shard)
+        want_shard = info.manifest["shards"].get(skey)
+        if want_shard is None:
+            raise CorruptEntry(info.id, f"the manifest has no checksum for shard {skey}")
+        comp = numcodecs_compressor(info.manifest.get("compressor"))
+        jobs, ranges = [], []
+        for key, coords, into_chunk, into_out, whole in items:
+            expected = info.manifest["checksums"].get(key)
+            if expected is None:
+                raise CorruptEntry(info.id, f"the manifest has no checksum for chunk {key}")
+            crc, size, offset = expected
+            dst = out.region(into_out)
+            views = None
+            if comp is None and whole and dst.payload.flags.c_contiguous and dst.scales.flags.c_contiguous:
+                views = [memoryview(dst.payload).cast("B")]
+                if dst.scales.size:
+                    views.append(memoryview(dst.scales).cast("B"))
+                if sum(v.nbytes for v in views) != size:
+                    views = None
+            scratch = None
+            if views is None:
+                scratch = bytearray(size)
+                views = [memoryview(scratch)]
+            jobs.append((offset, key, crc, size, views, scratch, into_chunk, dst))
+        jobs.sort(key=lambda j: j[0])
+        ranges = [(j[0], j[4]) for j in jobs]
         try:
-            size = self.backend.read_into(f"{info.path}/{key}", views)
+            fsize, got = self.backend.read_ranges_into(f"{info.path}/{skey}", ranges)
         except FileNotFoundError:
-            raise CorruptEntry(info.id, f"chunk {key} is missing") from None
-        crc = 0
-        for v in views:
-            crc = crc32c.crc32c(v, value=crc)
-        want_crc, want_size = expected
-        if size != want_size or crc != want_crc:
+            raise CorruptEntry(info.id, f"shard {skey} is missing (it holds chunk {jobs[0][1]})") from None
+        if fsize != want_shard[1]:
             raise CorruptEntry(
                 info.id,
-                f"chunk {key} fails its check: expected {want_size} bytes with crc32c {want_crc:#010x}, "
-                f"found {size} bytes with crc32c {crc:#010x} (of the first {sum(v.nbytes for v in views)}); "
-                "delete the entry (anchorkv rm) and recompute",
+                f"shard {skey} (holding chunk {jobs[0][1]}) is {fsize} bytes, expected {want_shard[1]} bytes: "
+                "truncated or overwritten; delete the entry (anchorkv rm) and recompute",
             )
+        for (offset, key, want_crc, size, views, scratch, into_chunk, dst), n in zip(jobs, got):
+            crc = 0
+            for v in views:
+                crc = crc32c.crc32c(v, value=crc)
+            if n != size or crc != want_crc:
+                raise CorruptEntry(
+                    info.id,
+                    f"chunk {key} fails its check: expected {size} bytes with crc32c {want_crc:#010x} at "
+                    f"bytes {offset}-{offset + size} of shard {skey}, found {n} bytes with crc32c {crc:#010x}; "
+                    "delete the entry (anchorkv rm) and recompute",
+                )
+            if scratch is not None:
+                data = comp.decode(scratch) if comp is not None else scratch
+                try:
+                    enc = array.codec.split(data, array.chunks)
+                except ValueError as e:
+                    raise CorruptEntry(info.id, f"chunk {key} of shard {skey}: {e}") from None
+                _copy(dst, enc.region(into_chunk))
+
+    def _verify_shard(self, info: EntryInfo, array: ArrayLayout, shard: tuple[int, ...]) -> str | None:
+        """Read a whole shard and check its size and crc32c (the problem found, or None); on a
+        mismatch, say which inner chunks (and whether the index) are damaged."""
+        skey = array.shard_key(shard)
+        want = info.manifest["shards"].get(skey)
+        if want is None:
+            return f"entry {info.id}: the manifest has no checksum for shard {skey}"
+        try:
+            data = self.backend.read(f"{info.path}/{skey}")
+        except FileNotFoundError:
+            return f"entry {info.id}: shard {skey} is missing"
+        crc = crc32c.crc32c(data)
+        if len(data) == want[1] and crc == want[0]:
+            return None
+        bad = []
+        sums = info.manifest["checksums"]
+        for coords in array.shard_chunks(shard):
+            key = array.chunk_key(coords)
+            if key not in sums:
+                continue
+            c, size, offset = sums[key]
+            part = data[offset : offset + size]
+            if len(part) != size or crc32c.crc32c(part) != c:
+                bad.append(key)
+        what = f"damaged chunks: {', '.join(bad)}" if bad else "its chunks are intact"
+        try:
+            parse_shard_index(data[-index_nbytes(array.chunks_per_shard):], array.chunks_per_shard)
+        except ValueError as e:
+            what += f"; its index is damaged ({e})"
+        return (f"entry {info.id}: shard {skey} fails its check: expected {want[1]} bytes with crc32c "
+                f"{want[0]:#010x}, found {len(data)} bytes with crc32c {crc:#010x}; {what}")
 
     def _touch(self, entry_id: str) -> None:
         """Record a use for LRU eviction, at most once a minute per entry and process."""
@@ -398,7 +452,8 @@ class Store:
         self._touched.pop(entry_id, None)
 
     def verify(self, entry: EntryInfo | str, progress: Callable[[int], None] | None = None) -> list[str]:
-        """Read every chunk of an entry and check it; returns the problems found (empty: ok)."""
+        """Read every shard of an entry and check it; returns the problems found (empty: ok).
+        `progress(1)` is called per shard."""
         try:
             info = self.get(entry)
         except (CorruptEntry, EntryNotFound) as e:
@@ -407,11 +462,10 @@ class Store:
         for array in info.arrays().values():
             if not self.backend.exists(f"{info.path}/{array.field}/zarr.json"):
                 problems.append(f"entry {info.id}: array {array.field!r} has no zarr.json")
-            for coords in array.all_chunks():
-                try:
-                    self._read_chunk(info, array, coords)
-                except CorruptEntry as e:
-                    problems.append(str(e))
+            for shard in array.all_shards():
+                problem = self._verify_shard(info, array, shard)
+                if problem:
+                    problems.append(problem)
                 if progress:
                     progress(1)
         return problems
@@ -446,18 +500,20 @@ class Store:
                 self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="anchorkv-io")
         return self._pool.submit(fn, *args, **kwargs)
 
-    def _chunk_map(self, fn: Callable[[Any, Any], int], items: list[tuple]) -> list[int]:
-        """`[fn(*item) for item in items]`, on CHUNK_THREADS threads of their own (not the I/O
-        pool, whose tasks call this) when there are several; returns only once every call has
-        ended (so an abort never races a chunk write), raising the first error."""
-        if len(items) < 2 or CHUNK_THREADS < 2:
-            return [fn(*item) for item in items]
+    def _chunk_submit(self, fn: Callable[..., Any], *args) -> Future:
+        """`fn(*args)` on a chunk thread (not the I/O pool, whose tasks call this); the caller
+        must wait for the future. With CHUNK_THREADS < 2 it runs here, at once."""
+        if CHUNK_THREADS < 2:
+            f: Future = Future()
+            try:
+                f.set_result(fn(*args))
+            except BaseException as e:
+                f.set_exception(e)
+            return f
         with self._lock:
             if self._chunk_pool is None:
                 self._chunk_pool = ThreadPoolExecutor(CHUNK_THREADS, thread_name_prefix="anchorkv-chunk")
-        futures = [self._chunk_pool.submit(fn, *item) for item in items]
-        wait(futures)
-        return [f.result() for f in futures]
+        return self._chunk_pool.submit(fn, *args)
 
     def close(self) -> None:
         if self._pool is not None:

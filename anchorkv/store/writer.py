@@ -4,13 +4,15 @@ Protocol (multi-process safe; ranks may be separate processes or machines):
 
 1. every rank calls `Store.begin_entry(...)` with the same arguments and the same `write_id`
    (the connector derives it from the request), then `write_layer` once per (layer, field)
-   with its own slice. Chunks land in a place no reader looks at: the staging directory
+   with its own slice, written as whole shards (one file per layer and rank slice; see
+   `anchorkv.store.format`). Shards land in a place no reader looks at: the staging directory
    ``.staging/<write id>/data`` (local) or ``entries/<key>/<name>.<write id>/`` (object store);
 2. `finish_rank` puts the rank's part marker ``.staging/<write id>/parts/rank-R-of-T.json``
-   (the entry header plus the crc32c and size of each chunk the rank wrote), atomically;
+   (the entry header plus the crc32c, size and offset of each inner chunk the rank wrote and
+   the crc32c and size of each shard file), atomically;
 3. one process (rank 0, or the scheduler with `Store.commit_staged`) calls `commit`: it
-   checks that all T markers are there and that together they cover every chunk of every
-   array, writes the arrays' ``zarr.json`` and last the group ``zarr.json`` holding the
+   checks that all T markers are there and that together they cover every shard and inner
+   chunk of every array, writes the arrays' ``zarr.json`` and last the group ``zarr.json`` holding the
    manifest, and publishes (local: one directory rename; object store: the manifest put).
 
 A kill -9 anywhere before the publication leaves only staging garbage, which lookups never
@@ -32,7 +34,15 @@ import numpy as np
 from anchorkv.codec.packed import Packed
 from anchorkv.kernels.formats import Quant
 from anchorkv.store.errors import FormatError, IncompleteEntry
-from anchorkv.store.format import ArrayLayout, Encoded, zero_chunk
+from anchorkv.store.format import (
+    ArrayLayout,
+    Encoded,
+    array_keys,
+    crc32c_combine,
+    crc32c_combine_fixed,
+    shard_index,
+    zero_chunk,
+)
 from anchorkv.store.manifest import (
     ENTRIES,
     EntryInfo,
@@ -86,6 +96,59 @@ def chunk_plan(array: ArrayLayout, region: list[slice]) -> tuple:
     return _plan(array, tuple((s.start, s.stop) for s in region))
 
 
+@functools.lru_cache(maxsize=4096)
+def _shards_plan(array: ArrayLayout, bounds: tuple[tuple[int, int], ...]) -> tuple:
+    """The shards a rank's region fills: (shard key, chunks per shard, slots), each slot a
+    `chunk_plan` row plus the chunk's local coordinates in the shard and, for an edge chunk
+    whose covered part is its first rows along axis 1, that row count (else None); in zarr's
+    order, empty slots past the array's end left out. Cached per array and region."""
+    rows = {item[1]: item for item in _plan(array, bounds)}
+    k = array.chunks_per_shard
+    out = []
+    for shard in sorted({array.shard_of(c) for c in rows}):
+        slots = []
+        for coords in array.shard_chunks(shard):
+            item = rows.get(coords)
+            if item is None:
+                if array.in_bounds(coords):
+                    raise FormatError(
+                        f"field {array.field!r}: shard {array.shard_key(shard)} would miss chunk "
+                        f"{array.chunk_key(coords)}; a rank writes whole shards of its slice"
+                    )
+                continue  # past the array's end: an empty slot, as zarr leaves it
+            into_chunk = item[2]
+            lead = None
+            if not item[4] and len(into_chunk) > 2 and into_chunk[1].start == 0 and all(
+                    s.start == 0 and s.stop == c for i, (s, c) in enumerate(zip(into_chunk, array.chunks)) if i != 1):
+                lead = into_chunk[1].stop
+            slots.append((*item, tuple(c % n for c, n in zip(coords, k)), lead))
+        out.append((array.shard_key(shard), k, tuple(slots)))
+    return tuple(out)
+
+
+def shards_plan(array: ArrayLayout, region: list[slice]) -> tuple:
+    return _shards_plan(array, tuple((s.start, s.stop) for s in region))
+
+
+@functools.lru_cache(maxsize=1024)
+def _index(k: tuple[int, ...], slots: tuple) -> bytes:
+    return shard_index(k, dict(slots))
+
+
+def _checksums(placed: list, index: bytes, combine) -> tuple[dict[str, list[int]], int]:
+    """({inner chunk: [crc32c, nbytes, offset]}, crc32c of the whole shard) of a shard's
+    chunks `(name, buffers, nbytes, offset)` followed by its index."""
+    sums: dict[str, list[int]] = {}
+    whole = 0
+    for name, parts, size, at in placed:
+        crc = 0
+        for b in parts:
+            crc = crc32c.crc32c(b, value=crc)
+        sums[name] = [crc, size, at]
+        whole = combine(whole, crc, size)
+    return sums, combine(whole, crc32c.crc32c(index), len(index))
+
+
 def chunk_region(array: ArrayLayout, coords: tuple[int, ...]) -> list[slice]:
     return [slice(i * c, (i + 1) * c) for i, c in zip(coords, array.chunks)]
 
@@ -114,7 +177,8 @@ class EntryWriter:
         self.write_id: str = header["write_id"]
         self.final = f"{ENTRIES}/{header['key']}/{header['name']}"
         self.data = store.backend.data_prefix(self.final, self.write_id)
-        self.checksums: dict[str, list[int]] = {}
+        self.checksums: dict[str, list[int]] = {}  # inner chunk -> [crc32c, nbytes, offset]
+        self.shards: dict[str, list[int]] = {}  # shard file -> [crc32c, nbytes]
         self._compressor = numcodecs_compressor(header["compressor"])
 
     @property
@@ -145,13 +209,20 @@ class EntryWriter:
         region = rank_region(array, index, self.tp_size, self.tp_rank)
         if array.kind == "paged":  # the rank block covers tokens [0, N*block_size)
             region[1] = slice(0, min(enc.payload.shape[1], array.shape[1]))
-        parts = []
-        for key, _, into_chunk, into_rank, whole in chunk_plan(array, region):
-            part = enc.region(into_rank)
-            if not whole:
-                part = self._padded(array, part, into_chunk)
-            parts.append((key, part.buffers()))
-        return sum(self.store._chunk_map(self._put_chunk, parts))
+        total = 0
+        for skey, k, slots in shards_plan(array, region):
+            chunks = []
+            for key, coords, into_chunk, into_rank, whole, local, lead in slots:
+                part = enc.region(into_rank)
+                if whole:
+                    bufs = part.buffers()
+                elif lead is not None:
+                    bufs = self._row_padded(array, part, lead)
+                else:
+                    bufs = self._padded(array, part, into_chunk).buffers()
+                chunks.append((key, local, bufs))
+            total += self._put_shard(skey, k, chunks)
+        return total
 
     def _array(self, field: str) -> ArrayLayout:
         try:
@@ -191,6 +262,16 @@ class EntryWriter:
             block = (1, shape[0] * shape[1], *shape[2:])
         return array.codec.views(payload.numpy(), scales.contiguous().numpy(), block)
 
+    def _row_padded(self, array: ArrayLayout, part: Encoded, rows: int) -> list[memoryview]:
+        """The buffers of an edge chunk whose first `rows` rows (axis 1) are `part`: its payload
+        rows then the cached encoding of zero rows, and likewise its scales (no copy; the
+        encoding is row by row, so this is exactly `_padded`)."""
+        z = zero_chunk(array.codec, array.chunks)
+        out = [memoryview(np.ascontiguousarray(part.payload)).cast("B"), memoryview(z.payload[:, rows:]).cast("B")]
+        if z.scales.size:
+            out += [memoryview(np.ascontiguousarray(part.scales)).cast("B"), memoryview(z.scales[:, rows:]).cast("B")]
+        return out
+
     def _padded(self, array: ArrayLayout, part: Encoded, into_chunk: tuple[slice, ...]) -> Encoded:
         """A whole edge chunk: `part` in its place, the rest the encoding of zeros (zarr's fill)."""
         z = zero_chunk(array.codec, array.chunks)
@@ -201,21 +282,43 @@ class EntryWriter:
             np.copyto(dst.scales, part.scales)
         return full
 
-    def _put_chunk(self, key: str, buffers: list[memoryview]) -> int:
-        if self._compressor is not None:
-            buffers = [memoryview(self._compressor.encode(b"".join(buffers)))]
-        crc, size = 0, 0
-        for b in buffers:
-            crc = crc32c.crc32c(b, value=crc)
-            size += b.nbytes
-        self.store.backend.write(f"{self.data}/{key}", buffers)
-        self.checksums[key] = [crc, size]
-        return size
+    def _put_shard(self, skey: str, k: tuple[int, ...], chunks: list[tuple[str, tuple, list]]) -> int:
+        """Write one shard file: its inner chunks `(name, local coordinates, buffers)` in zarr's
+        order, then the index (see `anchorkv.store.format`); records the crc32c of each inner
+        chunk and of the whole file.
+
+        A chunk thread computes the checksums while this thread writes the file (they go only
+        to the manifest; os.writev and crc32c release the GIL)."""
+        buffers: list[memoryview] = []
+        slots = []
+        placed = []
+        offset = 0
+        comp = self._compressor
+        for name, local, parts in chunks:
+            if comp is not None:
+                parts = [memoryview(comp.encode(b"".join(parts)))]
+            size = sum(b.nbytes for b in parts)
+            buffers += parts
+            slots.append((local, (offset, size)))
+            placed.append((name, parts, size, offset))
+            offset += size
+        index = _index(k, tuple(slots))
+        buffers.append(memoryview(index))
+        combine = crc32c_combine if comp is not None else crc32c_combine_fixed
+        pending = self.store._chunk_submit(_checksums, placed, index, combine)
+        try:
+            self.store.backend.write(f"{self.data}/{skey}", buffers)
+        finally:
+            sums, whole = pending.result()
+        self.checksums.update(sums)
+        self.shards[skey] = [whole, offset + len(index)]
+        return offset + len(index)
 
     # ------------------------------------------------------------------ protocol
     def finish_rank(self) -> None:
         """Publish this rank's part marker (atomically): its chunks are written."""
-        marker = {"header": self.header, "tp_rank": self.tp_rank, "chunks": self.checksums}
+        marker = {"header": self.header, "tp_rank": self.tp_rank, "chunks": self.checksums,
+                  "shards": self.shards}
         path = f"{parts_prefix(self.write_id)}/rank-{self.tp_rank:03d}-of-{self.tp_size:03d}.json"
         self.store.backend.write(path, [json.dumps(marker).encode()], atomic=True)
 
@@ -257,22 +360,26 @@ def commit_staged(store: "Store", write_id: str) -> EntryInfo:
     if missing:
         raise IncompleteEntry(f"entry {final}: ranks {missing} of {tp} have not finished their parts")
     checksums: dict[str, list[int]] = {}
+    shards: dict[str, list[int]] = {}
     for p in parts:
         checksums.update(p["chunks"])
+        shards.update(p.get("shards", {}))
     from anchorkv.store.manifest import arrays_from_manifest
 
     arrays = arrays_from_manifest(header)
     logical = 0
     for a in arrays.values():
-        absent = [a.chunk_key(c) for c in a.all_chunks() if a.chunk_key(c) not in checksums]
+        shard_keys, chunk_keys = array_keys(a)
+        absent = [k for k in shard_keys if k not in shards] + [k for k in chunk_keys if k not in checksums]
         if absent:
             raise IncompleteEntry(
-                f"entry {final}: {len(absent)} chunks of field {a.field!r} were never written "
+                f"entry {final}: {len(absent)} shards / chunks of field {a.field!r} were never written "
                 f"(e.g. {absent[0]}); every rank must write every layer of its slice"
             )
         logical += int(np.prod(a.shape)) * a.codec._itemsize
     manifest = {**header, "created": now(), "checksums": dict(sorted(checksums.items())),
-                "stored_bytes": sum(v[1] for v in checksums.values()), "logical_bytes": logical}
+                "shards": dict(sorted(shards.items())),
+                "stored_bytes": sum(v[1] for v in shards.values()), "logical_bytes": logical}
     data = backend.data_prefix(final, write_id)
     for name, a in arrays.items():
         backend.write(f"{data}/{name}/zarr.json", [array_json(a, header["compressor"])])

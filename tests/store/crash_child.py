@@ -4,10 +4,10 @@ Run by the commit-protocol tests as ``python -m tests.store.crash_child '<json>'
 kills it with SIGKILL while it is stopped (or after a random delay), or releases it. The hooks
 wrap the backend object of this process only; the library has no crash hook of its own.
 
-Points, in protocol order (``K`` counts chunk writes, from 1)::
+Points, in protocol order (``K`` counts shard-file writes, from 1)::
 
     start        before begin_entry
-    chunk:K      after the K-th chunk is written (staging area / write-unique prefix)
+    chunk:K      after the K-th shard file is written (staging area / write-unique prefix)
     part         after this rank's part marker is written
     arrays       after the arrays' zarr.json are written (the manifest is not)
     publish      just before publication (local: the rename; object store: the manifest put)

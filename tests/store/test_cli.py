@@ -83,7 +83,8 @@ def test_verify_reports_corruption_and_exits_1(filled, capsys):
     chunk.write_bytes(bytes(data))
     code, out, _ = run(capsys, "verify", "--store", path)
     assert code == 1
-    assert f"entry {a.id}: chunk latent/c.1.0.0 fails its check" in out and "1 of 2 entries ok" in out, out
+    assert f"entry {a.id}: shard latent/c.1.0.0 fails its check" in out and "1 of 2 entries ok" in out, out
+    assert "damaged chunks: latent/c.1.0.0" in " ".join(out.split()), out
     code, out, _ = run(capsys, "verify", "bob", "--store", path)
     assert code == 0 and "1 of 1 entries ok" in out
 

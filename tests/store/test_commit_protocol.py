@@ -34,8 +34,9 @@ ROOT = Path(__file__).resolve().parents[2]
 ANCHOR = "crash-test"
 PREV_N, NEW_N = 300, 600  # the previous complete entry and the one being written
 TOKENS = tokens(700)
-#: 50 chunks per entry of NEW_N tokens: conv 3 x 8, recurrent 3 x 8, latent 2 x 1
-POINTS = ["start", "chunk:1", "chunk:25", "chunk:50", "part", "arrays", "publish", "published"]
+#: 8 shard files per entry of NEW_N tokens at tp=1 (one per layer and field): conv 3,
+#: recurrent 3, latent 2 (50 inner chunks inside them)
+POINTS = ["start", "chunk:1", "chunk:4", "chunk:8", "part", "arrays", "publish", "published"]
 
 
 class Child:

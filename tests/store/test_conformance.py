@@ -62,6 +62,35 @@ class TestStoreConformance:
                 k = N * 72 if field == "latent" else ref.payload.numel()
                 assert torch.equal(got.payload[:k], ref.payload[:k]), (layer, field, rank)
 
+    def test_readers_read_only_their_inner_chunks(self, store):
+        """A tp=1 entry holds one shard per layer; a reader at tp 8 / 2 reads its inner chunks
+        alone, by byte range (offsets from the manifest), and a token window of the latent reads
+        only the token chunks it covers."""
+        info = save(store)
+        sums = info.manifest["checksums"]
+        calls = []
+        real = store.backend.read_ranges_into
+
+        def spy(path, ranges):
+            calls.append((path.rsplit("/", 2)[-2:], [(o, sum(v.nbytes for v in views)) for o, views in ranges]))
+            return real(path, ranges)
+
+        store.backend.read_ranges_into = spy
+        try:
+            for tp, rank in ((8, 5), (2, 1)):
+                calls.clear()
+                store.load(info, tiny_layout(tp, rank), "model.layers.3.attn", "recurrent")
+                heads = range(rank * 8 // tp, (rank + 1) * 8 // tp)
+                want = [(sums[f"recurrent/c.2.{h}.0.0"][2], sums[f"recurrent/c.2.{h}.0.0"][1]) for h in heads]
+                assert calls == [(["recurrent", "c.2.0.0.0"], want)], calls
+            long = save(store, n=3 * 1024 + 5, anchor="long")
+            calls.clear()
+            store.load(long, tiny_layout(), "model.layers.4.attn", "latent", start_token=1024, num_blocks=16)
+            c = long.manifest["checksums"]["latent/c.1.1.0"]
+            assert calls == [(["latent", "c.1.0.0"], [(c[2], c[1])])], calls
+        finally:
+            store.backend.read_ranges_into = real
+
     def test_paged_token_window(self, store):
         info = save(store)
         layout = tiny_layout(block_size=64)
@@ -105,33 +134,42 @@ class TestStoreConformance:
 
     def test_flipped_byte_is_detected(self, store):
         info = save(store)
-        # chunk [1, 3, 0, 0] of `recurrent`: its second layer (model.layers.1), heads 3
-        key = "recurrent/c.1.3.0.0"
+        # inner chunk [1, 3, 0, 0] of `recurrent` (its second layer, heads 3) lies in the shard
+        # [1, 0, 0, 0]: the whole layer, as tp=1 wrote it
+        key, shard = "recurrent/c.1.3.0.0", "recurrent/c.1.0.0.0"
         layer = info.arrays()["recurrent"].layers[1]
         assert layer == "model.layers.1.attn"
-        path = f"{info.path}/{key}"
+        crc, size, offset = info.manifest["checksums"][key]
+        path = f"{info.path}/{shard}"
         data = bytearray(store.backend.read(path))
-        data[len(data) // 2] ^= 0x01
+        data[offset + size // 2] ^= 0x01
         store.backend.write(path, [bytes(data)])
         fresh = Store(store.backend)
-        with pytest.raises(CorruptEntry, match=f"{info.id}.*{key}.*crc32c"):
+        with pytest.raises(CorruptEntry, match=f"{info.id}.*{key}.*crc32c.*{shard}"):
             fresh.load(info.id, tiny_layout(), layer, "recurrent")
-        # rank 0 of tp 8 reads only heads 0 of that layer: its chunk is intact
+        # rank 0 of tp 8 reads only heads 0 of that layer (a byte range of the shard): intact
         assert fresh.load(info.id, tiny_layout(8, 0), layer, "recurrent") is not None
         with pytest.raises(CorruptEntry, match=f"{info.id}.*{key}"):
             fresh.load(info.id, tiny_layout(8, 3), layer, "recurrent")
         problems = fresh.verify(info.id)
-        assert len(problems) == 1 and key in problems[0]
+        assert len(problems) == 1 and f"shard {shard} fails its check" in problems[0], problems
+        assert f"damaged chunks: {key}" in problems[0], problems
 
-    def test_truncated_and_missing_chunks_are_detected(self, store):
+    def test_truncated_and_missing_shards_are_detected(self, store):
         info = save(store)
         store.backend.write(f"{info.path}/latent/c.0.0.0", [store.backend.read(f"{info.path}/latent/c.0.0.0")[:-3]])
         store.backend.delete(f"{info.path}/conv/c.0.0.0.0")
-        with pytest.raises(CorruptEntry, match=f"entry {info.id}: chunk latent/c.0.0.0 .*expected .* bytes"):
+        with pytest.raises(CorruptEntry, match=f"entry {info.id}: shard latent/c.0.0.0 .*expected .* bytes"):
             store.load(info, tiny_layout(), "model.layers.2.attn", "latent")
-        with pytest.raises(CorruptEntry, match=f"entry {info.id}: chunk conv/c.0.0.0.0 is missing"):
+        with pytest.raises(CorruptEntry, match=f"entry {info.id}: shard conv/c.0.0.0.0 is missing"):
             store.load(info, tiny_layout(), "model.layers.0.attn", "conv")
-        assert len(store.verify(info)) == 2
+        problems = store.verify(info)
+        assert len(problems) == 2, problems
+        assert "index is damaged" in problems[0] + problems[1]
+        # cut into the chunk bytes (not only the index): a range read comes back short
+        store.backend.write(f"{info.path}/latent/c.1.0.0", [store.backend.read(f"{info.path}/latent/c.1.0.0")[:100]])
+        with pytest.raises(CorruptEntry, match=f"entry {info.id}: shard latent/c.1.0.0 .*expected .* bytes"):
+            store.load(info, tiny_layout(), "model.layers.4.attn", "latent")
 
     def test_commit_refuses_missing_ranks_and_chunks(self, store):
         toks = tokens(N)

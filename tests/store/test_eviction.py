@@ -49,7 +49,7 @@ def test_entry_being_loaded_is_not_evicted(store):
     """A `load` in progress on another thread pins its entry (in-process, no lease)."""
     a, b = save(store, "a"), save(store, "b")
     reading, release = threading.Event(), threading.Event()
-    real_read, real_read_into = store.backend.read, store.backend.read_into
+    real_read, real_read_ranges_into = store.backend.read, store.backend.read_ranges_into
 
     def hold(path):
         if path.startswith(a.path) and "/c." in path:
@@ -57,7 +57,7 @@ def test_entry_being_loaded_is_not_evicted(store):
             assert release.wait(30), "the test never released the reader"
 
     store.backend.read = lambda path: (hold(path), real_read(path))[1]
-    store.backend.read_into = lambda path, bufs: (hold(path), real_read_into(path, bufs))[1]
+    store.backend.read_ranges_into = lambda path, bufs: (hold(path), real_read_ranges_into(path, bufs))[1]
     try:
         fut = store.load_async(a, tiny_layout(), "model.layers.0.attn", "recurrent")
         assert reading.wait(30), "the load never started reading"
@@ -67,7 +67,7 @@ def test_entry_being_loaded_is_not_evicted(store):
         assert fut.result(timeout=30).shape == (1, 8, 16, 16)
     finally:
         release.set()
-        store.backend.read, store.backend.read_into = real_read, real_read_into
+        store.backend.read, store.backend.read_ranges_into = real_read, real_read_ranges_into
     assert store.evict(capacity_bytes=0) == [a.id], "unpinned after the load"
 
 

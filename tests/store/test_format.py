@@ -40,6 +40,28 @@ def test_golden_chunk_bytes(name):
     assert codec.encode(values) == data or codec.format.value != "raw"
 
 
+@pytest.mark.parametrize("name", [c[0] for c in golden.SHARD_CASES])
+def test_golden_shard_bytes(name):
+    """A whole shard file (format version 2) is pinned, and zarr-python writes the same bytes."""
+    from zarr.storage import MemoryStore
+
+    path = golden.FIXTURES / f"{name}.json"
+    assert path.exists(), f"missing fixture {path}; run `python tests/store/golden.py` (format change only)"
+    fixture = json.loads(path.read_text())
+    case = next(c for c in golden.SHARD_CASES if c[0] == name)
+    assert golden.encode_shard_case(*case[1:]) == fixture
+    tokens_, shard_tokens = case[4], case[5]
+    mem = MemoryStore()
+    arr = zarr.create_array(
+        store=mem, shape=tuple(fixture["array_shape"]), chunks=tuple(fixture["chunk_shape"]),
+        shards=tuple(fixture["shard_shape"]), dtype="float32", fill_value=0.0,
+        serializer=AnchorQuantCodec.from_dict(fixture["zarr_codec"]), compressors=None,
+        config={"write_empty_chunks": tokens_ % shard_tokens == 0},  # skip the empty slot past the end
+    )
+    arr[:] = golden.shard_values(tokens_)
+    assert mem._store_dict["c/0/0/0/0"].to_bytes() == base64.b64decode(fixture["shard_b64"])
+
+
 @pytest.mark.parametrize("fmt,group,dtype", [("raw", None, "bfloat16"), ("fp8", 24, "bfloat16"),
                                              ("int8", 8, "float32"), ("int4", 6, "float16")])
 def test_chunk_bytes_are_the_reference_quantize(fmt, group, dtype):
@@ -95,11 +117,39 @@ def test_fast_path_write_reads_with_plain_zarr(entry):
             np.testing.assert_array_equal(got, expected.numpy())
 
 
-@pytest.mark.parametrize("entry", ENTRIES, indirect=True, ids=["quant", "raw", "int4", "quant-zstd"])
-def test_zarr_write_gives_fast_path_bytes(entry, tmp_path):
-    """zarr encoding the logical values writes exactly the chunk files of the fast path,
-    edge padding included; so the fast path then loads what zarr wrote."""
-    store, layout, info, packed, codecs = entry
+def _save_at_tp(root, codecs, n, tp, compressor=None):
+    """An entry of the tiny model written by `tp` ranks (each writes its own shards)."""
+    store = Store.open(root)
+    writers = [store.begin_entry(tiny_layout(tp, r), codecs, tokens(n), anchor="a", write_id=f"tp{tp}",
+                                 compressor=compressor) for r in range(tp)]
+    for w in writers:
+        for (layer, field), p in all_packed(w.layout, codecs, n).items():
+            w.write_layer(layer, field, p)
+        w.finish_rank()
+    return store, writers[0].commit()
+
+
+ZARR_CASES = [  # (codecs, compressor, writer tp, tokens, zarr's write_empty_chunks)
+    (CODECS, None, 1, TOKEN_CHUNK + 100, True),
+    (RAW_CODECS, None, 1, TOKEN_CHUNK + 100, True),
+    (CODEC_SETS["int4"], None, 1, TOKEN_CHUNK + 100, True),
+    (CODECS, {"id": "zstd", "level": 3}, 1, TOKEN_CHUNK + 100, True),
+    (CODECS, None, 2, 3 * TOKEN_CHUNK, True),
+    (CODECS, {"id": "zstd", "level": 3}, 8, 700, True),
+    # 9 token chunks: shards of 8; the second shard holds 1 chunk and 7 empty slots past the
+    # end, which zarr leaves empty (2**64-1) when it skips fill-valued chunks
+    (CODECS, None, 4, 8 * TOKEN_CHUNK + 808, False),
+]
+
+
+@pytest.mark.parametrize("codecs,compressor,tp,n,write_empty", ZARR_CASES,
+                         ids=["quant", "raw", "int4", "quant-zstd", "quant-tp2", "zstd-tp8", "long-tp4"])
+def test_zarr_write_gives_fast_path_bytes(tmp_path, codecs, compressor, tp, n, write_empty):
+    """zarr-python (its ShardingCodec) encoding the logical values with the entry's metadata
+    writes exactly the shard files of the fast path, byte for byte (inner chunk order, edge
+    padding, index and its crc32c included); so the fast path then loads what zarr wrote."""
+    store, info = _save_at_tp(tmp_path / "s", codecs, n, tp, compressor)
+    layout = tiny_layout()
     src = store.backend.root / info.path
     dst = tmp_path / "zarr-written"
     for meta in src.rglob("zarr.json"):
@@ -107,21 +157,66 @@ def test_zarr_write_gives_fast_path_bytes(entry, tmp_path):
         shutil.copy(meta, dst / meta.relative_to(src))
     group = zarr.open_group(dst, mode="r+")
     for name in ("conv", "recurrent", "latent"):
-        arr = zarr.open_array(dst / name, mode="r+", config={"write_empty_chunks": True})
+        arr = zarr.open_array(dst / name, mode="r+", config={"write_empty_chunks": write_empty})
+        assert arr.shards == tuple(info.manifest["arrays"][name]["shards"])
         for i, layer_name in enumerate(group[name].attrs["anchorkv"]["layers"]):
             index = layout.layer(layer_name).index
             arr[i] = logical_values(index, name, info.num_tokens).float().numpy()
-    chunks = sorted(p.relative_to(src) for p in src.rglob("c.*"))
-    assert chunks == sorted(p.relative_to(dst) for p in dst.rglob("c.*"))
-    assert len(chunks) == len(info.manifest["checksums"])
-    for rel in chunks:
+    shards = sorted(p.relative_to(src) for p in src.rglob("c.*"))
+    assert shards == sorted(p.relative_to(dst) for p in dst.rglob("c.*"))
+    assert sorted(map(str, shards)) == sorted(info.manifest["shards"])
+    assert len(info.manifest["checksums"]) == sum(len(a.all_chunks()) for a in info.arrays().values())
+    for rel in shards:
         assert (src / rel).read_bytes() == (dst / rel).read_bytes(), rel
     shutil.rmtree(src)
     shutil.copytree(dst, src)
-    p = store.load(info, layout, "model.layers.2.attn", "latent")
-    ref = packed[("model.layers.2.attn", "latent")]
-    rows = info.num_tokens * ref.payload.numel() // (ref.shape[0] * ref.shape[1])
-    assert torch.equal(p.payload[:rows], ref.payload[:rows])
+    fresh = Store.open(tmp_path / "s")
+    assert fresh.verify(info.id) == []
+    for rtp in (1, 8):
+        rl = tiny_layout(rtp, rtp - 1)
+        ref = rank_packed(rl, "model.layers.1.attn", "recurrent", codecs["recurrent"], n)
+        got = fresh.load(info.id, rl, "model.layers.1.attn", "recurrent")
+        assert torch.equal(got.payload, ref.payload) and torch.equal(got.scales, ref.scales)
+    p = fresh.load(info.id, layout, "model.layers.2.attn", "latent")
+    ref = packed_latent = rank_packed(layout, "model.layers.2.attn", "latent", codecs["latent"], n)
+    rows = n * ref.payload.numel() // (ref.shape[0] * ref.shape[1])
+    assert torch.equal(p.payload[:rows], packed_latent.payload[:rows])
+
+
+def test_shard_layout(tmp_path):
+    """Shards: state = one layer x the writer's rank slice; paged = one layer x up to 8 token
+    chunks; the index is zarr's (offset, nbytes) uint64 pairs + crc32c, empty = 2**64-1."""
+    from anchorkv.store.format import EMPTY, parse_shard_index
+
+    store, info = _save_at_tp(tmp_path / "s", CODECS, 8 * TOKEN_CHUNK + 808, 2)
+    arrays = info.arrays()
+    assert arrays["recurrent"].shards == (1, 4, 16, 16) and arrays["recurrent"].chunks == (1, 1, 16, 16)
+    assert arrays["conv"].shards == (1, 3, 3, 32) and arrays["conv"].chunks == (1, 3, 3, 8)
+    assert arrays["latent"].shards == (1, 8 * TOKEN_CHUNK, 72) and arrays["latent"].shard_grid == (2, 2, 1)
+    files = sorted(str(p.relative_to(store.backend.root / info.path)) for p in (store.backend.root / info.path).rglob("c.*"))
+    assert len(files) == 3 * 2 + 3 * 2 + 2 * 2 == len(info.manifest["shards"])
+    data = store.backend.read(f"{info.path}/latent/c.0.1.0")
+    index = parse_shard_index(data[-(16 * 8 + 4):], (1, 8, 1))
+    crc, size, offset = info.manifest["checksums"]["latent/c.0.8.0"]
+    assert tuple(index[0, 0, 0]) == (0, size) and offset == 0
+    assert (index[0, 1:, 0, :] == EMPTY).all()  # both offset and nbytes
+    assert len(data) == size + 16 * 8 + 4 == info.manifest["shards"]["latent/c.0.1.0"][1]
+    for key, (crc, size, offset) in info.manifest["checksums"].items():
+        if key.startswith("recurrent/c.2."):  # layer 2, heads h: shard h // 4, slot h % 4
+            h = int(key.split(".")[2])
+            assert offset == (h % 4) * size
+
+
+def test_crc32c_combine():
+    import crc32c
+
+    from anchorkv.store.format import crc32c_combine, crc32c_combine_fixed
+
+    rng = np.random.default_rng(0)
+    for n1, n2 in [(0, 5), (5, 0), (1, 1), (1000, 77), (65536, 4097)]:
+        a, b = rng.bytes(n1), rng.bytes(n2)
+        assert crc32c_combine(crc32c.crc32c(a), crc32c.crc32c(b), n2) == crc32c.crc32c(a + b)
+        assert crc32c_combine_fixed(crc32c.crc32c(a), crc32c.crc32c(b), n2) == crc32c.crc32c(a + b)
 
 
 def test_group_for_last_axis_shard_is_fixed(tmp_path):
