@@ -100,8 +100,8 @@ def _rows(x: torch.Tensor, fmt: Quant, group: int | None) -> torch.Tensor:
 
 
 #: Elements per slice of rows that `quantize` / `dequantize` work on at a time (1 MiB of fp32:
-#: measured 3-4x faster than whole-request temporaries on a 2-core x86 CPU, 64 Ki and 1 Mi
-#: elements: 64 Ki is 1.5-2x slower, 512 Ki-1 Mi about the same).
+#: measured 3-4x faster than whole-request temporaries on a 2-core x86 CPU; slices of 64 Ki
+#: elements were 1.5-2x slower, 512 Ki-1 Mi about the same).
 _SLICE_ELEMENTS = 1 << 18
 
 
