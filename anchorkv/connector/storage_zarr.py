@@ -32,10 +32,10 @@ from anchorkv.codec.layout import dense_strides
 from anchorkv.connector.config import ConnectorConfig
 from anchorkv.connector.plan import SaveSpec
 from anchorkv.connector.storage import EntryRef
-from anchorkv.store.errors import FormatError, IncompleteEntry, StoreError
+from anchorkv.store.errors import FormatError, IncompleteEntry
 from anchorkv.store.format import array_layouts
 from anchorkv.store.keys import TOKEN_BLOCK
-from anchorkv.store.manifest import ENTRIES, EntryInfo, parse_entry_name
+from anchorkv.store.manifest import EntryInfo
 from anchorkv.store.store import Store
 
 log = logging.getLogger("anchorkv.connector")
@@ -140,7 +140,6 @@ class ZarrEntryStore:
                 ) from e
         self.store = store
         self._layouts: dict[tuple[int, int], ModelLayout] = {}
-        self._warned_semantic = False
 
     def __repr__(self) -> str:
         return f"ZarrEntryStore({self.store.url!r}, codecs={ {k: str(v) for k, v in self.codecs.items()} })"
@@ -157,60 +156,12 @@ class ZarrEntryStore:
     def lookup(self, *, anchor: str | None, token_ids: list[int], max_tokens: int, multiple_of: int,
                mode: str) -> EntryRef | None:
         """The longest usable committed entry (see `EntryStore.lookup`); reads manifests only."""
-        if multiple_of <= 0:
-            raise ValueError(f"multiple_of must be positive, found {multiple_of}")
-        limit = min(max_tokens, len(token_ids))
-        best = self._lookup_exact(anchor, token_ids, limit, multiple_of)
-        if mode == "semantic" and anchor is not None:
-            other = self._lookup_semantic(anchor, limit, multiple_of)
-            if other is not None and (best is None or other.num_tokens > best.num_tokens):
-                log.debug("anchorkv: semantic match %s (%d tokens) for anchor %r", other.id,
-                          other.num_tokens, anchor)
-                best = other
-        if best is None:
-            return None
-        return EntryRef(best.id, best.num_tokens)
-
-    def _lookup_exact(self, anchor: str | None, tokens: list[int], limit: int, multiple: int) -> EntryInfo | None:
-        """Longest entry whose prefix hash matches, with length <= limit and a multiple."""
-        m = (limit // multiple) * multiple
-        while m > 0:
-            if anchor is None and m < TOKEN_BLOCK:
-                return None  # anchorless entries hold >= TOKEN_BLOCK tokens
-            info = self.store.lookup(fingerprint_hash=self.fingerprint_hash, tokens=tokens[:m],
-                                     anchor=anchor, mode="exact")
-            if info is None:
-                return None
-            if info.num_tokens % multiple == 0:
-                return info
-            m = ((info.num_tokens - 1) // multiple) * multiple  # a shorter one may still fit
-        return None
-
-    def _lookup_semantic(self, anchor: str, limit: int, multiple: int) -> EntryInfo | None:
-        """Longest entry of the anchor with length <= limit and a multiple, whatever its tokens.
-        LOSSY by nature: the anchor is trusted to summarize the context."""
-        if not self._warned_semantic:
-            log.warning("anchorkv: semantic lookup is on: entries are reused for other prompts with "
-                        "the same anchor (lossy by nature)")
-            self._warned_semantic = True
-        key = Store.key_for(self.fingerprint_hash, anchor=anchor)
-        cands: dict[int, list[str]] = {}
-        for name in self.store.backend.list_dir(f"{ENTRIES}/{key}"):
-            parsed = parse_entry_name(name)
-            if parsed and parsed[0] <= limit and parsed[0] % multiple == 0:
-                cands.setdefault(parsed[0], []).append(name)
-        for n in sorted(cands, reverse=True):
-            infos = []
-            for name in cands[n]:
-                try:
-                    info = self.store.get(f"{key}/{name}")
-                except StoreError:
-                    continue
-                if info.fingerprint_hash == self.fingerprint_hash:
-                    infos.append(info)
-            if infos:
-                return min(infos, key=lambda e: (e.created, e.id))
-        return None
+        info = self.store.lookup(
+            fingerprint_hash=self.fingerprint_hash, tokens=token_ids,
+            anchor=anchor,
+            mode="semantic" if mode == "semantic" and anchor is not None else "exact",
+            max_tokens=max_tokens, multiple_of=multiple_of)
+        return None if info is None else EntryRef(info.id, info.num_tokens)
 
     # ------------------------------------------------------------------ load
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from anchorkv.codec import CacheView, LayerKind, ModelLayout, Packed, pack_many, unpack_many
+from anchorkv.codec import CacheView, ModelLayout, Packed, pack_many, unpack_many
 from anchorkv.codec.layout import Field, PageLayout
 from anchorkv.connector.config import ConnectorConfig
 from anchorkv.connector.plan import GroupInfo, GroupKind, LoadSpec, Metadata, SaveSpec

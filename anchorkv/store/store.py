@@ -25,10 +25,9 @@ from anchorkv.codec.packed import Packed
 from anchorkv.codec.spec import CodecSpec
 from anchorkv.store import eviction
 from anchorkv.store.backends import open_backend
-from anchorkv.store.errors import CorruptEntry, EntryNotFound, FingerprintMismatch, FormatError
+from anchorkv.store.errors import CorruptEntry, EntryNotFound, FingerprintMismatch
 from anchorkv.store.format import (
     FORMAT_VERSION,
-    TOKEN_CHUNK,
     ArrayLayout,
     Encoded,
     array_layouts,
@@ -185,16 +184,21 @@ class Store:
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, *, fingerprint_hash: str, tokens=None, anchor: str | None = None,
-               mode: Mode = "exact") -> EntryInfo | None:
+               mode: Mode = "exact", max_tokens: int | None = None,
+               multiple_of: int = 1) -> EntryInfo | None:
         """The best committed entry for a request, or None. No side effects.
 
         exact (default): the longest entry under the key whose prefix hash equals the hash of
         the same number of the request's tokens. semantic (opt-in, needs an anchor): the
         longest entry of the anchor whatever its tokens; LOSSY, the anchor is trusted to
-        summarize the context.
+        summarize the context. Either way only entries of at most `max_tokens` tokens (default:
+        no bound) and a multiple of `multiple_of` count (a caller that can restore only some
+        boundaries, e.g. block-aligned ones, gets the longest it can use).
         """
         if mode not in ("exact", "semantic"):
             raise ValueError(f"mode must be 'exact' or 'semantic', found {mode!r}")
+        if multiple_of <= 0:
+            raise ValueError(f"multiple_of must be positive, found {multiple_of}")
         if mode == "semantic":
             if anchor is None:
                 raise ValueError("semantic lookup needs an anchor")
@@ -212,6 +216,8 @@ class Store:
         names = [(parse_entry_name(n), n) for n in self.backend.list_dir(f"{ENTRIES}/{key}")]
         cands = sorted(((p[0], p[1], n) for p, n in names if p), key=lambda c: -c[0])
         for n, h16, name in cands:
+            if (max_tokens is not None and n > max_tokens) or n % multiple_of:
+                continue
             if mode == "exact" and (n > len(hasher) or hasher.hash(n)[:16] != h16):
                 continue
             info = self._try_info(f"{key}/{name}")

@@ -115,6 +115,18 @@ class TestStoreConformance:
         semantic = store.lookup(fingerprint_hash=fp(), tokens=other, anchor="alice-software-tokyo", mode="semantic")
         assert semantic.id == long.id
         assert store.lookup(fingerprint_hash=fp(), tokens=toks, anchor="bob") is None
+        # bounds: at most max_tokens, a multiple of multiple_of (exact and semantic alike)
+        look = dict(fingerprint_hash=fp(), tokens=toks, anchor="alice-software-tokyo")
+        assert store.lookup(**look, max_tokens=599).id == short.id
+        assert store.lookup(**look, max_tokens=299) is None
+        assert store.lookup(**look, multiple_of=200).id == long.id
+        assert store.lookup(**look, multiple_of=300).id == long.id
+        assert store.lookup(**look, multiple_of=150).id == long.id
+        assert store.lookup(**look, multiple_of=100, max_tokens=500).id == short.id
+        assert store.lookup(**look, multiple_of=7) is None
+        assert store.lookup(**{**look, "tokens": other}, mode="semantic", max_tokens=599).id == short.id
+        with pytest.raises(ValueError, match="multiple_of"):
+            store.lookup(**look, multiple_of=0)
 
     def test_anchorless_prefix_cache(self, store):
         toks = tokens(N, seed=3)
