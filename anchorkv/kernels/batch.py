@@ -166,13 +166,14 @@ def tile_rows(geom: Geometry, block_g: int) -> int:
     return min(want, max(1, 1 << (geom.groups - 1).bit_length()))
 
 
-def check_ids(block_ids, num_blocks: int) -> torch.Tensor:
+def check_ids(block_ids, num_blocks: int, *, distinct: bool = False) -> torch.Tensor:
     """Block ids as a CPU int64 vector, each in [0, num_blocks).
 
     Ids on a GPU are copied to the host (a synchronization): pass them as a list or a CPU tensor
     on the hot path.
     """
-    return reference.check_block_ids(torch.as_tensor(block_ids, dtype=torch.int64).cpu(), num_blocks)
+    ids = torch.as_tensor(block_ids, dtype=torch.int64).cpu()
+    return reference.check_block_ids(ids, num_blocks, distinct=distinct)
 
 
 def byte_address(t: torch.Tensor) -> int:

@@ -53,7 +53,8 @@ _CANONICAL_NAN = {
 # ----------------------------------------------------------------------------- gather/scatter
 
 
-def check_block_ids(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
+def check_block_ids(block_ids: torch.Tensor, num_blocks: int, *, distinct: bool = False) -> torch.Tensor:
+    """`block_ids` as an int64 vector, each in [0, num_blocks) (and, for a scatter, distinct)."""
     ids = torch.as_tensor(block_ids, dtype=torch.int64)
     if ids.dim() != 1:
         raise ValueError(f"block ids must be a 1-D tensor, found shape {tuple(ids.shape)}")
@@ -62,6 +63,8 @@ def check_block_ids(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
             f"block ids must lie in [0, {num_blocks}), found min {int(ids.min())} "
             f"and max {int(ids.max())}"
         )
+    if distinct and ids.unique().numel() != ids.numel():
+        raise ValueError(f"block ids must be distinct to scatter, found {ids.tolist()}")
     return ids
 
 
@@ -75,15 +78,13 @@ def scatter(
     buffer: torch.Tensor, field: StridedField, block_ids, num_blocks: int, values: torch.Tensor
 ) -> None:
     """Write `values` `[N, *F]` into the selected blocks of `field`; no other byte changes."""
-    ids = check_block_ids(block_ids, num_blocks)
+    ids = check_block_ids(block_ids, num_blocks, distinct=True)
     expected = (ids.numel(), *field.shape)
     if tuple(values.shape) != expected or values.dtype != field.dtype:
         raise ValueError(
             f"values must be {field.dtype} {list(expected)}, found {values.dtype} "
             f"{list(values.shape)}"
         )
-    if ids.unique().numel() != ids.numel():
-        raise ValueError(f"block ids must be distinct to scatter, found {ids.tolist()}")
     view = field_view(buffer, field, num_blocks)
     view[ids.to(buffer.device)] = values.to(buffer.device)
 

@@ -151,6 +151,33 @@ def block_g(geom: B.Geometry) -> int:
     return out
 
 
+def launch_config(geom: B.Geometry, count: int, n: int) -> tuple[tuple[int, int], dict]:
+    """(grid, keyword arguments) that the pack and unpack kernels share for `count` items of
+    `n` blocks each: the field geometry, the format, the tile sizes, the launch options."""
+    bg = block_g(geom)
+    br = B.tile_rows(geom, bg)
+    grid = (triton.cdiv(geom.groups, br), count * n)
+    B.grid_check(grid[0], grid[1])
+    return grid, dict(
+        N=n,
+        GROUPS=geom.groups,
+        GPR=geom.gpr,
+        S1=geom.sizes[1],
+        S2=geom.sizes[2],
+        T0=geom.strides[0],
+        T1=geom.strides[1],
+        T2=geom.strides[2],
+        TD=geom.td,
+        NUMEL=geom.numel,
+        FMT=B.FMT_CODE[geom.fmt],
+        G=geom.g,
+        BLOCK_R=br,
+        BLOCK_G=bg,
+        num_warps=8 if br * bg >= 4096 else 4,
+        enable_fp_fusion=False,  # a rounded product, then a rounded sum: as the reference
+    )
+
+
 def _launch(items: Sequence[B.PackItem], ids: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One launch for items of one signature: allocate the outputs, build the item table, go."""
     first = items[0]
@@ -182,33 +209,15 @@ def _launch(items: Sequence[B.PackItem], ids: list[torch.Tensor]) -> list[tuple[
         table[i, 2:] = ids[i]
     table = table.to(device)
 
-    bg = block_g(geom)
-    br = B.tile_rows(geom, bg)
-    grid = (triton.cdiv(geom.groups, br), count * n)
-    B.grid_check(grid[0], grid[1])
+    grid, common = launch_config(geom, count, n)
     _pack_kernel[grid](
         src=src,
         tab=table,
         payload=payload.view(int_dtype) if geom.fmt is Quant.RAW else payload,
         scales=scales.view(torch.int32),
-        N=n,
-        GROUPS=geom.groups,
-        GPR=geom.gpr,
-        S1=geom.sizes[1],
-        S2=geom.sizes[2],
-        T0=geom.strides[0],
-        T1=geom.strides[1],
-        T2=geom.strides[2],
-        TD=geom.td,
-        NUMEL=geom.numel,
         TAB_W=2 + n,
-        FMT=B.FMT_CODE[geom.fmt],
         SRC=B.FLOAT_KIND.get(geom.dtype, 0),
-        G=geom.g,
-        BLOCK_R=br,
-        BLOCK_G=bg,
-        num_warps=8 if br * bg >= 4096 else 4,
-        enable_fp_fusion=False,
+        **common,
     )
     return outputs
 

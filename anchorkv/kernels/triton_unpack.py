@@ -21,7 +21,7 @@ from anchorkv.kernels import batch as B
 from anchorkv.kernels.bits import fp8_decode, narrow
 from anchorkv.kernels.formats import Quant
 from anchorkv.kernels.geometry import StridedField
-from anchorkv.kernels.triton_pack import block_g
+from anchorkv.kernels.triton_pack import launch_config
 
 
 @triton.jit
@@ -147,33 +147,15 @@ def _launch(items: Sequence[B.UnpackItem], ids: list[torch.Tensor]) -> None:
         table[i, 4:] = ids[i]
     table = table.to(device)
 
-    bg = block_g(geom)
-    br = B.tile_rows(geom, bg)
-    grid = (triton.cdiv(geom.groups, br), len(items) * n)
-    B.grid_check(grid[0], grid[1])
+    grid, common = launch_config(geom, len(items), n)
     _unpack_kernel[grid](
         dst=dst,
         tab=table,
         payload=pay,
         scales=sc,
-        N=n,
-        GROUPS=geom.groups,
-        GPR=geom.gpr,
-        S1=geom.sizes[1],
-        S2=geom.sizes[2],
-        T0=geom.strides[0],
-        T1=geom.strides[1],
-        T2=geom.strides[2],
-        TD=geom.td,
-        NUMEL=geom.numel,
         TAB_W=4 + n,
-        FMT=B.FMT_CODE[geom.fmt],
         DST=B.FLOAT_KIND.get(geom.dtype, 0),
-        G=geom.g,
-        BLOCK_R=br,
-        BLOCK_G=bg,
-        num_warps=8 if br * bg >= 4096 else 4,
-        enable_fp_fusion=False,
+        **common,
     )
 
 
@@ -184,12 +166,7 @@ def unpack_many(items: Sequence[B.UnpackItem]) -> None:
     unspecified); each item's block ids must be distinct.
     """
     items = list(items)
-    ids = []
-    for it in items:
-        i = B.check_ids(it.block_ids, it.num_blocks)
-        if i.unique().numel() != i.numel():
-            raise ValueError(f"block ids must be distinct to scatter, found {i.tolist()}")
-        ids.append(i)
+    ids = [B.check_ids(it.block_ids, it.num_blocks, distinct=True) for it in items]
     keys = [
         B.signature(it.buffer.device, it.field, i, it.fmt, it.group) for it, i in zip(items, ids)
     ]
