@@ -1,0 +1,82 @@
+"""Where the time of one Kimi-Linear request's pack/unpack goes on a GPU: host vs kernels.
+
+    python -m benchmarks.profile_kernels [--tp 1] [--out DIR]
+
+Prints, for `pack_many` and `unpack_many` of the request `bench_kernels.py` times: the wall
+time per call (host + device, synchronized), the CUDA kernel time from torch.profiler, the
+launches per call, and the host-side hot spots (cProfile, top 15). A diagnostic, not a gate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_kernels needs CUDA", file=sys.stderr)
+        return 2
+    from anchorkv import kernels
+    from benchmarks.bench_kernels import request
+
+    req = request(args.tp)
+    ops = {
+        "pack": lambda: kernels.pack_many(req.items),
+        "unpack": lambda: kernels.unpack_many(req.unpack_items),
+        "copy": lambda: req.copy_dst.copy_(req.copy_src),
+    }
+    for name, fn in ops.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(args.iters):
+            fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / args.iters
+        t = time.perf_counter()
+        for _ in range(args.iters):
+            fn()
+        host = (time.perf_counter() - t) / args.iters  # no sync: launch-side cost (if async)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                fn()
+            torch.cuda.synchronize()
+        kern = {}
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                k = kern.setdefault(ev.name[:60], [0, 0.0])
+                k[0] += 1
+                k[1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        total = sum(v[1] for v in kern.values()) / args.iters
+        print(f"== {name} tp={args.tp}: wall {wall*1e3:.3f} ms/call, host-only {host*1e3:.3f} ms, "
+              f"kernels {total/1e3:.3f} ms/call, source {req.source_bytes/1e6:.1f} MB")
+        for k, (cnt, us) in sorted(kern.items(), key=lambda kv: -kv[1][1]):
+            print(f"   {cnt/args.iters:5.1f}x {us/args.iters:9.1f} us  {k}")
+        if name != "copy":
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(args.iters):
+                fn()
+            torch.cuda.synchronize()
+            pr.disable()
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(15)
+            print("\n".join(s.getvalue().splitlines()[:40]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
