@@ -1,7 +1,7 @@
 """The connector's settings, read from `kv_connector_extra_config` and checked at start-up.
 
     {"store": "/var/cache/anchorkv",            # path or s3://bucket/prefix
-     "codec": {"latent": "fp8:64", "recurrent": "int8", "conv": "raw"},
+     "codec": {"recurrent": "bf16"},            # or a preset: "exact" (default), "compact", "smallest"
      "lookup": "exact",                          # or "semantic" (opt-in, lossy by nature)
      "save_points": ["prefill", "finish"],
      "capacity": "200GB",                        # LRU-evicted bound; null = unbounded
@@ -22,14 +22,26 @@ from typing import Any, Mapping
 from anchorkv.codec.spec import CodecSpec
 from anchorkv.store.settings import DEFAULT_STORE, parse_size
 
-#: Default codec per field kind, chosen by the fidelity study's rule (`benchmarks/fidelity`,
-#: `python -m benchmarks.fidelity`, seed 0): the fewest stored bytes whose continuation error
-#: after a restore (relative L2 of the next 256 outputs vs the unquantized run) averages under
-#: 1e-2 and stays under 5e-2 at every step. Measured: conv fp8:512 mean 1.5e-3 / worst 4.0e-2
-#: (0.504x of bf16); recurrent fp8:128 4.0e-3 / 3.3e-2 (0.258x of fp32); latent fp8:whole
-#: 6.3e-3 / 2.0e-2 (0.504x of bf16). conv is sharded along its channels, so its group must
-#: divide the store chunk's 512 channels ("whole" would change with tp); 576 = latent width.
-DEFAULT_CODECS: dict[str, str] = {"conv": "fp8:512", "recurrent": "fp8:128", "latent": "fp8:whole"}
+#: Default codec per field kind: `raw` for every field, so a restore is bit-exact and a cache
+#: users turn on never changes their model's answers unless they ask for a lossy codec (the
+#: fidelity study, `python -m benchmarks.fidelity`, shows where each lossy codec breaks).
+#: A field kind not listed here is `raw` too (`ConnectorConfig.codec_for`).
+DEFAULT_CODECS: dict[str, str] = {"conv": "raw", "recurrent": "raw", "latent": "raw"}
+
+#: Named codec presets, accepted as ``"codec": "<name>"``. Chosen by the rule in
+#: `benchmarks.fidelity.presets` over the fidelity study, judged on the worst case across all of
+#: its conditions (decay regimes, input models, attention sharpness, seeds):
+#:   exact    - raw everywhere (the default);
+#:   compact  - per field, the fewest bytes whose worst condition keeps the continuation error
+#:              under 1e-3 on average and 5e-3 at every step;
+#:   smallest - per field, the fewest bytes whose worst condition keeps it under 1e-2 on
+#:              average and 5e-2 at every step.
+#: The README's fidelity table says where each lossy preset fails.
+PRESETS: dict[str, dict[str, str]] = {
+    "exact": dict(DEFAULT_CODECS),
+    "compact": {"conv": "raw", "recurrent": "bf16", "latent": "raw"},
+    "smallest": {"conv": "raw", "recurrent": "bf16", "latent": "raw"},
+}
 
 SAVE_POINTS = ("prefill", "finish")
 LOOKUP_MODES = ("exact", "semantic")
@@ -100,9 +112,13 @@ class ConnectorConfig:
 
 
 def _parse_codecs(value: Any) -> dict[str, CodecSpec]:
+    """A preset name, or a map of field kinds to codecs over the exact (raw) defaults."""
+    if isinstance(value, str) and value.strip() in PRESETS:
+        return {k: CodecSpec.parse(v) for k, v in PRESETS[value.strip()].items()}
     if not isinstance(value, dict):
         raise ValueError(
-            f"anchorkv: 'codec' must map field kinds to codecs, e.g. {{\"latent\": \"fp8:64\"}}, found {value!r}"
+            f"anchorkv: 'codec' must be a preset name ({', '.join(repr(p) for p in PRESETS)}) or map "
+            f"field kinds to codecs, e.g. {{\"recurrent\": \"bf16\"}}; found {value!r}"
         )
     out = {k: CodecSpec.parse(v) for k, v in DEFAULT_CODECS.items()}
     for kind, spec in value.items():
@@ -111,3 +127,40 @@ def _parse_codecs(value: Any) -> dict[str, CodecSpec]:
         except (ValueError, TypeError) as e:
             raise ValueError(f"anchorkv: codec for field {kind!r}: {e}") from None
     return out
+
+
+def lossy_codecs(codecs: Mapping[str, CodecSpec]) -> dict[str, str]:
+    """The fields whose codec is not bit-exact, as ``{field: "fp8:128"}``.
+
+    Only `raw` is known to be exact; every other codec (bf16, the quantizers, any plug-in that
+    does not say ``lossless = True``) counts as lossy.
+    """
+    from anchorkv.codec import get_codec
+
+    out = {}
+    for name, spec in codecs.items():
+        if spec.id == "raw":
+            continue
+        try:
+            lossless = bool(getattr(get_codec(spec.id), "lossless", False))
+        except KeyError:
+            lossless = False
+        if not lossless:
+            out[name] = str(spec)
+    return out
+
+
+def codec_banner(codecs: Mapping[str, CodecSpec]) -> tuple[int, str]:
+    """(logging level, message) announcing the codecs in effect: INFO when every field is
+    restored exactly, WARNING naming the lossy fields otherwise."""
+    import logging
+
+    shown = {k: ("raw" if v.id == "raw" else str(v)) for k, v in codecs.items()}
+    lossy = lossy_codecs(codecs)
+    if not lossy:
+        return logging.INFO, f"anchorkv: codecs {shown}: every field is restored bit-exact"
+    return logging.WARNING, (
+        f"anchorkv: LOSSY codecs in effect for {sorted(lossy)} ({lossy}): restored state is "
+        f"approximate and may change the model's outputs after a restore; codecs {shown}. "
+        "Use \"codec\": \"exact\" (the default) for bit-exact restores; see the README's fidelity "
+        "table for where each lossy preset fails")

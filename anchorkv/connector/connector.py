@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from anchorkv.codec import kimi_linear_layout
-from anchorkv.connector.config import ConnectorConfig
+from anchorkv.connector.config import ConnectorConfig, codec_banner
 from anchorkv.connector.plan import GroupInfo, GroupKind, Metadata
 from anchorkv.connector.scheduler import SchedulerSide
 from anchorkv.connector.storage_zarr import ZarrEntryStore
@@ -100,6 +100,7 @@ class AnchorKVConnector(KVConnectorBase_V1, SupportsHMA):
         log.info("anchorkv: %s side, store %s, codecs %s, lookup %s, mamba cache mode %s",
                  role.name.lower(), self.config.store,
                  {k: str(v) for k, v in self.config.codec.items()}, self.config.lookup, self.mode)
+        log.log(*codec_banner(self.config.codec))  # a WARNING when any field's codec is lossy
 
     @property
     def requires_kv_delivery(self) -> bool:

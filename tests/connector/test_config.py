@@ -2,19 +2,44 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
 import pytest
 
 from anchorkv.codec import CodecSpec
-from anchorkv.connector.config import ConnectorConfig, parse_size
+from anchorkv.connector.config import PRESETS, ConnectorConfig, codec_banner, lossy_codecs, parse_size
 
 
 def test_defaults():
     c = ConnectorConfig.from_extra_config({})
     assert c.lookup == "exact" and c.save_points == ("prefill", "finish") and c.async_load
     assert set(c.codec) == {"conv", "recurrent", "latent"}
+
+
+def test_default_codecs_are_exact():
+    """Restores are bit-exact unless the user opts in: every field, and any unlisted one, is raw."""
+    c = ConnectorConfig.from_extra_config({})
+    assert {k: v.id for k, v in c.codec.items()} == {"conv": "raw", "recurrent": "raw", "latent": "raw"}
+    assert c.codec_for("some_other_field").id == "raw"
+    partial = ConnectorConfig.from_extra_config({"codec": {"recurrent": "bf16"}})
+    assert {k: v.id for k, v in partial.codec.items()} == {"conv": "raw", "recurrent": "bf16", "latent": "raw"}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_by_name(name):
+    c = ConnectorConfig.from_extra_config({"codec": name})
+    assert {k: str(v) for k, v in c.codec.items()} == {k: str(CodecSpec.parse(v)) for k, v in PRESETS[name].items()}
+    assert (name == "exact") == (not lossy_codecs(c.codec))
+
+
+def test_codec_banner_warns_when_lossy():
+    exact = ConnectorConfig.from_extra_config({}).codec
+    level, msg = codec_banner(exact)
+    assert level == logging.INFO and "bit-exact" in msg
+    level, msg = codec_banner(ConnectorConfig.from_extra_config({"codec": {"latent": "fp8:64"}}).codec)
+    assert level == logging.WARNING and "LOSSY" in msg and "latent" in msg and "fp8:64" in msg
 
 
 def test_full_config():
@@ -32,7 +57,7 @@ def test_full_config():
     ({"lookup": "fuzzy"}, "'lookup' must be one of"),
     ({"codec": {"latent": "fp9:64"}}, None),
     ({"codec": {"latent": "fp8:abc"}}, "codec for field 'latent': .*group must be a number"),
-    ({"codec": "fp8"}, "'codec' must map field kinds to codecs"),
+    ({"codec": "fp8"}, "'codec' must be a preset name .* or map field kinds to codecs"),
     ({"save_points": ["prefil"]}, "'save_points' must be a list drawn from"),
     ({"capacity": "12 parsecs"}, "capacity"),
     ({"capacity": True}, "capacity"),
