@@ -17,6 +17,7 @@ class Quant(str, Enum):
     FP8 = "fp8"  # float8 e4m3fn, one fp32 scale per group, RNE, saturating at +-448
     INT8 = "int8"  # symmetric int8 in [-127, 127], one fp32 scale per group, RNE
     INT4 = "int4"  # asymmetric 4-bit in [0, 15], fp32 (scale, min) per group, 2 values a byte
+    BF16 = "bf16"  # each value rounded to bfloat16 (RNE, Inf kept, NaN 0x7FC0), 2 bytes, no scales
 
     def __str__(self) -> str:  # so f-strings and json show "fp8", not "Quant.FP8"
         return self.value
@@ -27,7 +28,13 @@ INT8_MAX = 127.0  # symmetric: -128 is never produced
 INT4_LEVELS = 15.0  # codes 0..15
 
 #: fp32 values kept per group next to the payload: (scale,) or (scale, minimum).
-SCALE_COLUMNS = {Quant.RAW: 0, Quant.FP8: 1, Quant.INT8: 1, Quant.INT4: 2}
+SCALE_COLUMNS = {Quant.RAW: 0, Quant.FP8: 1, Quant.INT8: 1, Quant.INT4: 2, Quant.BF16: 0}
+
+#: Formats that work element by element: no groups, no scales (a spec's group is ignored).
+ELEMENTWISE = frozenset({Quant.RAW, Quant.BF16})
+#: Bytes per value of `Quant.BF16`'s payload, and the bf16 canonical NaN it writes.
+BF16_ITEMSIZE = 2
+BF16_NAN_BITS = 0x7FC0
 
 #: The bit pattern written as the scale of a group that held a NaN or an infinity. Its payload
 #: bytes are all zero; decoding gives NaN for the whole group, never a plausible finite value.
@@ -41,6 +48,8 @@ def payload_nbytes(fmt: Quant, numel: int, itemsize: int) -> int:
         return numel * itemsize
     if fmt is Quant.INT4:
         return (numel + 1) // 2
+    if fmt is Quant.BF16:
+        return numel * BF16_ITEMSIZE
     return numel
 
 

@@ -23,6 +23,12 @@ Quantization rules (all rounding is round-half-to-even, all arithmetic IEEE fp32
     payload bytes 0 (and min 0 for int4). It decodes to NaN for every element of the group, so
     non-finite state is never turned into plausible numbers, and `Packed.poisoned_groups()`
     lets a caller refuse to store it. `raw` keeps bytes as they are (NaN stays NaN).
+  * `bf16` (no groups, no scales): each value, widened to fp32, is rounded to bfloat16 on its
+    bits: bf16 = (u + 0x7FFF + ((u >> 16) & 1)) >> 16 for the fp32 bits u (round-half-to-even;
+    finite values past the bf16 range become +-Inf, as RNE says; +-Inf and -0.0 kept); every
+    NaN is written 0x7FC0. The payload is those 16-bit codes, little-endian, in the field's
+    logical element order. Decoded exactly to fp32 (code << 16), then rounded once to the
+    field's dtype (RNE), NaN canonical. Unlike the quantizers, a NaN poisons only itself.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from anchorkv.kernels.formats import (
+    BF16_NAN_BITS,
     FP8_MAX,
     INT4_LEVELS,
     INT8_MAX,
@@ -141,6 +148,9 @@ def quantize(x: torch.Tensor, fmt: Quant | str, group: int | None) -> tuple[torc
     if fmt is Quant.RAW:
         flat = x.contiguous().reshape(-1)
         return flat.view(torch.uint8).clone(), torch.empty(0, 0, dtype=torch.float32, device=x.device)
+    if fmt is Quant.BF16:
+        codes = round_to_bf16(x.contiguous().reshape(-1).to(torch.float32))
+        return codes.view(torch.uint8), torch.empty(0, 0, dtype=torch.float32, device=x.device)
     rows = _rows(x, fmt, group)
     n, g = rows.shape
     codes = torch.empty(n, g // 2 if fmt is Quant.INT4 else g, dtype=torch.uint8, device=x.device)
@@ -148,6 +158,20 @@ def quantize(x: torch.Tensor, fmt: Quant | str, group: int | None) -> tuple[torc
     for a, b in _row_slices(n, g):
         codes[a:b], scales[a:b] = quantize_groups(rows[a:b].to(torch.float32), fmt)
     return codes.reshape(-1), scales
+
+
+def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 `x` -> the int16 codes of its bfloat16 rounding (the `bf16` rule above).
+
+    Why on the bits and not `x.to(torch.bfloat16)`: the cast's NaN bits depend on the device
+    and the CPU's vector path (0xFFFF on x86 for torch 2.13), and the bytes must be the same
+    everywhere; for every non-NaN value the two agree (tested).
+    """
+    nan = torch.isnan(x)
+    u = torch.where(nan, torch.zeros_like(x), x).contiguous().view(torch.int32)
+    rounded = (u + (0x7FFF + ((u >> 16) & 1))) >> 16  # no int32 overflow: non-NaN |u| <= 0x7F800000
+    rounded = torch.where(nan, torch.full_like(rounded, BF16_NAN_BITS), rounded & 0xFFFF)
+    return rounded.to(torch.int16)  # 16-bit two's complement of the code
 
 
 def quantize_groups(g: torch.Tensor, fmt: Quant) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,6 +218,10 @@ def dequantize(
     fmt = Quant(fmt)
     if fmt is Quant.RAW:
         return payload.contiguous().view(dtype).reshape(shape).clone()
+    if fmt is Quant.BF16:
+        codes = payload.contiguous().view(torch.int16).reshape(shape)
+        values = (codes.to(torch.int32) << 16).view(torch.float32)  # exact
+        return _canonical_nan(values.to(dtype))
     last = shape[-1] if shape else 1
     g = resolve_group(last, group)
     codes = payload.contiguous().reshape(-1, g // 2 if fmt is Quant.INT4 else g)

@@ -27,6 +27,8 @@ CASES = [
     ("int4_g32_bf16", "int4", 32, torch.bfloat16),
     ("int4_g64_fp32", "int4", 64, torch.float32),
     ("int4_whole_fp16", "int4", None, torch.float16),
+    ("bf16_fp32", "bf16", None, torch.float32),
+    ("bf16_fp16", "bf16", None, torch.float16),
 ]
 
 
@@ -43,10 +45,30 @@ def golden_input(dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+def bf16_edges() -> torch.Tensor:
+    """128 fp32 values at the edges of bf16 rounding, from their bit patterns: exact ties (low
+    half 0x8000) with odd and even kept bits, one below and above a tie, the largest finite
+    values (rounding to Inf), subnormals, +-0, +-Inf and NaNs of several payloads."""
+    bits = []
+    for base in (0x3F800000, 0x3F810000, 0x40490000, 0x00010000, 0x7F7F0000, 0x00800000, 0x4B7F0000, 0x3A120000):
+        for low in (0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x4000, 0xC000):
+            bits += [base | low, base | low | 0x80000000]
+    bits[-8:] = [0x7F800000, 0xFF800000, 0x00000000, 0x80000000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF, 0x7F7FFFFF]
+    return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def case_input(codec: str, dtype: torch.dtype) -> torch.Tensor:
+    """`golden_input`; for bf16 of fp32 its first smooth row is `bf16_edges` instead."""
+    x = golden_input(dtype)
+    if codec == "bf16" and dtype == torch.float32:
+        x[0, 1] = bf16_edges()
+    return x
+
+
 def encode_case(codec: str, group: int | None, dtype: torch.dtype) -> dict:
     from anchorkv.kernels.reference import quantize
 
-    payload, scales = quantize(golden_input(dtype), codec, group)
+    payload, scales = quantize(case_input(codec, dtype), codec, group)
     return {
         "codec": codec,
         "group": group,

@@ -168,9 +168,9 @@ def test_round_trip_clears_sqnr_floor(fmt, group, dtype):
 def test_payload_size(fmt):
     x = torch.randn(4, 128, dtype=torch.bfloat16)
     payload, scales = quantize(x, fmt, 64)
-    expected = {"raw": 1024, "fp8": 512, "int8": 512, "int4": 256}[fmt.value]
+    expected = {"raw": 1024, "fp8": 512, "int8": 512, "int4": 256, "bf16": 1024}[fmt.value]
     assert payload.numel() == expected
-    assert scales.shape == ((0, 0) if fmt is Quant.RAW else (8, 2 if fmt is Quant.INT4 else 1))
+    assert scales.shape == ((0, 0) if fmt in (Quant.RAW, Quant.BF16) else (8, 2 if fmt is Quant.INT4 else 1))
 
 
 @pytest.mark.parametrize("fmt,group", [("fp8", 576), ("int8", 64), ("int4", 32)])
