@@ -26,7 +26,7 @@ import time
 from anchorkv.connector.config import DEFAULT_CODECS
 
 #: Suites `anchorkv bench` runs when their file exists, in this order.
-SUITES = ("codec", "kernels", "store")
+SUITES = ("codec", "kernels", "store", "save_path")
 
 
 def find_checkout(start: Path | None = None) -> Path:

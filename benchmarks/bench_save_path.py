@@ -1,0 +1,257 @@
+"""The save path of one Kimi-Linear request: cache on the GPU -> pack -> pinned host -> store.
+
+The request (tp=1; 20 KDA layers x conv `[3, 3, 4096]` bf16 + recurrent `[32, 128, 128]` fp32,
+one state block each, and 7 MLA layers x 7680 x 576 bf16: 105.3 MB; `--quick`: the first 3 KDA
+layers and the first MLA layer, 1920 tokens: 8.7 MB) sits in the regions vLLM's hybrid allocator gives it (`anchorkv.demo.hma_regions`:
+layer j of every group shares region j) on the benchmark's device, and is saved the way the
+connector saves it: `WorkerSide.save` (`anchorkv.codec.pack_many` -> `anchorkv.kernels.pack_many`
+on a side stream, then an asynchronous copy of the packed bytes to pinned host memory) and, on
+its writer thread, `ZarrEntryStore.save_part` into a local store. Each round saves new token
+ids, so every round writes and commits a new entry.
+
+Providers, per codec set (`raw`; `quant` = conv int8:128, recurrent int8:128, latent fp8:64, as
+`bench_kernels.py`):
+    d2h-raw     one copy of the request's raw bytes from one device buffer to pinned host memory
+    d2h-packed  the same for the packed bytes (the baseline of the target: save >= 0.8 of it)
+    pack        `anchorkv.codec.pack_many` of every (layer, field), synchronized
+    pack+d2h    `WorkerSide.save` + `flush` with a store that keeps nothing: pack, pinned copy,
+                the writer thread's checks (what the GPU and PCIe do for a save)
+    save        `WorkerSide.save` + `flush` into a `ZarrEntryStore` on local disk (the whole path)
+
+`extra_info`: `bytes` (what the provider delivers to the host: packed bytes, or the raw bytes for
+`d2h-raw`), `gbps` = bytes / median, `state_gbps` = raw state bytes / median, and the time
+ratios `ratio_vs_d2h_packed` = d2h-packed median / this median and `ratio_vs_d2h_raw`, both
+measured in the same process. For `pack+d2h` and `save`, `launch_s` is the median time until
+`WorkerSide.save` returned (what the forward pass waits for). Before each save round (untimed)
+`os.sync()` flushes earlier rounds' dirty pages; nothing calls fsync, so the store's writes end
+in the page cache (as in `bench_store.py`).
+
+On a machine without CUDA the same code runs the torch reference (the library's CPU path) and
+the "d2h" copies are host-to-host copies into ordinary memory; `--quick` (`anchorkv bench
+--quick`, CI) runs one round of each at the quick size.
+
+    .venv/bin/python -m pytest benchmarks/bench_save_path.py --benchmark-only
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+import statistics
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from anchorkv.codec import (
+    KIMI_LINEAR_48B_CONFIG,
+    LayerKind,
+    ModelLayout,
+    Packed,
+    custom_layout,
+    kimi_linear_layout,
+    pack_many,
+)
+from anchorkv.connector.config import ConnectorConfig
+from anchorkv.connector.plan import GroupInfo, GroupKind, Metadata, SaveSpec
+from anchorkv.connector.storage_zarr import ZarrEntryStore
+from anchorkv.connector.worker import WorkerSide
+from anchorkv.demo import hma_regions
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+CODEC_SETS = {
+    "raw": {"conv": "raw", "recurrent": "raw", "latent": "raw"},
+    "quant": {"conv": "int8:128", "recurrent": "int8:128", "latent": "fp8:64"},
+}
+TOKENS, QUICK_TOKENS = 7680, 1920
+ROUNDS = 10 if DEVICE.type == "cuda" else 3
+PROVIDERS = ["d2h-raw", "d2h-packed", "pack", "pack+d2h", "save"]
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class _Discard:
+    """An `EntryStore` whose `save_part` keeps nothing: the worker's path without the store."""
+
+    def __init__(self) -> None:
+        self.saved: list[int] = []
+
+    def save_part(self, spec, parts, *, tp_size: int, tp_rank: int) -> int:
+        self.saved.append(sum(p.nbytes for p in parts.values()))
+        return self.saved[-1]
+
+
+def request_layout(quick: bool) -> ModelLayout:
+    """Kimi-Linear at tp=1; quick: its first 3 KDA layers (one per KDA group) and first MLA layer."""
+    layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=1)
+    if not quick:
+        return layout
+    keep = layout.of_kind(LayerKind.STATE)[:3] + layout.of_kind(LayerKind.PAGED)[:1]
+    return custom_layout("KimiLinear-quick", [(l.name, l.kind, l.page) for l in keep],
+                         block_size=layout.block_size)
+
+
+class Request:
+    """One request's blocks in hma regions on DEVICE, a store and two workers (store, discard)."""
+
+    def __init__(self, layout: ModelLayout, tokens: int, codecs: str, root: Path) -> None:
+        self.layout = layout
+        bs = self.layout.block_size
+        assert tokens % bs == 0, "whole MLA blocks: every provider moves the same bytes"
+        self.tokens, paged_blocks = tokens, tokens // bs
+        state = [l.name for l in self.layout.of_kind(LayerKind.STATE)]
+        paged = [l.name for l in self.layout.of_kind(LayerKind.PAGED)]
+        self.groups = [GroupInfo(g, GroupKind.STATE, bs, tuple(state[g::3])) for g in range(3)]
+        self.groups.append(GroupInfo(3, GroupKind.PAGED, bs, tuple(paged)))
+        # block 0 stays unused (vLLM's null block); KDA groups 1..3; the MLA group after them
+        self.blocks = ((1,), (2,), (3,), tuple(range(4, 4 + paged_blocks)))
+        self.views = hma_regions(self.layout, 4 + paged_blocks, device=str(DEVICE))
+        g = torch.Generator().manual_seed(0)
+        self.source_bytes = 0
+        for grp in self.groups:
+            ids = list(self.blocks[grp.index])
+            for name in grp.layers:
+                for f in self.views[name].page.fields:
+                    t = self.views[name].tensor(f.name)
+                    x = torch.randn((len(ids), *f.shape), generator=g) * 0.1
+                    t[ids] = x.to(f.dtype).to(DEVICE)
+                    self.source_bytes += x.numel() * t.element_size()
+        config = ConnectorConfig.from_extra_config({"store": str(root / "store"), "codec": CODEC_SETS[codecs]})
+        self.entries = ZarrEntryStore(config, self.layout)
+        self.worker = WorkerSide(self.entries.config, self.groups, "none", self.entries, 1, 0)
+        self.worker.register(self.layout, self.views)
+        self.discard = _Discard()
+        self.discard_worker = WorkerSide(self.entries.config, self.groups, "none", self.discard, 1, 0)
+        self.discard_worker.register(self.layout, self.views)
+        self.packed_bytes = sum(p.nbytes for p in self.pack())
+        self.saves = 0
+        pinned = DEVICE.type == "cuda"
+        self.copies = {}
+        for name, n in (("d2h-raw", self.source_bytes), ("d2h-packed", self.packed_bytes)):
+            self.copies[name] = (torch.empty(n, dtype=torch.uint8, device=DEVICE),
+                                 torch.empty(n, dtype=torch.uint8, pin_memory=pinned))
+
+    def pack(self) -> list[Packed]:
+        """Every (layer, field) of the request packed with the worker's (resolved) codecs."""
+        cfg = self.entries.config
+        return pack_many([(self.views[name], f.name, list(self.blocks[grp.index]), cfg.codec_for(f.name))
+                          for grp in self.groups for name in grp.layers
+                          for f in self.views[name].page.fields])
+
+    def spec(self) -> SaveSpec:
+        """A save of new tokens (a new entry each time)."""
+        self.saves += 1
+        tokens = tuple((np.arange(self.tokens) + 1_000_003 * self.saves).tolist())
+        return SaveSpec(f"bench-{self.saves}", None, tokens, self.tokens, self.blocks)
+
+    def copy(self, name: str) -> None:
+        dev, host = self.copies[name]
+        host.copy_(dev, non_blocking=True)
+        _sync()
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.discard_worker.shutdown()
+        self.entries.close()
+
+
+_requests: dict[str, Request] = {}
+_medians: dict[tuple[str, str], float] = {}
+
+
+@pytest.fixture(scope="module")
+def make_request(quick, tmp_path_factory):
+    def make(codecs: str) -> Request:
+        if codecs not in _requests:
+            root = tmp_path_factory.mktemp(f"save-{codecs}")
+            _requests[codecs] = Request(request_layout(quick), QUICK_TOKENS if quick else TOKENS, codecs, root)
+        return _requests[codecs]
+
+    yield make
+    for req in _requests.values():
+        req.close()
+    _requests.clear()
+
+
+def _copy_median(req: Request, name: str, codecs: str, rounds: int) -> float:
+    """The median of a d2h baseline: its own row of this run, or measured here if deselected."""
+    key = (codecs, name)
+    if key not in _medians:
+        times = []
+        for _ in range(max(rounds, 3) + 1):
+            t = time.perf_counter()
+            req.copy(name)
+            times.append(time.perf_counter() - t)
+        _medians[key] = statistics.median(times[1:])
+    return _medians[key]
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("codecs", list(CODEC_SETS))
+def test_save_path(benchmark, codecs, provider, quick, make_request):
+    req = make_request(codecs)
+    rounds = 1 if quick else ROUNDS
+    launch: list[float] = []
+    if provider.startswith("d2h"):
+        fn, setup = (lambda: req.copy(provider)), None
+    elif provider == "pack":
+        fn, setup = (lambda: (req.pack(), _sync())), None
+    else:
+        worker = req.worker if provider == "save" else req.discard_worker
+        specs: list[SaveSpec] = []
+
+        def setup():
+            os.sync()  # untimed: earlier rounds' dirty pages must not throttle this one
+            specs.append(req.spec())
+
+        def fn():
+            t = time.perf_counter()
+            worker.save(Metadata(saves=[specs[-1]]))
+            launch.append(time.perf_counter() - t)
+            worker.flush()
+
+    benchmark.group = f"kimi-linear save path tp=1 {req.tokens} tokens {codecs}"
+    benchmark.pedantic(fn, setup=setup, rounds=rounds, iterations=1, warmup_rounds=1)
+    median = benchmark.stats.stats.median
+    if provider.startswith("d2h"):
+        _medians[(codecs, provider)] = median
+    if provider == "save":  # every round committed its entry (the worker logs failures, never raises)
+        entries = req.entries.store.list()
+        assert len(entries) == len(specs), f"{len(specs)} saves committed {len(entries)} entries"
+        _check_stored(req, specs[-1])
+    if provider == "pack+d2h":
+        assert req.discard.saved == [req.packed_bytes] * len(specs), req.discard.saved
+    moved = req.source_bytes if provider == "d2h-raw" else req.packed_bytes
+    info = {
+        "op": "save", "provider": provider, "codecs": codecs, "codec_set": CODEC_SETS[codecs],
+        "tokens": req.tokens, "tp": 1, "device": torch.cuda.get_device_name() if DEVICE.type == "cuda"
+        else "cpu", "source_bytes": req.source_bytes, "packed_bytes": req.packed_bytes, "bytes": moved,
+        "median_s": median, "gbps": moved / median / 1e9, "state_gbps": req.source_bytes / median / 1e9,
+        "ratio_vs_d2h_packed": _copy_median(req, "d2h-packed", codecs, rounds) / median,
+        "ratio_vs_d2h_raw": _copy_median(req, "d2h-raw", codecs, rounds) / median,
+    }
+    if launch:
+        info["launch_s"] = statistics.median(launch[1:] or launch)
+    benchmark.extra_info.update(info)
+
+
+def _check_stored(req: Request, spec: SaveSpec) -> None:
+    """The last entry holds exactly the packed bytes of the request (one state and one paged
+    field, read back through the connector's store): a save that wrote wrong bytes fails here."""
+    ref = req.entries.lookup(anchor=None, token_ids=list(spec.token_ids), max_tokens=req.tokens,
+                             multiple_of=1, mode="exact")
+    assert ref is not None and ref.num_tokens == req.tokens, ref
+    expect = dict(zip([(name, f.name) for grp in req.groups for name in grp.layers
+                       for f in req.views[name].page.fields], req.pack()))
+    state, paged = req.groups[0].layers[0], req.groups[3].layers[0]
+    for layer, fname, rows in ((state, "recurrent", None), (paged, "latent", (0, req.tokens))):
+        got = req.entries.load(ref.entry_id, layer, fname, tp_size=1, tp_rank=0, rows=rows)
+        want = expect[(layer, fname)].to("cpu")
+        if rows is not None:
+            want = want.reshape(req.tokens, *want.shape[2:])
+        assert torch.equal(got.payload, want.payload) and torch.equal(got.scales, want.scales), \
+            f"{layer}.{fname}: the stored bytes differ from pack_many's"
