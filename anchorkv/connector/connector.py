@@ -9,15 +9,21 @@ Scheduler side (process of the engine core):
     get_num_new_matched_tokens  look the request's entry up (exact prefix or anchor), report
                                 tokens beyond the local hit, at a valid KDA boundary, async
     update_state_after_alloc    plan the load into the request's freshly allocated blocks
+    get_loaded_kv_cache_group_ids  the state groups only: vLLM zeroes the paged blocks it
+                                allocates for a load, so no stale row reaches attention
     update_connector_output     loads the workers finished or failed (a failed one is not retried)
-    build_connector_meta        hand planned loads and saves to the workers
+    build_connector_meta        hand planned loads and saves to the workers; saves read the
+                                blocks vLLM names in this step (block state, boundary offers)
     request_finished_all_groups plan the save of prompt + output; hold the blocks until read
 
 Worker side (one per tensor-parallel rank):
-    register_kv_caches          build the layout model from the registered views
-    start_load_kv               restore planned loads on a background thread
+    register_kv_caches          build the layout model from the registered views (kernel
+                                blocks regrouped into scheduler blocks)
+    handle_preemptions          no load writes / save reads blocks of preempted requests later
+    start_load_kv               restore sync loads now (before the forward), async ones on a
+                                background thread
     wait_for_save               pack planned saves (GPU, side stream), write them in the background
-    get_transfer_results        finished / failed loads and released blocks
+    get_transfer_results        finished / failed async loads and released blocks
 
 `save_kv_layer` and `wait_for_layer_load` are never called for Kimi-Linear by vLLM 0.33; they
 are no-ops here.
@@ -124,6 +130,9 @@ class AnchorKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler.loads_finished(set(connector_output.finished_recving or ()),
                                       set(connector_output.failed_recving or ()))
 
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return self.scheduler.get_loaded_group_ids()
+
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
         return self.scheduler.request_finished(request, block_ids)
 
@@ -133,9 +142,16 @@ class AnchorKVConnector(KVConnectorBase_V1, SupportsHMA):
     # ================================================================ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        # block ids count the scheduler's blocks, whatever kernel block the backend views
+        block_size = max(g.block_size for g in self.groups if g.kind is GroupKind.PAGED)
         layout, views = build_views(kv_caches, self._hf_config, tp_size=self.tp_size,
-                                    tp_rank=self.worker.tp_rank)
+                                    tp_rank=self.worker.tp_rank, block_size=block_size)
         self.worker.register(layout, views)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Before vLLM reuses the blocks of requests preempted in this step: no load of ours
+        writes into them afterwards, no pending save reads them afterwards."""
+        self.worker.handle_preemptions(kv_connector_metadata.plan)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -7,8 +7,13 @@ Block ids, per KV-cache group (vLLM 0.33, checked with its real scheduler):
   * state groups (KDA), `mamba_cache_mode="none"`: one block per request, the state after all
     computed tokens;
   * state groups, `"align"`: the block table is indexed by position; the state after `n`
-    tokens (n a multiple of the block size) lives at index `n // block_size - 1`;
-  * paged groups (MLA): block `i` holds tokens `[i * block_size, (i + 1) * block_size)`.
+    tokens lives at index `(n - 1) // block_size` (the block of its last token: what
+    `preprocess_mamba` reads for a request that starts with `n` computed tokens, whatever
+    `n`, and where the kernels leave the state of a chunk that ends at `n`). Earlier blocks
+    are nulled and freed by the scheduler as the request advances, so a block id is only
+    trusted in the step vLLM hands it over (see `SchedulerSide`);
+  * paged groups (MLA): block `i` holds tokens `[i * block_size, (i + 1) * block_size)`,
+    `block_size` being the scheduler's (tokens per block id), not the attention kernel's.
 """
 
 from __future__ import annotations
@@ -40,7 +45,10 @@ class LoadSpec:
     entry_id: str
     start: int  # tokens already computed locally (block-aligned); paged rows from here on
     num_tokens: int
-    blocks: tuple[tuple[int, ...], ...]  # per group: state groups (block,), paged groups the blocks of [start, num_tokens)
+    blocks: tuple[tuple[int, ...], ...]  # per group: state groups the blocks to fill with the state
+    #                                      (the first holds it in the table), paged groups the
+    #                                      blocks of [start, num_tokens)
+    sync: bool = False  # restore inside start_load_kv, before the forward that reads it
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,7 @@ class SaveSpec:
 class Metadata:
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)  # their blocks go back to the pool now
 
 
 def cdiv(a: int, b: int) -> int:
@@ -68,18 +77,13 @@ def cdiv(a: int, b: int) -> int:
 def state_block_index(num_tokens: int, block_size: int, mode: str) -> int | None:
     """Where the state after `num_tokens` tokens lives in a state group's block list.
 
-    None when no block holds it (align mode keeps only block-aligned snapshots).
+    None for no tokens. Align mode: the block of the last token, any `num_tokens`.
     """
     if mode == "none":
         return 0
-    if num_tokens <= 0 or num_tokens % block_size:
+    if num_tokens <= 0:
         return None
-    return num_tokens // block_size - 1
-
-
-def save_boundary(num_tokens: int, block_size: int, mode: str) -> int:
-    """The largest token count <= num_tokens whose state can be saved (0: none)."""
-    return num_tokens if mode == "none" else (num_tokens // block_size) * block_size
+    return (num_tokens - 1) // block_size
 
 
 def select_blocks(

@@ -6,7 +6,7 @@ Runs in vLLM's scheduler process, on its hot loop: lookups read only the store's
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 import logging
 import time
 from typing import Any
@@ -18,9 +18,8 @@ from anchorkv.connector.plan import (
     LoadSpec,
     Metadata,
     SaveSpec,
-    save_boundary,
+    cdiv,
     select_blocks,
-    state_block_index,
 )
 from anchorkv.connector.storage import EntryRef, EntryStore
 
@@ -38,11 +37,12 @@ def anchor_of(request: Any) -> str | None:
 
 @dataclass
 class _Tracked:
-    """What the scheduler side remembers of a live request."""
+    """What the scheduler side remembers of a live request (never its block ids: vLLM hands
+    over the blocks holding a state in the step that state exists, and only those are read)."""
 
     anchor: str | None
     prompt: tuple[int, ...]
-    blocks: list[list[int]] = field(default_factory=list)  # per group, as allocated so far
+    table: list[list[int]] | None = None  # without vLLM's block state only: the worker's view
     loaded: int = 0  # tokens restored from the store (not saved again)
     prefill_saved: bool = False
 
@@ -55,12 +55,13 @@ class SchedulerSide:
         self.mode = mode
         self.store = store
         self.block_size = next(g.block_size for g in groups if g.kind is GroupKind.PAGED)
+        self.state_groups = tuple(g.index for g in groups if g.kind is GroupKind.STATE)
         # req id -> (entry matched by the last lookup, tokens vLLM had computed locally then)
         self._found: dict[str, tuple[EntryRef, int]] = {}
         self._pending_loads: list[LoadSpec] = []
         self._pending_saves: list[SaveSpec] = []
         self._requests: dict[str, _Tracked] = {}
-        self._loading: dict[str, str] = {}  # req id -> entry id of a planned load
+        self._loading: dict[str, str] = {}  # req id -> entry id of a planned async load
         self._failed: set[str] = set()  # requests whose load failed: vLLM computes them
         self._bad_entries: dict[str, float] = {}  # entry id -> when its load failed
 
@@ -80,26 +81,34 @@ class SchedulerSide:
                       request.request_id, num_computed_tokens)
             self._found.pop(request.request_id, None)
             return 0, False
-        prompt = list(request.prompt_token_ids or [])
-        # never the whole prompt: vLLM must compute at least one token to sample from
-        limit = len(prompt) - 1
-        multiple = 1 if self.mode == "none" else self.block_size
-        try:
-            ref = self.store.lookup(
-                anchor=anchor_of(request), token_ids=prompt, max_tokens=limit,
-                multiple_of=multiple, mode=self.config.lookup,
-            )
-        except Exception as e:  # a store outage is a cache miss, never a failed request
-            log.warning("anchorkv: lookup for request %s failed (%s); computing it", request.request_id, e)
-            return 0, False
-        if ref is not None and self._is_bad(ref.entry_id):
-            log.debug("anchorkv: entry %s failed to load recently; not offered", ref.entry_id)
-            ref = None
+        ref = self._lookup(request)
         if ref is None or ref.num_tokens <= num_computed_tokens:
             self._found.pop(request.request_id, None)
             return 0, False
         self._found[request.request_id] = (ref, num_computed_tokens)
         return ref.num_tokens - num_computed_tokens, self.config.async_load
+
+    def _lookup(self, request: Any) -> EntryRef | None:
+        """The longest entry this engine can restore for `request` that has not failed to load
+        recently: any length in both mamba modes (align mode reads the state of a request
+        that starts with n computed tokens from the block of token n - 1, whatever n), below
+        the prompt's length (vLLM must compute one token to sample from)."""
+        prompt = list(request.prompt_token_ids or [])
+        limit = len(prompt) - 1
+        for _ in range(64):  # each round excludes one bad entry; a bound, not a retry count
+            if limit < 1:
+                return None
+            try:
+                ref = self.store.lookup(anchor=anchor_of(request), token_ids=prompt, max_tokens=limit,
+                                        multiple_of=1, mode=self.config.lookup)
+            except Exception as e:  # a store outage is a cache miss, never a failed request
+                log.warning("anchorkv: lookup for request %s failed (%s); computing it", request.request_id, e)
+                return None
+            if ref is None or not self._is_bad(ref.entry_id):
+                return ref
+            log.debug("anchorkv: entry %s failed to load recently; trying shorter entries", ref.entry_id)
+            limit = ref.num_tokens - 1
+        return None
 
     def update_state_after_alloc(self, request: Any, block_ids: tuple[list[int], ...],
                                  num_external_tokens: int) -> None:
@@ -124,11 +133,20 @@ class SchedulerSide:
                 f"anchorkv: no blocks allocated for the state after {ref.num_tokens} tokens of "
                 f"request {request.request_id} (block ids {block_ids}); this is a bug"
             )
-        self._pending_loads.append(LoadSpec(request.request_id, ref.entry_id, start, ref.num_tokens, blocks))
-        self._loading[request.request_id] = ref.entry_id
+        sync = not self.config.async_load
+        self._pending_loads.append(LoadSpec(request.request_id, ref.entry_id, start, ref.num_tokens,
+                                            blocks, sync=sync))
+        if not sync:
+            self._loading[request.request_id] = ref.entry_id
         tracked = self._requests.get(request.request_id)
         if tracked is not None:
             tracked.loaded = ref.num_tokens
+
+    def get_loaded_group_ids(self) -> tuple[int, ...]:
+        """The groups a load restores completely (the state groups). vLLM then zeroes the
+        paged blocks it allocates for the external tokens, so rows past the entry's end in its
+        last block never hold stale bytes (the worker zeroes them again after writing)."""
+        return self.state_groups
 
     def _is_bad(self, entry_id: str) -> bool:
         t = self._bad_entries.get(entry_id)
@@ -143,6 +161,9 @@ class SchedulerSide:
             entry = self._loading.pop(req_id, None)
             if req_id in failed:
                 self._failed.add(req_id)
+                tracked = self._requests.get(req_id)
+                if tracked is not None:
+                    tracked.loaded = 0  # vLLM recomputes it: its own state is worth saving
                 if entry is not None:
                     self._bad_entries[entry] = time.monotonic()
                 log.info("anchorkv: load of request %s from entry %s failed; vLLM recomputes it",
@@ -151,59 +172,133 @@ class SchedulerSide:
     # -------------------------------------------------------------------- saves
 
     def build_meta(self, scheduler_output: Any) -> Metadata:
-        meta = Metadata(loads=self._pending_loads, saves=self._pending_saves)
+        meta = Metadata(loads=self._pending_loads, saves=self._pending_saves,
+                        preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()))
         self._pending_loads, self._pending_saves = [], []
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = block_state.boundary_state_offloads if block_state is not None else {}
         scheduled = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            tracked = self._requests.get(new.req_id)
-            if tracked is not None:
-                tracked.blocks = [list(ids) for ids in new.block_ids]
-                self._maybe_save_prefill(new.req_id, tracked, new.num_computed_tokens,
-                                         scheduled.get(new.req_id, 0), meta)
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
+        for req_id in meta.preempted:
             tracked = self._requests.get(req_id)
-            if tracked is None or not tracked.blocks:
+            if tracked is not None:
+                tracked.table = None  # its blocks are gone; a resumed request gets new ones
+        steps = []
+        for new in scheduler_output.scheduled_new_reqs:
+            steps.append((new.req_id, new.num_computed_tokens, new.block_ids, True))
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = set(getattr(cached, "resumed_req_ids", None) or ())
+        for i, req_id in enumerate(cached.req_ids):
+            steps.append((req_id, cached.num_computed_tokens[i], cached.new_block_ids[i], req_id in resumed))
+        for req_id, computed, new_ids, replace in steps:
+            tracked = self._requests.get(req_id)
+            if tracked is None:
                 continue
-            if cached.new_block_ids[i] is not None:
-                for g, ids in enumerate(cached.new_block_ids[i]):
-                    tracked.blocks[g].extend(ids)
-            self._maybe_save_prefill(req_id, tracked, cached.num_computed_tokens[i],
-                                     scheduled.get(req_id, 0), meta)
+            if block_state is not None:
+                table = block_state.get_block_ids(req_id)
+            else:  # vLLM without the block hand-off: keep the worker's view of the table
+                if replace or tracked.table is None:
+                    tracked.table = [list(ids) for ids in new_ids] if new_ids is not None else None
+                elif new_ids is not None:
+                    for g, ids in enumerate(new_ids):
+                        tracked.table[g].extend(ids)
+                table = tracked.table
+            if table is not None:
+                self._maybe_save_prefill(req_id, tracked, computed, scheduled.get(req_id, 0), table,
+                                         offers.get(req_id, ()), meta)
+        if self.mode == "align":
+            tables = {req_id: (computed, new_ids) for req_id, computed, new_ids, _ in steps}
+            meta.loads = [self._with_running_block(spec, block_state, tables, scheduled)
+                          for spec in meta.loads]
         return meta
 
+    def _with_running_block(self, spec: LoadSpec, block_state: Any, tables: dict, scheduled: dict) -> LoadSpec:
+        """A sync load in align mode also fills the block of the step's last scheduled token:
+        `preprocess_mamba` copies the state into it *before* `start_load_kv` runs, and the
+        kernels read it from there."""
+        if not spec.sync or spec.req_id not in tables:
+            return spec
+        computed, new_ids = tables[spec.req_id]
+        table = block_state.get_block_ids(spec.req_id) if block_state is not None else new_ids
+        curr = cdiv(computed + scheduled.get(spec.req_id, 0), self.block_size) - 1
+        if table is None or curr == (spec.num_tokens - 1) // self.block_size:
+            return spec
+        blocks = []
+        for g in self.groups:
+            ids = spec.blocks[g.index]
+            if g.kind is GroupKind.STATE:
+                extra = list(table[g.index])[curr] if curr < len(table[g.index]) else 0
+                if extra == 0:
+                    raise RuntimeError(f"anchorkv: request {spec.req_id} has no state block at index "
+                                       f"{curr} (block ids {table}); this is a bug")
+                ids = (*ids, extra)
+            blocks.append(ids)
+        return replace(spec, blocks=tuple(blocks))
+
     def _maybe_save_prefill(self, req_id: str, tracked: _Tracked, computed: int, scheduled: int,
-                            meta: Metadata) -> None:
-        """After the step that computes a prompt's last token, save its last valid boundary."""
+                            table: tuple[list[int], ...] | list[list[int]],
+                            offers: Any, meta: Metadata) -> None:
+        """In the step that computes a prompt's last token, save the state after the prompt,
+        read from the blocks vLLM gives the request in this very step (read in this step's
+        `wait_for_save`, after the forward, before any later step can reuse a block).
+
+        A chunk that runs past the prompt (a preempted request recomputing its output
+        tokens) leaves no state at the prompt's end; align mode then saves the longest
+        boundary state vLLM offers in this step (`boundary_state_offloads`, exact blocks)."""
         prompt_len = len(tracked.prompt)
+        end = computed + scheduled
         if ("prefill" not in self.config.save_points or tracked.prefill_saved
-                or not computed < prompt_len <= computed + scheduled):
+                or not computed < prompt_len <= end):
             return
         tracked.prefill_saved = True
-        n = save_boundary(prompt_len, self.block_size, self.mode)
-        if n == 0 or n <= tracked.loaded:
-            return  # nothing beyond what was restored from the store
-        blocks = select_blocks(self.groups, tracked.blocks, 0, n, self.mode)
-        if blocks is None:
-            log.debug("anchorkv: request %s has no block with the state after %d tokens", req_id, n)
+        n, blocks = prompt_len, None
+        if end == prompt_len:
+            blocks = select_blocks(self.groups, table, 0, n, self.mode)
+        elif self.mode == "align":
+            n, blocks = self._offered_boundary(table, offers, prompt_len)
+        if n <= tracked.loaded or blocks is None:
+            log.debug("anchorkv: request %s: no state to save after its prompt this step", req_id)
             return
         meta.saves.append(SaveSpec(req_id, tracked.anchor, tracked.prompt[:n], n, blocks))
 
+    def _offered_boundary(self, table, offers, limit: int) -> tuple[int, tuple | None]:
+        """The longest boundary <= limit that vLLM offers for every state group this step,
+        with the offered state blocks and the request's paged blocks."""
+        by_tokens: dict[int, dict[int, int]] = {}
+        for group_id, block_id, tokens in offers:
+            by_tokens.setdefault(int(tokens), {})[int(group_id)] = int(block_id)
+        for n in sorted(by_tokens, reverse=True):
+            per_group = by_tokens[n]
+            if n > limit or set(self.state_groups) - set(per_group):
+                continue
+            out = []
+            for g in self.groups:
+                if g.kind is GroupKind.STATE:
+                    out.append((per_group[g.index],))
+                else:
+                    ids = list(table[g.index])[: cdiv(n, g.block_size)]
+                    if len(ids) < cdiv(n, g.block_size) or 0 in ids:
+                        break
+                    out.append(tuple(ids))
+            else:
+                return n, tuple(out)
+        return 0, None
+
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
-        """Save prompt + generated tokens (the next turn restores them); hold the blocks till read."""
+        """Save prompt + generated tokens (the next turn restores them) from the block ids
+        vLLM hands over now; hold the blocks until the workers have read them."""
         req_id = request.request_id
         tracked = self._requests.pop(req_id, None)
         self._found.pop(req_id, None)
+        loading = self._loading.pop(req_id, None) is not None
         self._failed.discard(req_id)
-        self._loading.pop(req_id, None)
         n = request.num_computed_tokens
         if "finish" not in self.config.save_points or n < 1 or (tracked and n <= tracked.loaded):
             return False, None
-        if state_block_index(n, self.block_size, self.mode) is None:
-            log.debug("anchorkv: request %s ends at %d tokens, not a block boundary; not saved", req_id, n)
-            return False, None
+        if loading:
+            return False, None  # finished (aborted) while its load runs: nothing computed to save
         blocks = select_blocks(self.groups, block_ids, 0, n, self.mode)
         if blocks is None:
+            log.debug("anchorkv: request %s: no blocks hold the state after %d tokens; not saved", req_id, n)
             return False, None
         tokens = tuple(request.all_token_ids[:n])
         self._pending_saves.append(SaveSpec(req_id, anchor_of(request), tokens, n, blocks, release_blocks=True))

@@ -2,7 +2,11 @@
 
 vLLM 0.33 hands `register_kv_caches` one tensor per layer: MLA layers as bf16
 `[num_blocks, 1, block_size, 576]`, KDA layers as int8 `[num_blocks, 1, 1, state_bytes]`
-whose block stride is the padded page. Layers of different KV-cache groups alias the same
+whose block stride is the padded page. An attention backend with its own kernel block size
+(FlashMLA 64, FlashInfer-MLA 32 or 64, CUTLASS-MLA 128) makes vLLM split each scheduler block
+into dense kernel blocks (`prepare_kernel_block_sizes`): the MLA view is then
+`[num_blocks * k, 1, block_size / k, 576]`. Block ids and the layout count scheduler blocks
+(tokens per block id); `scheduler_block_view` regroups a split view into those. Layers of different KV-cache groups alias the same
 bytes; each view keeps its own strides (`Region.from_view`), so one view's stride is never
 used for another's data (the bug vLLM PR #44848 fixed for NIXL).
 """
@@ -48,8 +52,12 @@ def build_views(
     tp_size: int,
     tp_rank: int,
     conv_layout: ConvLayout | str | None = None,
+    block_size: int | None = None,
 ) -> tuple[ModelLayout, dict[str, CacheView]]:
-    """The model layout for this rank and one `CacheView` per registered layer."""
+    """The model layout for this rank and one `CacheView` per registered layer.
+
+    `block_size` is the scheduler's block size of the attention group (tokens per block id);
+    None takes the registered view's (no kernel split)."""
     config = config_dict(hf_config)
     archs = config.get("architectures") or []
     if KIMI_ARCHITECTURE not in archs:
@@ -63,7 +71,10 @@ def build_views(
             "no MLA cache view (bf16 [num_blocks, 1, block_size, 576]) among the registered layers; "
             f"found {_describe(kv_caches)}"
         )
-    block_size = mla_views[0].shape[2]
+    if block_size is None:
+        block_size = mla_views[0].shape[2]
+    kv_caches = {name: scheduler_block_view(name, t, block_size) if t.dtype == torch.bfloat16 and t.dim() == 4
+                 else t for name, t in kv_caches.items()}
     layout = kimi_linear_layout(
         config, tp_size=tp_size, tp_rank=tp_rank, block_size=block_size,
         conv_layout=conv_layout or conv_layout_from_env(),
@@ -81,6 +92,24 @@ def build_views(
         _check_view(layer.name, layer.kind, t, layout)
         views[layer.name] = CacheView(Region.from_view(t), layer.page, layer.name)
     return layout, views
+
+
+def scheduler_block_view(name: str, t: torch.Tensor, block_size: int) -> torch.Tensor:
+    """An attention view `[blocks * k, 1, kernel_block, row]` regrouped as
+    `[blocks, 1, block_size, row]` (the same bytes), `k = block_size / kernel_block`."""
+    kernel_block = t.shape[2]
+    if kernel_block == block_size:
+        return t
+    k, rest = divmod(block_size, kernel_block)
+    dense = t.stride(0) == kernel_block * t.stride(2) and t.stride(3) == 1
+    if rest or t.shape[0] % k or not dense:
+        raise UnsupportedModelError(
+            f"layer {name!r}: expected kernel blocks that tile the scheduler block of {block_size} "
+            f"tokens densely, found {t.dtype} {list(t.shape)} strides {list(t.stride())}; "
+            "use a kernel block size that divides the block size and a layer-compact KV-cache layout (LBNHC)"
+        )
+    return t.as_strided((t.shape[0] // k, t.shape[1], block_size, t.shape[3]),
+                        (t.stride(0) * k, t.stride(1), t.stride(2), t.stride(3)), t.storage_offset())
 
 
 def _check_view(name: str, kind: LayerKind, t: torch.Tensor, layout: ModelLayout) -> None:

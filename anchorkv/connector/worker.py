@@ -3,9 +3,14 @@
 Saves: `wait_for_save` runs the pack kernels (on CUDA, on a side stream ordered after the
 forward pass by an event: no host sync in the forward pass), then a background thread copies
 the packed bytes to host memory and writes this rank's part of the entry to the store.
-Loads: a background thread reads and verifies every chunk a request needs *before* it writes
-a single cache byte, then unpacks into exactly the request's blocks; a load that fails or
-times out is reported in `failed_recving` (vLLM recomputes) and never writes afterwards.
+Loads: every chunk a request needs is read and verified *before* a single cache byte is
+written, then unpacked into exactly the request's blocks, and the rows past the entry's end in
+its last paged block are zeroed. Async loads run on a background thread; a load that fails or
+times out is reported in `failed_recving` (vLLM recomputes) and never writes afterwards. Sync
+loads (`async_load: false`) run inside `start_load_kv`, which vLLM calls before the forward
+that reads them; they are never reported (vLLM asserts a running request gets no
+`finished_recving`), and a failed one raises: vLLM 0.33 cannot recompute a running request of
+a hybrid model, and computing on an unrestored state would be silently wrong.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class _Load:
     started: float = field(default_factory=time.monotonic)
     state: str = "reading"  # reading -> writing -> done | failed | cancelled
     lock: threading.Lock = field(default_factory=threading.Lock)
+    ended: threading.Event = field(default_factory=threading.Event)  # no more writes
+    after: Any = None  # CUDA event: the work vLLM queued before the load (block zeroing)
 
 
 class WorkerSide:
@@ -113,6 +120,10 @@ class WorkerSide:
             if stream is not None:
                 ready = torch.cuda.Event()
                 ready.record(stream)
+        if stream is not None:
+            # the next forward may write these blocks (vLLM frees and reuses align-mode state
+            # blocks from the next step on): it runs after the packs have read them
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
         return out, ready
 
     def _write(self, spec: SaveSpec, packed: dict[PartKey, Packed], ready: Any) -> None:
@@ -141,11 +152,44 @@ class WorkerSide:
     def start_load(self, meta: Metadata) -> None:
         for spec in meta.loads:
             job = _Load(spec)
+            if self._stream is not None:  # write after what vLLM queued (zeroing the blocks)
+                job.after = torch.cuda.Event()
+                job.after.record(torch.cuda.current_stream(self._stream.device))
+            if spec.sync:
+                self._load(job)
+                if job.state != "done":
+                    raise RuntimeError(
+                        f"anchorkv: synchronous load of request {spec.req_id} from entry "
+                        f"{spec.entry_id} failed (see the warning above) and vLLM 0.33 cannot "
+                        "recompute a running request of a hybrid model; set "
+                        "kv_connector_extra_config 'async_load': true to have failed loads recomputed"
+                    )
+                continue
             with self._lock:
                 self._loads[spec.req_id] = job
             self._load_pool.submit(self._load, job)
 
+    def handle_preemptions(self, meta: Metadata) -> None:
+        """vLLM is about to reuse the blocks of `meta.preempted`: cancel their loads that have
+        not started writing, wait for those that have. (Saves need nothing: a save is packed
+        in the `wait_for_save` of the step that planned it, ordered before later steps.)"""
+        for req_id in meta.preempted:
+            with self._lock:
+                job = self._loads.get(req_id)
+            if job is None:
+                continue
+            with job.lock:
+                if job.state == "reading":
+                    job.state = "cancelled"
+            job.ended.wait()
+
     def _load(self, job: _Load) -> None:
+        try:
+            self._load_once(job)
+        finally:
+            job.ended.set()
+
+    def _load_once(self, job: _Load) -> None:
         spec = job.spec
         t0 = time.perf_counter()
         try:
@@ -154,7 +198,7 @@ class WorkerSide:
                 if job.state != "reading":
                     return  # timed out meanwhile: its blocks may belong to someone else now
                 job.state = "writing"
-            self._restore(spec, parts)
+            self._restore(spec, parts, job.after)
             ok = True
         except Exception as e:
             log.warning("anchorkv: load of request %s from entry %s failed (%s); vLLM recomputes",
@@ -186,14 +230,15 @@ class WorkerSide:
             parts[(layer, fname)] = p
         return parts
 
-    def _restore(self, spec: LoadSpec, parts: dict[PartKey, Packed]) -> None:
-        """Unpack every part into the request's blocks in a few launches (paged fields: whole
-        blocks, then the first rows of a partial last block)."""
-        work = []
+    def _restore(self, spec: LoadSpec, parts: dict[PartKey, Packed], after: Any = None) -> None:
+        """Unpack every part into the request's blocks in a few launches (state fields: into
+        each block the spec names; paged fields: whole blocks, then the first rows of a partial
+        last block, whose other rows are zeroed: no stale byte for attention to read)."""
+        work, zero = [], []
         for layer, fname, ids, kind in self._parts(spec.blocks):
             view, p = self.views[layer], parts[(layer, fname)]
             if kind is GroupKind.STATE:
-                work.append((p, view, fname, ids))
+                work.extend((p, view, fname, [b]) for b in ids)
                 continue
             bs = view.page.field(fname).shape[0]
             full, tail = divmod(p.shape[0], bs)
@@ -203,9 +248,14 @@ class WorkerSide:
                 rows = _leading_rows(view, fname, tail)
                 work.append((p.narrow(full * bs, tail).reshape(1, tail, *p.shape[1:]), rows, fname,
                              ids[full:full + 1]))
+                zero.append((view, fname, ids[full], tail))
         stream = self._stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            if after is not None:
+                stream.wait_event(after)
             unpack_many(work)
+            for view, fname, block, tail in zero:
+                view.tensor(fname)[block, tail:] = 0
             if stream is not None:
                 stream.synchronize()
 

@@ -1,7 +1,8 @@
 """Checks on the cache bytes of a mini engine's ranks (not a test module).
 
 `snapshot` copies every byte of a rank's cache regions; `touched` marks the bytes a load may
-write (the fields of the request's blocks, only the restored token rows of paged blocks);
+write (the fields of the request's blocks: every state block it names, the paged blocks of
+the restored token rows, the last one whole since its rows past the entry's end are zeroed);
 `assert_only_touched` checks that nothing else changed; `assert_restored` compares the
 restored fields with what the fake model writes for the same tokens.
 """
@@ -39,10 +40,10 @@ def touched(eng: E.Engine, rank: E.Rank, spec) -> dict[int, torch.Tensor]:
         for name in g.layers:
             if name not in rank.views:
                 continue
-            t = rank.caches[name]
             view = rank.views[name]
+            t = view.region.buffer  # scheduler blocks, whatever kernel blocks vLLM registered
             base = t.storage_offset() * t.element_size()
-            stride = t.stride(0) * t.element_size()
+            stride = view.region.block_stride
             mask = masks[t.untyped_storage().data_ptr()]
             for f in view.page.fields:
                 for i, b in enumerate(ids):
@@ -50,11 +51,30 @@ def touched(eng: E.Engine, rank: E.Rank, spec) -> dict[int, torch.Tensor]:
                     if g.kind is GroupKind.STATE:
                         mask[start:f.extent - f.offset + start] = True
                     else:
-                        row = f.nbytes // f.shape[0]
-                        first = spec.start + i * f.shape[0]
-                        rows = min(f.shape[0], spec.num_tokens - first)
-                        mask[start:start + rows * row] = True
+                        mask[start:start + f.nbytes] = True
     return masks
+
+
+def zeroed_by_vllm(rank: E.Rank, block_ids) -> dict[int, torch.Tensor]:
+    """Bytes of the attention (paged) pages of `block_ids`: what vLLM zeroes for new blocks."""
+    masks = {k: torch.zeros(v.numel(), dtype=torch.bool) for k, v in _storages(rank.caches).items()}
+    for g in rank.connector.groups:
+        if g.kind is not GroupKind.PAGED:
+            continue
+        for name in g.layers:
+            view = rank.views[name]
+            t = view.region.buffer
+            base = t.storage_offset() * t.element_size()
+            mask = masks[t.untyped_storage().data_ptr()]
+            for b in block_ids:
+                start = base + b * view.region.block_stride
+                mask[start:start + view.page.page_bytes] = True
+    return masks
+
+
+def assert_zero(rank: E.Rank, masks: dict[int, torch.Tensor]) -> None:
+    for k, now in _storages(rank.caches).items():
+        assert int(now[masks[k]].ne(0).sum()) == 0, "bytes vLLM zeroes are not zero"
 
 
 def assert_only_touched(rank: E.Rank, before: dict[int, torch.Tensor], masks: dict[int, torch.Tensor] | None) -> None:

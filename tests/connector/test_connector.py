@@ -138,6 +138,7 @@ def test_semantic_mode_reuses_the_anchor_whatever_the_tokens(model_dir, tmp_path
     spec, snaps = start_load(eng, "r2", other, ANCHOR)
     # the state is the saved context's, by design (lossy): tokens of r1, not of r2
     check_load(eng, spec, snaps, NONE_PROMPT + GENERATED)
+    eng.tokens["r2"][:302] = NONE_PROMPT + GENERATED  # what the fake model reads from now on
     eng.run()
     assert len(eng.tokens["r2"]) == len(other) + 3
 
@@ -155,18 +156,21 @@ def test_other_model_fingerprint_gets_nothing(model_dir, other_model_dir, tmp_pa
 # ------------------------------------------------------------------------------ align mode
 
 
-def test_align_mode_saves_block_boundaries_and_local_hits_win(model_dir, tmp_path):
+def test_align_mode_saves_the_prompt_end_and_loads_past_a_local_hit(model_dir, tmp_path):
+    """Align mode saves the state after the prompt and after prompt + output whatever their
+    length (the block of the last token holds it), and a load starts at vLLM's local hit."""
     store = tmp_path / "store"
     eng = E.make_engine(model_dir, str(store), mode="align", num_blocks=16, extra=RAW)
     assert eng.block_size == 1920
     first_turn(eng, ALIGN_PROMPT, ANCHOR)
-    assert entries(store) == [1920]  # 2000 and 2002 are not block boundaries
+    assert entries(store) == [2000, 2002]
     prompt2 = ALIGN_PROMPT + GENERATED + EXTRA
-    assert matched(eng, prompt2, ANCHOR) == (1920, True)
-    assert matched(eng, prompt2, ANCHOR, num_computed=1920) == (0, False)  # vLLM has it locally
+    assert matched(eng, prompt2, ANCHOR) == (2002, True)
+    assert matched(eng, prompt2, ANCHOR, num_computed=1920) == (82, True)  # beyond the local hit
     assert matched(eng, ALIGN_PROMPT[:1920], ANCHOR) == (0, False)  # never the whole prompt
-    spec, _ = start_load(eng, "r2", prompt2, ANCHOR)
-    assert spec is None  # the local prefix cache covers the entry: nothing to load
+    spec, snaps = start_load(eng, "r2", prompt2, ANCHOR)
+    assert spec is not None and (spec.start, spec.num_tokens) == (1920, 2002)  # vLLM's local hit
+    check_load(eng, spec, snaps, prompt2)
     eng.run()
     assert len(eng.tokens["r2"]) == len(prompt2) + 3
 
@@ -175,7 +179,7 @@ def test_align_mode_saves_block_boundaries_and_local_hits_win(model_dir, tmp_pat
 def test_restart_restores_into_a_fresh_allocation(model_dir, tmp_path, mode):
     store = tmp_path / "store"
     prompt = NONE_PROMPT if mode == "none" else ALIGN_PROMPT
-    n = 302 if mode == "none" else 1920
+    n = 302 if mode == "none" else 2002
     blocks = 8 if mode == "none" else 16  # align: 2 blocks per group and request, 4 groups
     first = E.make_engine(model_dir, str(store), mode=mode, num_blocks=blocks, extra=RAW)
     first_turn(first, prompt, ANCHOR)

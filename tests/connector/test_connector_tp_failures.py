@@ -68,10 +68,16 @@ def _load_fails_cleanly(eng: E.Engine, monkeypatch) -> None:
             return res
 
         monkeypatch.setattr(rank.connector, "get_transfer_results", record)
+    zeroed = []
+    eng.forward_hook = lambda e, out: zeroed.extend(out.new_block_ids_to_zero or ())
     spec, snaps = start_load(eng, "r2", PROMPT2, ANCHOR)
     assert spec is not None
     for rank, before in zip(eng.ranks, snaps):
-        C.assert_only_touched(rank, before, None)
+        # vLLM zeroed the attention blocks it allocated (the connector restores only the
+        # state groups completely); the connector wrote nothing
+        C.assert_only_touched(rank, before, C.zeroed_by_vllm(rank, zeroed))
+        C.assert_zero(rank, C.zeroed_by_vllm(rank, zeroed))
+    eng.forward_hook = None
     eng.run()
     assert sum(1 for f in failed if f == {"r2"}) == len(eng.ranks)
     assert len(eng.tokens["r2"]) == len(PROMPT2) + 3

@@ -101,8 +101,11 @@ def write_kimi_linear_model_dir(path: str | os.PathLike, **overrides: Any) -> st
 
 
 @contextlib.contextmanager
-def _keep_requested_cache_settings(block_size, enable_prefix_caching, chunked_prefill):
-    """Undo the CPU platform's MLA overrides (block 16, no prefix caching/chunking)."""
+def _keep_requested_cache_settings(block_size, enable_prefix_caching, chunked_prefill,
+                                   max_num_batched_tokens=None):
+    """Undo the CPU platform's MLA overrides (block 16, no prefix caching/chunking, and
+    ``max_num_batched_tokens`` raised to at least ``max_model_len``: without setting it back,
+    prefills never chunk and requests are never preempted)."""
     from vllm.platforms import current_platform
 
     cls = type(current_platform)
@@ -118,6 +121,8 @@ def _keep_requested_cache_settings(block_size, enable_prefix_caching, chunked_pr
             cache.block_size = block_size
         cache.enable_prefix_caching = enable_prefix_caching
         sched.enable_chunked_prefill = chunked_prefill
+        if max_num_batched_tokens is not None:
+            sched.max_num_batched_tokens = max_num_batched_tokens
 
     if original is None:  # not a CPU-style platform; nothing to undo
         yield
@@ -185,7 +190,7 @@ def make_vllm_config(
             kv_connector_extra_config=dict(extra_config or {}),
             kv_load_failure_policy=kv_load_failure_policy,
         )
-    with _keep_requested_cache_settings(block_size, enable_prefix_caching, True):
+    with _keep_requested_cache_settings(block_size, enable_prefix_caching, True, max_num_batched_tokens):
         vllm_config = VllmConfig(
             model_config=model_config,
             cache_config=CacheConfig(**cache_kwargs),
@@ -421,13 +426,17 @@ def step(scheduler, *, kv_connector_output=None, token_id: int = 1):
     return out, scheduler.update_from_output(out, mro)
 
 
-def allocate_kv_caches(kv_cache_config, layout: str = "LBNHC") -> dict:
-    """Per-layer CPU views from the real ``allocate_kv_cache`` (what ``register_kv_caches`` gets)."""
+def allocate_kv_caches(kv_cache_config, layout: str = "LBNHC", kernel_block_sizes: list[int] | None = None) -> dict:
+    """Per-layer CPU views from the real ``allocate_kv_cache`` (what ``register_kv_caches`` gets).
+
+    ``kernel_block_sizes`` (one per KV-cache group, as ``prepare_kernel_block_sizes`` returns
+    them) splits attention blocks into kernel blocks the way a GPU MLA backend asks for.
+    """
     import torch
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    return allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout[layout], None)
+    return allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout[layout], kernel_block_sizes)
 
 
 def kda_state_views(vllm_config, layer_view):
