@@ -9,12 +9,21 @@ Axis letters: L layers of one field kind, T tokens, F the field's logical axes.
   quantization groups lie within a row, so re-cutting token rows is a reshape and the entry
   does not depend on vLLM's block size (which changes with tp).
 
-A chunk is encoded as ``payload || scales``: exactly `anchorkv.kernels.reference.quantize` of
-the chunk's values in the source dtype (payload uint8, then the fp32 little-endian scales
-`[groups, C]`), with no header; the codec configuration in the array's ``zarr.json`` holds the
-rest. Edge chunks are padded with zeros (zarr's fill value) *before* encoding, as zarr does.
+A chunk's bytes are exactly `anchorkv.kernels.reference.quantize` of the chunk's values in the
+source dtype: the payload (codes) and, for a quantized codec, the fp32 little-endian scales
+`[groups, C]`. Since format version 3 they are two standard Zarr v3 arrays (`Part`), so any Zarr
+v3 reader (zarr-python, tensorstore) opens them with no plug-in:
 
-**Shards** (format version 2): each array uses zarr v3's ``sharding_indexed`` codec. The chunks
+* ``<field>``: the values (raw: ``float32`` / ``float16``; ``bfloat16`` as ``uint16`` bits, since
+  zarr-python 3.1 has no bfloat16 data type) or the codes (``int8``; fp8 as ``uint8`` bits of
+  float8 e4m3fn; int4 as ``uint8``, two codes a byte, the even element in the low nibble);
+* ``<field>_scales`` (quantized only): ``float32`` `[*outer, groups, C]`, C = 1 (scale) or 2
+  (int4: scale, minimum).
+
+The array attributes say how to dequantize (`Part.attrs`). Edge chunks are padded with zero
+bytes (zarr's fill value, 0) *before* encoding, as zarr does; zero scales decode to zero.
+
+**Shards** (since format version 2): each array uses zarr v3's ``sharding_indexed`` codec. The chunks
 above are its *inner* chunks; a *shard* (one file / object, the key of the outer chunk grid) is
 
 * state field: one layer x the *writer's* rank slice (`[1, *F]` with the shard axis divided by
@@ -58,7 +67,9 @@ from anchorkv.kernels import reference
 from anchorkv.kernels.formats import SCALE_COLUMNS, Quant
 from anchorkv.store.errors import FormatError
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+#: Format versions this anchorkv can read (older ones are listed as ``old-format``, never loaded).
+READABLE_VERSIONS = (3,)
 #: The largest tensor-parallel size whose rank slices are whole chunks.
 MAX_TP = 8
 #: Tokens per chunk of a paged field.
@@ -67,8 +78,8 @@ TOKEN_CHUNK = 1024
 SHARD_TOKEN_CHUNKS = 8
 #: zarr's marker of an empty inner chunk in a shard index.
 EMPTY = 2**64 - 1
-#: The zarr v3 codec name (also the numcodecs codec id) of `ChunkCodec`.
-CODEC_NAME = "anchorkv.quant"
+#: Suffix of the array holding a quantized field's scales.
+SCALES_SUFFIX = "_scales"
 SOURCE_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -106,7 +117,7 @@ class ChunkCodec:
     def from_config(cls, config: dict[str, Any]) -> "ChunkCodec":
         unknown = set(config) - {"format", "group", "source_dtype"}
         if unknown:
-            raise FormatError(f"unknown {CODEC_NAME} codec options {sorted(unknown)}")
+            raise FormatError(f"unknown codec options {sorted(unknown)}; expected format, group, source_dtype")
         return cls(Quant(config["format"]), config.get("group"), config["source_dtype"])
 
     @classmethod
@@ -198,8 +209,10 @@ class ChunkCodec:
 
 @functools.lru_cache(maxsize=64)
 def zero_chunk(codec: ChunkCodec, shape: tuple[int, ...]) -> "Encoded":
-    """`codec.zeros(shape)`, computed once per process (read-only views: copy before writing)."""
-    z = codec.zeros(tuple(shape))
+    """Zero bytes of a block of `shape` (zarr's fill value 0 in every part; they decode to zero):
+    what padding rows hold. Read-only views: copy before writing."""
+    pn, sn = codec.nbytes(tuple(shape))
+    z = codec.views(np.zeros(pn, np.uint8), np.zeros(sn // 4, np.float32), tuple(shape))
     z.payload.flags.writeable = False
     z.scales.flags.writeable = False
     return z
@@ -224,15 +237,80 @@ class Encoded:
         gl = slice(c.groups(last.start), c.groups(last.stop))
         return Encoded(c, self.payload[(*outer, pl)], self.scales[(*outer, gl)])
 
-    def buffers(self) -> list[memoryview]:
-        """The chunk bytes as (payload, scales) buffers, copied only where not contiguous."""
-        out = [memoryview(np.ascontiguousarray(self.payload)).cast("B")]
-        if self.scales.size:
-            out.append(memoryview(np.ascontiguousarray(self.scales)).cast("B"))
-        return out
+    def buffers(self) -> tuple[list[memoryview], list[memoryview]]:
+        """The chunk bytes as ([payload], [scales]) buffers (one list per `Part`), copied only
+        where not contiguous; no scales buffer for raw."""
+        scales = [memoryview(np.ascontiguousarray(self.scales)).cast("B")] if self.scales.size else []
+        return [memoryview(np.ascontiguousarray(self.payload)).cast("B")], scales
 
 
 # ----------------------------------------------------------------------------- arrays
+
+
+#: The zarr v3 data type of a field's values (raw, by source dtype) or codes (by format).
+#: bfloat16 and float8 are stored as their bits: zarr-python 3.1 has neither data type.
+_CODE_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "uint16",
+                "int8": "int8", "fp8": "uint8", "int4": "uint8"}
+
+_DEQUANTIZE = {
+    "fp8": "x[..., j] = float32(codes[..., j] as float8_e4m3fn bits) * scales[..., j // G, 0]",
+    "int8": "x[..., j] = float32(codes[..., j]) * scales[..., j // G, 0]",
+    "int4": ("q[..., 2i] = codes[..., i] & 15; q[..., 2i+1] = codes[..., i] >> 4; "
+             "x[..., j] = float32(q[..., j]) * scales[..., j // G, 0] + scales[..., j // G, 1]"),
+}
+
+
+@dataclass(frozen=True)
+class Part:
+    """One standard Zarr v3 array of a field (see the module docstring): `scales` parts have
+    a trailing axis of C columns, always one chunk, so their chunk and shard keys are the
+    values' keys plus ``.0``."""
+
+    name: str  # the array's name in the entry group
+    role: str  # "values" (raw), "codes" or "scales"
+    dtype: str  # zarr v3 data type
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    shards: tuple[int, ...]
+    columns_axis: bool
+
+    def _coords(self, coords: tuple[int, ...]) -> str:
+        tail = (0,) if self.columns_axis else ()
+        return ".".join(str(int(i)) for i in (*coords, *tail))
+
+    def chunk_key(self, coords: tuple[int, ...]) -> str:
+        """An inner chunk's name (zarr's key of it without sharding), by the field's chunk coordinates."""
+        return f"{self.name}/c." + self._coords(coords)
+
+    def shard_key(self, shard: tuple[int, ...]) -> str:
+        """A shard's key (file / object), by the field's shard coordinates."""
+        return f"{self.name}/c." + self._coords(shard)
+
+    def local(self, local: tuple[int, ...]) -> tuple[int, ...]:
+        return (*local, 0) if self.columns_axis else tuple(local)
+
+    def chunks_per_shard(self, field_k: tuple[int, ...]) -> tuple[int, ...]:
+        return (*field_k, 1) if self.columns_axis else tuple(field_k)
+
+    def chunk_nbytes(self) -> int:
+        return math.prod(self.chunks) * np.dtype(self.dtype).itemsize
+
+
+def part_attrs(array: "ArrayLayout", part: Part) -> dict[str, Any]:
+    """The ``anchorkv`` attributes of one stored array: what it holds and how to read values."""
+    c = array.codec
+    out: dict[str, Any] = {**array.to_attrs(), "role": part.role, "codec": c.format.value,
+                           "source_dtype": c.source_dtype}
+    if part.role == "values":
+        if c.source_dtype == "bfloat16":
+            out["bits"] = ("bfloat16 bits: view as ml_dtypes.bfloat16, or shift left by 16 and view "
+                           "as float32 (exact)")
+        return out
+    out.update(group=c.group, codes=array.field, scales=array.field + SCALES_SUFFIX,
+               dequantize=f"{_DEQUANTIZE[c.format.value]} with G = {c.group}, then rounded to "
+                          f"{c.source_dtype} (round half to even)")
+    return out
+
 
 
 @dataclass(frozen=True)
@@ -269,12 +347,31 @@ class ArrayLayout:
         return tuple(s // c for s, c in zip(self.shards, self.chunks))
 
     def chunk_key(self, coords: tuple[int, ...]) -> str:
-        """The name of an inner chunk (in the manifest; zarr's key of it without sharding)."""
-        return f"{self.field}/c." + ".".join(str(int(i)) for i in coords)
+        """The name of an inner chunk of the values / codes (zarr's key of it without sharding)."""
+        return self.parts[0].chunk_key(coords)
 
     def shard_key(self, shard: tuple[int, ...]) -> str:
-        """The key (file / object) of a shard, by its coordinates in `shard_grid`."""
-        return f"{self.field}/c." + ".".join(str(int(i)) for i in shard)
+        """The key (file / object) of a shard of the values / codes, by its coordinates."""
+        return self.parts[0].shard_key(shard)
+
+    @cached_property
+    def parts(self) -> tuple["Part", ...]:
+        """The stored zarr arrays of this field: values or codes, then scales (quantized)."""
+        c = self.codec
+        *outer, last = self.shape
+        *couter, clast = self.chunks
+        *souter, slast = self.shards
+        dtype = _CODE_DTYPES[c.source_dtype if c.format is Quant.RAW else c.format.value]
+        item = np.dtype(dtype).itemsize
+        code = Part(self.field, "values" if c.format is Quant.RAW else "codes", dtype,
+                    (*outer, c.row_bytes(last) // item), (*couter, c.row_bytes(clast) // item),
+                    (*souter, c.row_bytes(slast) // item), False)
+        if c.format is Quant.RAW:
+            return (code,)
+        cols = c.columns
+        scales = Part(self.field + SCALES_SUFFIX, "scales", "float32", (*outer, c.groups(last), cols),
+                      (*couter, c.groups(clast), cols), (*souter, c.groups(slast), cols), True)
+        return (code, scales)
 
     def shard_of(self, coords: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(int(i) // k for i, k in zip(coords, self.chunks_per_shard))
@@ -320,9 +417,10 @@ class ArrayLayout:
 
 @functools.lru_cache(maxsize=256)
 def array_keys(array: ArrayLayout) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(every shard key, every inner chunk key that holds part of the array) of `array`."""
-    return (tuple(array.shard_key(s) for s in array.all_shards()),
-            tuple(array.chunk_key(c) for c in array.all_chunks()))
+    """(every shard key, every inner chunk key that holds part of the array) of `array`, over
+    all its parts."""
+    return (tuple(p.shard_key(s) for p in array.parts for s in array.all_shards()),
+            tuple(p.chunk_key(c) for p in array.parts for c in array.all_chunks()))
 
 
 @functools.lru_cache(maxsize=256)
@@ -338,13 +436,11 @@ def shard_index(chunks_per_shard: tuple[int, ...], slots: dict[tuple[int, ...], 
     """The encoded index of a shard (``index_location: end``): uint64 little-endian `(offset,
     nbytes)` per inner chunk (local coordinates; absent ones `EMPTY`), C order, then its crc32c
     (uint32 little-endian), as zarr's ``[bytes(little), crc32c]`` index codecs encode it."""
-    import crc32c
-
     index = np.full((*chunks_per_shard, 2), EMPTY, dtype="<u8")
     for local, (offset, nbytes) in slots.items():
         index[local] = (offset, nbytes)
     data = index.tobytes()
-    return data + np.array([crc32c.crc32c(data)], dtype="<u4").tobytes()
+    return data + np.array([crc32c(data)], dtype="<u4").tobytes()
 
 
 def index_nbytes(chunks_per_shard: tuple[int, ...]) -> int:
@@ -353,15 +449,22 @@ def index_nbytes(chunks_per_shard: tuple[int, ...]) -> int:
 
 def parse_shard_index(data: bytes, chunks_per_shard: tuple[int, ...]) -> np.ndarray:
     """The `(offset, nbytes)` array of an encoded shard index; ValueError if its crc32c fails."""
-    import crc32c
-
     n = index_nbytes(chunks_per_shard)
     if len(data) != n:
         raise ValueError(f"a shard index of {list(chunks_per_shard)} chunks is {n} bytes, found {len(data)}")
     body, crc = data[:-4], int(np.frombuffer(data[-4:], dtype="<u4")[0])
-    if crc32c.crc32c(body) != crc:
-        raise ValueError(f"the shard index fails its crc32c (stored {crc:#010x}, computed {crc32c.crc32c(body):#010x})")
+    if crc32c(body) != crc:
+        raise ValueError(f"the shard index fails its crc32c (stored {crc:#010x}, computed {crc32c(body):#010x})")
     return np.frombuffer(body, dtype="<u8").reshape(*chunks_per_shard, 2)
+
+
+def crc32c(data, value: int = 0) -> int:
+    """The crc32c of `data` (any buffer), continuing from `value` (google-crc32c, which zarr
+    itself uses for its ``crc32c`` codec: one crc32c library)."""
+    import google_crc32c
+
+    buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)  # no copy
+    return google_crc32c.extend(value, buf) if value else google_crc32c.value(buf)
 
 
 # crc32c of a concatenation from the parts' crcs (zlib's crc32_combine, CRC-32C polynomial): the

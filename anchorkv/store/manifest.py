@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from anchorkv.store.errors import CorruptEntry
-from anchorkv.store.format import FORMAT_VERSION, ArrayLayout, ChunkCodec
+from anchorkv.store.format import FORMAT_VERSION, ArrayLayout, ChunkCodec, part_attrs
 
 ENTRIES = "entries"
 ATTR = "anchorkv"
@@ -52,34 +52,35 @@ def group_json(attributes: dict[str, Any] | None = None) -> bytes:
     return json.dumps(doc, sort_keys=True).encode()
 
 
-def array_json(array: ArrayLayout, compressor: dict[str, Any] | None) -> bytes:
-    """The ``zarr.json`` of one array, as zarr-python itself writes it (made by zarr; cached)."""
+def array_json(array: ArrayLayout, compressor: dict[str, Any] | None) -> dict[str, bytes]:
+    """The ``zarr.json`` of each stored array of a field (`ArrayLayout.parts`), by array name,
+    as zarr-python itself writes it (made by zarr; cached)."""
     return _array_json(array, json.dumps(compressor, sort_keys=True))
 
 
 @functools.lru_cache(maxsize=256)
-def _array_json(array: ArrayLayout, compressor_key: str) -> bytes:
+def _array_json(array: ArrayLayout, compressor_key: str) -> dict[str, bytes]:
     compressor = json.loads(compressor_key)
     from zarr.storage import MemoryStore
     import zarr
 
-    from anchorkv.store.zarr_codec import AnchorQuantCodec
-
-    mem = MemoryStore()
-    zarr.create_array(
-        store=mem,
-        shape=array.shape,
-        chunks=array.chunks,
-        shards=array.shards,
-        dtype="float32",
-        fill_value=0.0,
-        serializer=AnchorQuantCodec.from_chunk_codec(array.codec),
-        compressors=[compressor_codec(compressor)] if compressor else None,
-        chunk_key_encoding={"name": "default", "separator": "."},
-        attributes={ATTR: array.to_attrs()},
-        config={"write_empty_chunks": True},
-    )
-    return mem._store_dict["zarr.json"].to_bytes()
+    out = {}
+    for part in array.parts:
+        mem = MemoryStore()
+        zarr.create_array(
+            store=mem,
+            shape=part.shape,
+            chunks=part.chunks,
+            shards=part.shards,
+            dtype=part.dtype,
+            fill_value=0,
+            compressors=[compressor_codec(compressor)] if compressor else None,
+            chunk_key_encoding={"name": "default", "separator": "."},
+            attributes={ATTR: part_attrs(array, part)},
+            config={"write_empty_chunks": True},
+        )
+        out[part.name] = mem._store_dict["zarr.json"].to_bytes()
+    return out
 
 
 def compressor_codec(config: dict[str, Any]):

@@ -17,7 +17,6 @@ import threading
 from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
 import uuid
 
-import crc32c
 import numpy as np
 import torch
 
@@ -31,6 +30,7 @@ from anchorkv.store.format import (
     ArrayLayout,
     Encoded,
     array_layouts,
+    crc32c,
     index_nbytes,
     parse_shard_index,
     zero_chunk,
@@ -340,70 +340,85 @@ class Store:
 
     def _read_chunks(self, info: EntryInfo, array: ArrayLayout, shard: tuple[int, ...], items: list[tuple],
                      out: Encoded) -> None:
-        """Read the inner chunks `items` (`chunk_plan` rows) of one shard into `out` by byte
-        range (offsets from the manifest), each checked against its crc32c and size.
+        """Read the inner chunks `items` (`chunk_plan` rows) of one shard of the field into `out`
+        by byte range (offsets from the manifest) from the shard of each stored array (codes,
+        scales), each chunk checked against its crc32c and size.
 
         A chunk covered whole, uncompressed, whose place in `out` is contiguous is read straight
-        into it (no intermediate bytes); the others go through a buffer of their own."""
-        skey = array.shard_key(shard)
-        want_shard = info.manifest["shards"].get(skey)
-        if want_shard is None:
-            raise CorruptEntry(info.id, f"the manifest has no checksum for shard {skey}")
+        into it (no intermediate bytes); the others go through buffers of their own."""
+        parts = array.parts
         comp = numcodecs_compressor(info.manifest.get("compressor"))
-        jobs, ranges = [], []
+        sums = info.manifest["checksums"]
+        plans = []  # per item: (key, into_chunk, dst, direct?)
         for key, coords, into_chunk, into_out, whole in items:
-            expected = info.manifest["checksums"].get(key)
-            if expected is None:
-                raise CorruptEntry(info.id, f"the manifest has no checksum for chunk {key}")
-            crc, size, offset = expected
             dst = out.region(into_out)
-            views = None
-            if comp is None and whole and dst.payload.flags.c_contiguous and dst.scales.flags.c_contiguous:
-                views = [memoryview(dst.payload).cast("B")]
-                if dst.scales.size:
-                    views.append(memoryview(dst.scales).cast("B"))
-                if sum(v.nbytes for v in views) != size:
-                    views = None
-            scratch = None
-            if views is None:
-                scratch = bytearray(size)
-                views = [memoryview(scratch)]
-            jobs.append((offset, key, crc, size, views, scratch, into_chunk, dst))
-        jobs.sort(key=lambda j: j[0])
-        ranges = [(j[0], j[4]) for j in jobs]
-        try:
-            fsize, got = self.backend.read_ranges_into(f"{info.path}/{skey}", ranges)
-        except FileNotFoundError:
-            raise CorruptEntry(info.id, f"shard {skey} is missing (it holds chunk {jobs[0][1]})") from None
-        if fsize != want_shard[1]:
-            raise CorruptEntry(
-                info.id,
-                f"shard {skey} (holding chunk {jobs[0][1]}) is {fsize} bytes, expected {want_shard[1]} bytes: "
-                "truncated or overwritten; delete the entry (anchorkv rm) and recompute",
-            )
-        for (offset, key, want_crc, size, views, scratch, into_chunk, dst), n in zip(jobs, got):
-            crc = 0
-            for v in views:
-                crc = crc32c.crc32c(v, value=crc)
-            if n != size or crc != want_crc:
+            direct = (comp is None and whole and dst.payload.flags.c_contiguous
+                      and dst.scales.flags.c_contiguous)
+            plans.append((key, coords, into_chunk, dst, direct))
+        scratch: dict[int, list[bytes | bytearray]] = {}
+        for pi, part in enumerate(parts):
+            skey = part.shard_key(shard)
+            want_shard = info.manifest["shards"].get(skey)
+            if want_shard is None:
+                raise CorruptEntry(info.id, f"the manifest has no checksum for shard {skey}")
+            jobs = []
+            for ii, (key, coords, into_chunk, dst, direct) in enumerate(plans):
+                ckey = part.chunk_key(coords)
+                expected = sums.get(ckey)
+                if expected is None:
+                    raise CorruptEntry(info.id, f"the manifest has no checksum for chunk {ckey}")
+                crc, size, offset = expected
+                buf = None
+                if direct:
+                    target = dst.payload if pi == 0 else dst.scales
+                    views = [memoryview(target).cast("B")]
+                    if views[0].nbytes != size:
+                        raise CorruptEntry(info.id, f"chunk {ckey} is {size} bytes in the manifest, its "
+                                           f"shape and codec make {views[0].nbytes}")
+                else:
+                    buf = bytearray(size)
+                    views = [memoryview(buf)]
+                jobs.append((offset, ckey, crc, size, views, buf, ii))
+            jobs.sort(key=lambda j: j[0])
+            try:
+                fsize, got = self.backend.read_ranges_into(f"{info.path}/{skey}", [(j[0], j[4]) for j in jobs])
+            except FileNotFoundError:
+                raise CorruptEntry(info.id, f"shard {skey} is missing (it holds chunk {jobs[0][1]})") from None
+            if fsize != want_shard[1]:
                 raise CorruptEntry(
                     info.id,
-                    f"chunk {key} fails its check: expected {size} bytes with crc32c {want_crc:#010x} at "
-                    f"bytes {offset}-{offset + size} of shard {skey}, found {n} bytes with crc32c {crc:#010x}; "
-                    "delete the entry (anchorkv rm) and recompute",
+                    f"shard {skey} (holding chunk {jobs[0][1]}) is {fsize} bytes, expected {want_shard[1]} bytes: "
+                    "truncated or overwritten; delete the entry (anchorkv rm) and recompute",
                 )
-            if scratch is not None:
-                data = comp.decode(scratch) if comp is not None else scratch
-                try:
-                    enc = array.codec.split(data, array.chunks)
-                except ValueError as e:
-                    raise CorruptEntry(info.id, f"chunk {key} of shard {skey}: {e}") from None
-                _copy(dst, enc.region(into_chunk))
+            for (offset, ckey, want_crc, size, views, buf, ii), n in zip(jobs, got):
+                crc = 0
+                for v in views:
+                    crc = crc32c(v, value=crc)
+                if n != size or crc != want_crc:
+                    raise CorruptEntry(
+                        info.id,
+                        f"chunk {ckey} fails its check: expected {size} bytes with crc32c {want_crc:#010x} at "
+                        f"bytes {offset}-{offset + size} of shard {skey}, found {n} bytes with crc32c {crc:#010x}; "
+                        "delete the entry (anchorkv rm) and recompute",
+                    )
+                if buf is not None:
+                    scratch.setdefault(ii, []).append(comp.decode(buf) if comp is not None else buf)
+        for ii, bufs in scratch.items():
+            key, coords, into_chunk, dst, _ = plans[ii]
+            pn, sn = array.codec.nbytes(array.chunks)
+            sizes = [len(memoryview(b).cast("B")) for b in bufs]
+            if sizes != [pn, sn][: len(parts)]:
+                raise CorruptEntry(info.id, f"chunk {key} decodes to {sizes} bytes, its shape and codec make "
+                                   f"{[pn, sn][: len(parts)]}")
+            scales = np.frombuffer(bufs[1], np.float32) if len(bufs) > 1 else np.empty(0, np.float32)
+            enc = array.codec.views(np.frombuffer(bufs[0], np.uint8), scales, array.chunks)
+            _copy(dst, enc.region(into_chunk))
 
-    def _verify_shard(self, info: EntryInfo, array: ArrayLayout, shard: tuple[int, ...]) -> str | None:
-        """Read a whole shard and check its size and crc32c (the problem found, or None); on a
-        mismatch, say which inner chunks (and whether the index) are damaged."""
-        skey = array.shard_key(shard)
+    def _verify_shard(self, info: EntryInfo, array: ArrayLayout, part, shard: tuple[int, ...]) -> str | None:
+        """Read a whole shard of one stored array and check its size and crc32c (the problem
+        found, or None); on a mismatch, say which inner chunks (and whether the index) are
+        damaged."""
+        skey = part.shard_key(shard)
         want = info.manifest["shards"].get(skey)
         if want is None:
             return f"entry {info.id}: the manifest has no checksum for shard {skey}"
@@ -411,22 +426,23 @@ class Store:
             data = self.backend.read(f"{info.path}/{skey}")
         except FileNotFoundError:
             return f"entry {info.id}: shard {skey} is missing"
-        crc = crc32c.crc32c(data)
+        crc = crc32c(data)
         if len(data) == want[1] and crc == want[0]:
             return None
         bad = []
         sums = info.manifest["checksums"]
         for coords in array.shard_chunks(shard):
-            key = array.chunk_key(coords)
+            key = part.chunk_key(coords)
             if key not in sums:
                 continue
             c, size, offset = sums[key]
-            part = data[offset : offset + size]
-            if len(part) != size or crc32c.crc32c(part) != c:
+            piece = data[offset : offset + size]
+            if len(piece) != size or crc32c(piece) != c:
                 bad.append(key)
         what = f"damaged chunks: {', '.join(bad)}" if bad else "its chunks are intact"
+        k = part.chunks_per_shard(array.chunks_per_shard)
         try:
-            parse_shard_index(data[-index_nbytes(array.chunks_per_shard):], array.chunks_per_shard)
+            parse_shard_index(data[-index_nbytes(k):], k)
         except ValueError as e:
             what += f"; its index is damaged ({e})"
         return (f"entry {info.id}: shard {skey} fails its check: expected {want[1]} bytes with crc32c "
@@ -466,14 +482,15 @@ class Store:
             return [str(e)]
         problems = []
         for array in info.arrays().values():
-            if not self.backend.exists(f"{info.path}/{array.field}/zarr.json"):
-                problems.append(f"entry {info.id}: array {array.field!r} has no zarr.json")
-            for shard in array.all_shards():
-                problem = self._verify_shard(info, array, shard)
-                if problem:
-                    problems.append(problem)
-                if progress:
-                    progress(1)
+            for part in array.parts:
+                if not self.backend.exists(f"{info.path}/{part.name}/zarr.json"):
+                    problems.append(f"entry {info.id}: array {part.name!r} has no zarr.json")
+                for shard in array.all_shards():
+                    problem = self._verify_shard(info, array, part, shard)
+                    if problem:
+                        problems.append(problem)
+                    if progress:
+                        progress(1)
         return problems
 
     def usage(self) -> int:

@@ -28,7 +28,6 @@ import itertools
 import json
 from typing import TYPE_CHECKING, Any
 
-import crc32c
 import numpy as np
 
 from anchorkv.codec.packed import Packed
@@ -38,6 +37,7 @@ from anchorkv.store.format import (
     ArrayLayout,
     Encoded,
     array_keys,
+    crc32c,
     crc32c_combine,
     crc32c_combine_fixed,
     shard_index,
@@ -98,7 +98,7 @@ def chunk_plan(array: ArrayLayout, region: list[slice]) -> tuple:
 
 @functools.lru_cache(maxsize=4096)
 def _shards_plan(array: ArrayLayout, bounds: tuple[tuple[int, int], ...]) -> tuple:
-    """The shards a rank's region fills: (shard key, chunks per shard, slots), each slot a
+    """The shards a rank's region fills: (shard coordinates, chunks per shard, slots), each slot a
     `chunk_plan` row plus the chunk's local coordinates in the shard and, for an edge chunk
     whose covered part is its first rows along axis 1, that row count (else None); in zarr's
     order, empty slots past the array's end left out. Cached per array and region."""
@@ -122,7 +122,7 @@ def _shards_plan(array: ArrayLayout, bounds: tuple[tuple[int, int], ...]) -> tup
                     s.start == 0 and s.stop == c for i, (s, c) in enumerate(zip(into_chunk, array.chunks)) if i != 1):
                 lead = into_chunk[1].stop
             slots.append((*item, tuple(c % n for c, n in zip(coords, k)), lead))
-        out.append((array.shard_key(shard), k, tuple(slots)))
+        out.append((shard, k, tuple(slots)))
     return tuple(out)
 
 
@@ -143,10 +143,10 @@ def _checksums(placed: list, index: bytes, combine) -> tuple[dict[str, list[int]
     for name, parts, size, at in placed:
         crc = 0
         for b in parts:
-            crc = crc32c.crc32c(b, value=crc)
+            crc = crc32c(b, value=crc)
         sums[name] = [crc, size, at]
         whole = combine(whole, crc, size)
-    return sums, combine(whole, crc32c.crc32c(index), len(index))
+    return sums, combine(whole, crc32c(index), len(index))
 
 
 def chunk_region(array: ArrayLayout, coords: tuple[int, ...]) -> list[slice]:
@@ -210,8 +210,9 @@ class EntryWriter:
         if array.kind == "paged":  # the rank block covers tokens [0, N*block_size)
             region[1] = slice(0, min(enc.payload.shape[1], array.shape[1]))
         total = 0
-        for skey, k, slots in shards_plan(array, region):
-            chunks = []
+        parts = array.parts
+        for shard, k, slots in shards_plan(array, region):
+            per_part: list[list] = [[] for _ in parts]
             for key, coords, into_chunk, into_rank, whole, local, lead in slots:
                 part = enc.region(into_rank)
                 if whole:
@@ -220,8 +221,10 @@ class EntryWriter:
                     bufs = self._row_padded(array, part, lead)
                 else:
                     bufs = self._padded(array, part, into_chunk).buffers()
-                chunks.append((key, local, bufs))
-            total += self._put_shard(skey, k, chunks)
+                for p, chunks, b in zip(parts, per_part, bufs):
+                    chunks.append((p.chunk_key(coords), p.local(local), b))
+            for p, chunks in zip(parts, per_part):
+                total += self._put_shard(p.shard_key(shard), p.chunks_per_shard(k), chunks)
         return total
 
     def _array(self, field: str) -> ArrayLayout:
@@ -262,18 +265,18 @@ class EntryWriter:
             block = (1, shape[0] * shape[1], *shape[2:])
         return array.codec.views(payload.numpy(), scales.contiguous().numpy(), block)
 
-    def _row_padded(self, array: ArrayLayout, part: Encoded, rows: int) -> list[memoryview]:
-        """The buffers of an edge chunk whose first `rows` rows (axis 1) are `part`: its payload
-        rows then the cached encoding of zero rows, and likewise its scales (no copy; the
-        encoding is row by row, so this is exactly `_padded`)."""
+    def _row_padded(self, array: ArrayLayout, part: Encoded, rows: int) -> tuple[list, list]:
+        """The (payload, scales) buffers of an edge chunk whose first `rows` rows (axis 1) are
+        `part`: its rows then cached zero rows (no copy; exactly `_padded`)."""
         z = zero_chunk(array.codec, array.chunks)
-        out = [memoryview(np.ascontiguousarray(part.payload)).cast("B"), memoryview(z.payload[:, rows:]).cast("B")]
+        payload = [memoryview(np.ascontiguousarray(part.payload)).cast("B"), memoryview(z.payload[:, rows:]).cast("B")]
+        scales = []
         if z.scales.size:
-            out += [memoryview(np.ascontiguousarray(part.scales)).cast("B"), memoryview(z.scales[:, rows:]).cast("B")]
-        return out
+            scales = [memoryview(np.ascontiguousarray(part.scales)).cast("B"), memoryview(z.scales[:, rows:]).cast("B")]
+        return payload, scales
 
     def _padded(self, array: ArrayLayout, part: Encoded, into_chunk: tuple[slice, ...]) -> Encoded:
-        """A whole edge chunk: `part` in its place, the rest the encoding of zeros (zarr's fill)."""
+        """A whole edge chunk: `part` in its place, the rest zero bytes (zarr's fill)."""
         z = zero_chunk(array.codec, array.chunks)
         full = Encoded(z.codec, z.payload.copy(), z.scales.copy())
         dst = full.region(into_chunk)
@@ -381,8 +384,9 @@ def commit_staged(store: "Store", write_id: str) -> EntryInfo:
                 "shards": dict(sorted(shards.items())),
                 "stored_bytes": sum(v[1] for v in shards.values()), "logical_bytes": logical}
     data = backend.data_prefix(final, write_id)
-    for name, a in arrays.items():
-        backend.write(f"{data}/{name}/zarr.json", [array_json(a, header["compressor"])])
+    for a in arrays.values():
+        for name, doc in array_json(a, header["compressor"]).items():
+            backend.write(f"{data}/{name}/zarr.json", [doc])
     store._ensure_groups(header["key"])
     backend.write(f"{data}/zarr.json", [group_json({"anchorkv": manifest})], atomic=True)
     entry_id = final.split("/", 1)[1] if backend.atomic_publish else data.split("/", 1)[1]

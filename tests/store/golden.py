@@ -2,9 +2,10 @@
 `tests/fixtures/store/*.json`; tests never do (a missing or stale fixture fails). Rewrite
 only for an intended format change, bump `FORMAT_VERSION`, and say so.
 
-Two kinds: inner chunk bytes (`CASES`: one chunk's ``payload || scales``, unchanged since
-format version 1) and whole shard files (`SHARD_CASES`, format version 2: inner chunks in
-zarr's order, then the index with its crc32c; the tests also check them against zarr-python).
+Two kinds: inner chunk bytes (`CASES`: one chunk's payload and scales, the bytes unchanged since
+format version 1; since version 3 they are the chunks of two standard arrays, codes and scales)
+and whole shard files (`SHARD_CASES`: inner chunks in zarr's order, then the index with its
+crc32c, one file per stored array; the tests also check them against zarr-python).
 """
 
 from __future__ import annotations
@@ -41,17 +42,25 @@ def golden_values() -> np.ndarray:
     return x.to(torch.bfloat16).to(torch.float32).numpy()
 
 
-def encode_case(fmt: str, group: int | None, dtype: str) -> dict:
-    from anchorkv.store.format import ChunkCodec
-    from anchorkv.store.zarr_codec import AnchorQuantCodec
+def _layout(fmt: str, group: int | None, dtype: str, shape: tuple, chunks: tuple, shards: tuple):
+    from anchorkv.store.format import ArrayLayout, ChunkCodec
 
     codec = ChunkCodec(fmt, group, dtype)
-    data = codec.encode(golden_values())
+    return ArrayLayout("latent", "paged", ("l0",), shape, chunks, None, codec, shards)
+
+
+def encode_case(fmt: str, group: int | None, dtype: str) -> dict:
+    """One chunk's bytes, split into the chunks of its stored arrays (values / codes, scales)."""
+    array = _layout(fmt, group, dtype, CHUNK, CHUNK, CHUNK)
+    data = array.codec.encode(golden_values())
+    pn, _ = array.codec.nbytes(CHUNK)
+    pieces = [data[:pn], data[pn:]][: len(array.parts)]
     return {
-        "zarr_codec": AnchorQuantCodec.from_chunk_codec(codec).to_dict(),
+        "codec": array.codec.to_config(),
         "chunk_shape": list(CHUNK),
-        "chunk_b64": base64.b64encode(data).decode(),
-        "sha256": hashlib.sha256(data).hexdigest(),
+        "arrays": {p.name: {"data_type": p.dtype, "chunk_shape": list(p.chunks),
+                            "chunk_b64": base64.b64encode(b).decode(), "sha256": hashlib.sha256(b).hexdigest()}
+                   for p, b in zip(array.parts, pieces)},
     }
 
 
@@ -74,33 +83,43 @@ def shard_values(tokens: int) -> np.ndarray:
 
 
 def encode_shard_case(fmt: str, group: int | None, dtype: str, tokens: int, shard_tokens: int) -> dict:
-    """The shard file as the store's format defines it (chunks padded with zeros, in
-    `shard_order`, absent past the end, then `shard_index`)."""
-    from anchorkv.store.format import FORMAT_VERSION, ChunkCodec, shard_index, shard_order
-    from anchorkv.store.zarr_codec import AnchorQuantCodec
+    """The shard files as the store's format defines them (chunks padded with zero bytes, in
+    `shard_order`, absent past the end, then `shard_index`), one per stored array."""
+    from anchorkv.store.format import FORMAT_VERSION, shard_index, shard_order
 
-    codec = ChunkCodec(fmt, group, dtype)
     chunk = CHUNK[1]
+    array = _layout(fmt, group, dtype, (1, tokens, 3, 16), (1, chunk, 3, 16), (1, shard_tokens, 3, 16))
+    codec = array.codec
     per = (1, shard_tokens // chunk, 1, 1)
     values = np.zeros((1, shard_tokens, 3, 16), np.float32)
     values[:, :tokens] = shard_values(tokens)
-    data, slots = b"", {}
-    for local in shard_order(per):
-        t = local[1] * chunk
-        if t >= tokens:
-            continue
-        enc = codec.encode(values[:, t : t + chunk])
-        slots[local] = (len(data), len(enc))
-        data += enc
-    data += shard_index(per, slots)
+    files = {}
+    for i, part in enumerate(array.parts):
+        data, slots = b"", {}
+        for local in shard_order(per):
+            t = local[1] * chunk
+            if t >= tokens:
+                continue
+            block = values[:, t : t + chunk].copy()
+            rows = min(chunk, tokens - t)
+            enc = codec.encode(block)
+            pn, _ = codec.nbytes(block.shape)
+            piece = bytearray([enc[:pn], enc[pn:]][i])
+            if rows < chunk:  # padding rows hold zero bytes (zarr's fill value), not an encoding
+                row = len(piece) // chunk
+                piece[rows * row :] = bytes(len(piece) - rows * row)
+            slots[part.local(local)] = (len(data), len(piece))
+            data += bytes(piece)
+        data += shard_index(part.chunks_per_shard(per), slots)
+        files[part.name] = {"data_type": part.dtype, "shard_b64": base64.b64encode(data).decode(),
+                            "sha256": hashlib.sha256(data).hexdigest()}
     return {
         "format_version": FORMAT_VERSION,
-        "zarr_codec": AnchorQuantCodec.from_chunk_codec(codec).to_dict(),
+        "codec": codec.to_config(),
         "array_shape": [1, tokens, 3, 16],
         "chunk_shape": [1, chunk, 3, 16],
         "shard_shape": [1, shard_tokens, 3, 16],
-        "shard_b64": base64.b64encode(data).decode(),
-        "sha256": hashlib.sha256(data).hexdigest(),
+        "arrays": files,
     }
 
 

@@ -82,12 +82,17 @@ class TestStoreConformance:
                 store.load(info, tiny_layout(tp, rank), "model.layers.3.attn", "recurrent")
                 heads = range(rank * 8 // tp, (rank + 1) * 8 // tp)
                 want = [(sums[f"recurrent/c.2.{h}.0.0"][2], sums[f"recurrent/c.2.{h}.0.0"][1]) for h in heads]
-                assert calls == [(["recurrent", "c.2.0.0.0"], want)], calls
+                swant = [(sums[f"recurrent_scales/c.2.{h}.0.0.0"][2], sums[f"recurrent_scales/c.2.{h}.0.0.0"][1])
+                         for h in heads]
+                assert calls == [(["recurrent", "c.2.0.0.0"], want),
+                                 (["recurrent_scales", "c.2.0.0.0.0"], swant)], calls
             long = save(store, n=3 * 1024 + 5, anchor="long")
             calls.clear()
             store.load(long, tiny_layout(), "model.layers.4.attn", "latent", start_token=1024, num_blocks=16)
             c = long.manifest["checksums"]["latent/c.1.1.0"]
-            assert calls == [(["latent", "c.1.0.0"], [(c[2], c[1])])], calls
+            cs = long.manifest["checksums"]["latent_scales/c.1.1.0.0"]
+            assert calls == [(["latent", "c.1.0.0"], [(c[2], c[1])]),
+                             (["latent_scales", "c.1.0.0.0"], [(cs[2], cs[1])])], calls
         finally:
             store.backend.read_ranges_into = real
 
@@ -212,7 +217,9 @@ class TestStoreConformance:
         assert group.attrs["anchorkv"]["num_tokens"] == N
         ref = rank_packed(tiny_layout(), "model.layers.1.attn", "recurrent", CODECS["recurrent"], N)
         expected = reference.dequantize(ref.payload, ref.scales, "int8", 16, ref.shape, torch.float32)[0]
-        np.testing.assert_array_equal(group["recurrent"][1], expected.numpy())
+        codes, scales = group["recurrent"][1], group["recurrent_scales"][1]  # plain int8 and float32
+        assert codes.dtype == np.int8 and scales.shape == (8, 16, 1, 1)
+        np.testing.assert_array_equal(codes.astype(np.float32) * scales[..., 0], expected.numpy())
         store.delete(a.id)
         assert [e.id for e in store.list()] == [b.id]
         with pytest.raises(EntryNotFound, match=a.id):

@@ -1,0 +1,81 @@
+"""Reading an entry's values with anchorkv installed: `open_entry(path)["recurrent"][3]`.
+
+Every array of an entry is a standard Zarr v3 array (see `anchorkv.store.format`): a plain
+zarr-python or tensorstore script reads the values of raw fields and the codes and scales of
+quantized ones. `open_entry` adds the dequantization, so a field reads as its logical values
+(float32), exactly what a restore would write into the cache (in the source dtype).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from anchorkv.store.format import SCALES_SUFFIX
+
+ATTR = "anchorkv"
+
+
+class FieldValues:
+    """One field of an entry; indexing the leading axes (not the last) gives float32 values."""
+
+    def __init__(self, group, name: str) -> None:
+        self.codes = group[name]
+        self.meta: dict[str, Any] = dict(self.codes.attrs[ATTR])
+        self.scales = group[name + SCALES_SUFFIX] if self.meta["role"] == "codes" else None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        last = self.codes.shape[-1] * (2 if self.meta["codec"] == "int4" else 1)
+        return (*self.codes.shape[:-1], last)
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        return self.meta
+
+    def __getitem__(self, index) -> np.ndarray:
+        import torch
+
+        from anchorkv.codec.packed import dtype_from_name
+        from anchorkv.kernels import reference
+
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) >= self.codes.ndim:
+            raise IndexError(f"index the leading {self.codes.ndim - 1} axes of {self.meta['field']!r}; "
+                             "the last axis is read whole (quantization groups lie along it)")
+        codes = np.ascontiguousarray(self.codes[index])
+        dtype = dtype_from_name(self.meta["source_dtype"])
+        if self.scales is None:
+            t = torch.from_numpy(codes.view(np.uint8).copy()).view(dtype)
+            return t.reshape(codes.shape).to(torch.float32).numpy()
+        scales = np.ascontiguousarray(self.scales[index], dtype=np.float32)
+        shape = (*codes.shape[:-1], self.shape[-1])
+        out = reference.dequantize(torch.from_numpy(codes.view(np.uint8).reshape(-1).copy()),
+                                   torch.from_numpy(scales.reshape(-1, scales.shape[-1]).copy()),
+                                   self.meta["codec"], self.meta["group"], shape, dtype)
+        return out.to(torch.float32).numpy()
+
+
+class EntryValues:
+    """An entry opened for reading values: ``entry["recurrent"][3]``, ``entry.manifest``."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.manifest: dict[str, Any] = dict(group.attrs[ATTR])
+
+    def fields(self) -> list[str]:
+        return sorted(self.manifest["arrays"])
+
+    def __getitem__(self, field: str) -> FieldValues:
+        if field not in self.manifest["arrays"]:
+            raise KeyError(f"the entry has no field {field!r}; it has {self.fields()}")
+        return FieldValues(self.group, field)
+
+
+def open_entry(path: str | os.PathLike) -> EntryValues:
+    """Open `<store>/entries/<entry id>` (a local path) for reading values."""
+    import zarr
+
+    return EntryValues(zarr.open_group(os.fspath(path), mode="r"))
