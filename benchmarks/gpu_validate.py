@@ -1,0 +1,432 @@
+"""The full GPU validation in one command: kernel tests, kernel and save-path benchmarks, profile.
+
+    scripts/gpu_validate.sh [--out DIR] [--quick] [--skip-tests] [--tests-k EXPR] [-k EXPR]
+                            [--budget SECONDS]
+
+(`scripts/gpu_validate.sh` installs the wheels of `.whl/` when the store's dependencies do not
+import, then runs `python -m benchmarks.gpu_validate` with the same arguments.) Steps, each a
+subprocess of this Python with a time limit drawn from one budget (default 420 s), so a hang
+costs its limit, not the run; a step over its limit gets SIGINT, and pytest then still writes
+the junit XML and benchmark JSON of what finished:
+
+    tests      pytest tests/kernels: every kernel test, the full-size `test_large.py` included,
+               bit-exact against the torch reference (in the Triton interpreter without CUDA)
+    kernels    benchmarks/bench_kernels.py: ours vs a device-to-device copy of the same bytes,
+               torch eager and torch.compile (run last: it compiles)
+    save_path  benchmarks/bench_save_path.py: GPU -> pack -> pinned host -> store, vs a plain
+               device-to-host copy of the packed (and of the raw) bytes
+    profile    python -m benchmarks.profile_kernels: host vs kernel time (CUDA only)
+
+Writes, all directly under `--out` (default benchmarks/results), `<machine>` as `anchorkv bench`
+names it (the GPU's name): `<machine>.json` (device, versions, every step and result),
+`<machine>.md` (tables, targets), `<machine>.png` (GB/s vs baselines), `<machine>-tests.xml`
+(junit) and `<machine>-validate.log` (every step's output). A full run of `bench_kernels.py`
+also refreshes its own `benchmarks/results/<machine>-kernels.json`, as it always does.
+Exit status 1 when the kernel tests fail or do not finish, or a step fails or runs out of time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib.metadata as _md
+import importlib.util
+import json
+import os
+from pathlib import Path
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+
+ROOT = Path(__file__).resolve().parent.parent
+#: (step, most seconds it may take, least seconds worth starting it with), in run order.
+STEPS = (("tests", 240, 60), ("kernels", 180, 60), ("save_path", 90, 30), ("profile", 60, 20))
+GRACE_S = 20  # after SIGINT, before SIGKILL
+REPORT_S = 15  # kept back for writing the report
+#: module -> why the run needs it (checked before anything runs; wheels: scripts/fetch_gpu_wheels.sh)
+NEEDS = {
+    "torch": "everything", "triton": "the kernels on CUDA", "numpy": "the store",
+    "pytest": "every step", "pytest_benchmark": "the benchmarks", "hypothesis": "tests/kernels/test_properties.py",
+    "zarr": "the store (save path)", "numcodecs": "the store", "blake3": "the store's keys",
+    "google_crc32c": "the store's checksums", "yaml": "zarr (through donfig)", "matplotlib": "the plot",
+}
+TARGETS = {"copy": 0.85, "eager": 3.0, "d2h": 0.8}  # issue 13: the GPU targets
+
+
+def pytest_collection_modifyitems(items):
+    """As a pytest plugin (`-p benchmarks.gpu_validate`): torch.compile cases run last, so a step
+    that runs out of time loses the compile baseline, not the measurements of the kernels."""
+    items.sort(key=lambda item: "compile" in item.name)
+
+
+# ----------------------------------------------------------------------------- environment
+
+
+def environment() -> tuple[str, dict, list[str]]:
+    """The machine name (`anchorkv bench`'s), device and versions, and the missing modules."""
+    from anchorkv.bench import machine_name
+
+    machine, device = machine_name()
+    versions = {}
+    for dist in ("torch", "triton", "numpy", "pytest", "pytest-benchmark", "hypothesis", "zarr",
+                 "numcodecs", "blake3", "google-crc32c", "matplotlib"):
+        try:
+            versions[dist] = _md.version(dist)
+        except _md.PackageNotFoundError:
+            versions[dist] = None
+    import torch
+
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        device.update(cuda=torch.version.cuda, capability=f"{p.major}.{p.minor}",
+                      memory_gib=round(p.total_memory / 2**30, 1), sms=p.multi_processor_count)
+    missing = [m for m in NEEDS if importlib.util.find_spec(m) is None]
+    if not torch.cuda.is_available():
+        missing = [m for m in missing if m != "triton"]
+    return machine, {**device, "versions": versions}, missing
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def run_step(name: str, cmd: list[str], limit: float, log: Path, env: dict) -> tuple[dict, str]:
+    """Run `cmd` with its output appended to `log`; SIGINT at `limit` s, SIGKILL `GRACE_S` later.
+    Returns the step's record (with the output's tail) and its whole output."""
+    t0 = time.perf_counter()
+    with open(log, "a") as f:
+        f.write(f"\n===== {name}: {' '.join(cmd)}  (limit {limit:.0f} s)\n")
+        f.flush()
+        start = f.tell()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            proc.send_signal(signal.SIGINT)  # pytest ends the session and writes its reports
+            try:
+                rc = proc.wait(timeout=GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                rc = proc.wait()
+        try:  # leftovers of the step (torch.compile's workers), by its process group
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    secs = time.perf_counter() - t0
+    with open(log, "rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    out = {"returncode": rc, "seconds": round(secs, 1), "limit_s": round(limit), "timed_out": timed_out,
+           "command": " ".join(cmd[1:] if cmd[0] == sys.executable else cmd), "log_tail": text[-4000:]}
+    print(f"  {name}: rc={rc}{' (TIMED OUT)' if timed_out else ''} in {secs:.0f} s", flush=True)
+    return out, text
+
+
+def junit_summary(path: Path) -> dict:
+    """Counts, time and failing test ids of a junit XML (as pytest writes it)."""
+    if not path.exists():
+        return {}
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    counts["time_s"] = round(sum(float(s.get("time", 0)) for s in suites), 1)
+    failed = []
+    for case in root.iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.append(f"{case.get('classname')}::{case.get('name')}")
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return {**counts, "failed": failed[:50]}
+
+
+def run_tests(args, out: Path, machine: str, limit: float, log: Path, env: dict) -> dict:
+    junit = out / f"{machine}-tests.xml"
+    junit.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-q", "-rfEs", "-p", "no:cacheprovider",
+           f"--rootdir={ROOT}", f"--junitxml={junit}", "-o", "junit_suite_name=anchorkv-kernels"]
+    cmd += ["-k", args.tests_k] if args.tests_k else []
+    res, _ = run_step("tests", cmd, limit, log, env)
+    res["junit"] = junit.name
+    res.update(junit_summary(junit))
+    rc = res["returncode"]
+    res["status"] = ("timeout" if res["timed_out"] else "passed" if rc == 0 else "failed" if rc == 1
+                     else "empty" if rc == 5 else "error")
+    return res
+
+
+def run_bench(name: str, args, limit: float, log: Path, env: dict, tmp: Path) -> dict:
+    from anchorkv.bench import _condense
+
+    js = tmp / f"{name}.json"
+    cmd = [sys.executable, "-m", "pytest", f"benchmarks/bench_{name}.py", "-q", "-p", "no:cacheprovider",
+           "-p", "benchmarks.gpu_validate", f"--rootdir={ROOT}", f"--benchmark-json={js}",
+           "--benchmark-disable-gc"]
+    cmd += ["--quick"] if args.quick else []
+    cmd += ["-k", args.k] if args.k else []
+    res, _ = run_step(name, cmd, limit, log, env)
+    if js.exists():
+        res["benchmarks"] = _condense(json.loads(js.read_text()))
+    rc = res["returncode"]
+    res["status"] = ("timeout" if res["timed_out"] else "empty" if rc == 5
+                     else "ok" if rc == 0 and res.get("benchmarks") else "failed")
+    return res
+
+
+_PROFILE_LINE = re.compile(r"== (\w+) tp=(\d+): wall ([\d.]+) ms/call, host-only ([\d.]+) ms, "
+                           r"kernels ([\d.]+) ms/call")
+
+
+def run_profile(args, limit: float, log: Path, env: dict) -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"status": "skipped", "reason": "no CUDA (profile_kernels times the CUDA kernels)"}
+    cmd = [sys.executable, "-m", "benchmarks.profile_kernels", "--tp", "1", "--iters", "5" if args.quick else "20"]
+    res, text = run_step("profile", cmd, limit, log, env)
+    rows = [{"op": m[1], "tp": int(m[2]), "wall_ms": float(m[3]), "host_ms": float(m[4]),
+             "kernel_ms": float(m[5])} for m in _PROFILE_LINE.finditer(text)]
+    res["rows"] = rows
+    res["status"] = ("timeout" if res["timed_out"] else "ok" if res["returncode"] == 0 and rows
+                     else "failed")
+    return res
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def results(steps: dict) -> list[dict]:
+    """Every benchmark result as one row: GB/s, its baseline (same run) and the ratio to it."""
+    rows = []
+    kern = [b["extra_info"] | {"median_s": b["median_s"]} for b in steps.get("kernels", {}).get("benchmarks", [])
+            if "provider" in b.get("extra_info", {})]
+    eager = {(e["op"], e["tp"]): e["median_s"] for e in kern if e["provider"] == "eager"}
+    for e in sorted(kern, key=lambda e: (e["op"], e["tp"], e["provider"])):
+        row = {"suite": "kernels", "case": f"{e['op']} tp={e['tp']}", "provider": e["provider"],
+               "backend": e.get("backend"), "bytes": e["source_bytes"], "median_s": e["median_s"],
+               "gbps": e["gbps"], "baseline": "device copy", "baseline_gbps": e["copy_gbps"],
+               "ratio": e["ratio_vs_copy"]}
+        if e["provider"] in ("ours", "compile") and (e["op"], e["tp"]) in eager:
+            row["speedup_vs_eager"] = eager[(e["op"], e["tp"])] / e["median_s"]
+        rows.append(row)
+    for b in steps.get("save_path", {}).get("benchmarks", []):
+        if "provider" not in b.get("extra_info", {}):
+            continue
+        e = b["extra_info"] | {"median_s": b["median_s"]}
+        base = e["ratio_vs_d2h_packed"] * e["median_s"]  # the d2h-packed median of the same run
+        row = {"suite": "save_path", "case": f"{e['codecs']} {e['tokens']} tokens", "provider": e["provider"],
+               "bytes": e["bytes"], "median_s": e["median_s"], "gbps": e["gbps"], "state_gbps": e["state_gbps"],
+               "baseline": "d2h copy of the packed bytes", "baseline_gbps": e["packed_bytes"] / base / 1e9,
+               "ratio": e["ratio_vs_d2h_packed"], "ratio_vs_d2h_raw": e["ratio_vs_d2h_raw"]}
+        if "launch_s" in e:
+            row["launch_s"] = e["launch_s"]
+        rows.append(row)
+    return rows
+
+
+def targets(rows: list[dict], on_gpu: bool) -> list[dict]:
+    """Issue 13's GPU targets, read off the rows (tp=1 kernels; save path per codec set); none
+    without a GPU (the CPU rows time the torch reference, which the targets are not about)."""
+    out = []
+    if not on_gpu:
+        return out
+    for r in rows:
+        if r["suite"] == "kernels" and r["provider"] == "ours" and r["case"].endswith("tp=1"):
+            out.append({"target": f"{r['case']}: ours >= {TARGETS['copy']} x device copy",
+                        "value": r["ratio"], "met": r["ratio"] >= TARGETS["copy"]})
+            if "speedup_vs_eager" in r:
+                out.append({"target": f"{r['case']}: ours >= {TARGETS['eager']:g}x torch eager",
+                            "value": r["speedup_vs_eager"], "met": r["speedup_vs_eager"] >= TARGETS["eager"]})
+        if r["suite"] == "save_path" and r["provider"] in ("pack+d2h", "save"):
+            out.append({"target": f"save path {r['case']}, {r['provider']}: >= {TARGETS['d2h']} x d2h copy "
+                                  f"of the packed bytes", "value": r["ratio"], "met": r["ratio"] >= TARGETS["d2h"]})
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def render_markdown(res: dict) -> str:
+    from anchorkv.bench import _num, _table
+
+    d, v = res["device"], res["device"]["versions"]
+    gpu = d.get("gpu")
+    lines = [f"# anchorkv GPU validation: {res['machine']}", "",
+             f"{res['created']}, mode {res['mode']}, "
+             + (f"{gpu} (sm {d.get('capability')}, {d.get('memory_gib')} GiB, {d.get('sms')} SMs, CUDA "
+                f"{d.get('cuda')})" if gpu else "no CUDA: the torch reference path and the Triton interpreter")
+             + f"; torch {v.get('torch')}, triton {v.get('triton')}, python {d.get('python')}, "
+             f"{d.get('cores')} CPU cores. Command `{res['command']}` ({res['seconds']:.0f} s of a "
+             f"{res['budget_s']} s budget).", ""]
+    if res["missing"]:
+        lines += [f"**Missing modules:** {', '.join(res['missing'])} (wheels: `scripts/fetch_gpu_wheels.sh`).", ""]
+    t = res["steps"].get("tests", {})
+    verdict = {"passed": "**PASSED**", "skipped": "skipped (`--skip-tests`)"}.get(t.get("status"),
+                                                                                 f"**{str(t.get('status')).upper()}**")
+    lines += ["## Kernel tests", "", f"`tests/kernels` (full-size `test_large.py` included, bit-exact vs the "
+              f"reference): {verdict}"
+              + (f": {t['passed']} passed, {t['failures']} failed, {t['errors']} errors, {t['skipped']} "
+                 f"skipped in {t['seconds']:.0f} s (junit `{t['junit']}`)" if "tests" in t else "") + "."]
+    lines += [f"- failed: `{name}`" for name in t.get("failed", [])]
+    lines += ["", "## Steps", ""]
+    lines += _table(["step", "status", "seconds", "limit s", "results", "command"],
+                    [[n, s["status"], _num(s.get("seconds"), ".0f"), s.get("limit_s", "-"),
+                      s.get("tests", len(s.get("benchmarks", s.get("rows", [])))), f"`{s.get('command', '-')}`"]
+                     for n, s in res["steps"].items()]) + [""]
+    if res["targets"]:
+        lines += ["## Targets (issue 13)", ""]
+        lines += _table(["target", "value", "met"], [[t["target"], _num(t["value"], ".3f"),
+                                                      "yes" if t["met"] else "**no**"] for t in res["targets"]])
+        lines += [""]
+    kern = [r for r in res["results"] if r["suite"] == "kernels"]
+    if kern:
+        lines += ["## Kernels: pack / unpack of one Kimi-Linear request (47 items)", "",
+                  "GB/s counts bytes read + written; ratio = vs a device-to-device copy of the same source "
+                  "bytes, same run.", ""]
+        lines += _table(["case", "provider", "source MB", "median ms", "GB/s", "copy GB/s", "ratio vs copy",
+                         "speedup vs eager"],
+                        [[r["case"], r["provider"] + (f" ({r['backend']})" if r["provider"] == "ours" else ""),
+                          _num(r["bytes"] / 1e6, ".1f"), _num(r["median_s"] * 1e3, ".3f"), _num(r["gbps"], ".1f"),
+                          _num(r["baseline_gbps"], ".1f"), _num(r["ratio"], ".3f"),
+                          _num(r.get("speedup_vs_eager"), ".2f")] for r in kern]) + [""]
+    save = [r for r in res["results"] if r["suite"] == "save_path"]
+    if save:
+        lines += ["## Save path: GPU -> pack -> pinned host -> local store", "",
+                  "GB/s = bytes delivered to the host / time (packed bytes; raw bytes for `d2h-raw`); "
+                  "state GB/s = the request's raw bytes / time; ratios = baseline time / this time, same run.",
+                  ""]
+        lines += _table(["case", "provider", "MB to host", "median ms", "GB/s", "state GB/s", "ratio vs d2h packed",
+                         "ratio vs d2h raw", "launch ms"],
+                        [[r["case"], r["provider"], _num(r["bytes"] / 1e6, ".1f"), _num(r["median_s"] * 1e3, ".3f"),
+                          _num(r["gbps"], ".2f"), _num(r["state_gbps"], ".2f"), _num(r["ratio"], ".3f"),
+                          _num(r["ratio_vs_d2h_raw"], ".3f"),
+                          _num(r["launch_s"] * 1e3, ".2f") if "launch_s" in r else "-"] for r in save]) + [""]
+    prof = res["steps"].get("profile", {}).get("rows", [])
+    if prof:
+        lines += ["## Profile: host vs kernel time per call (`python -m benchmarks.profile_kernels`)", ""]
+        lines += _table(["op", "tp", "wall ms", "host-only ms", "kernel ms", "kernel share of wall"],
+                        [[p["op"], p["tp"], _num(p["wall_ms"], ".3f"), _num(p["host_ms"], ".3f"),
+                          _num(p["kernel_ms"], ".3f"), _num(p["kernel_ms"] / p["wall_ms"], ".2f")]
+                         for p in prof]) + [""]
+    for n, s in res["steps"].items():
+        if s["status"] not in ("ok", "passed", "skipped"):
+            lines += [f"**Step `{n}`: {s['status'].upper()}**; its output is in `{res['files']['log']}`.", ""]
+    return "\n".join(lines)
+
+
+def render_plot(res: dict, path: Path) -> None:
+    """GB/s of every result (log scale) with its baseline as a black tick."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(s, [r for r in res["results"] if r["suite"] == s]) for s in ("kernels", "save_path")]
+    panels = [p for p in panels if p[1]]
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(8 * max(len(panels), 1), 6), squeeze=False)
+    for ax, (suite, rows) in zip(axes[0], panels):
+        labels = [f"{r['case']}\n{r['provider']}" for r in rows]
+        x = range(len(rows))
+        providers = sorted({r["provider"] for r in rows})
+        ax.bar(x, [r["gbps"] for r in rows], color=[f"C{providers.index(r['provider']) % 10}" for r in rows])
+        ax.scatter(x, [r["baseline_gbps"] for r in rows], marker="_", s=300, c="k", zorder=3,
+                   label=rows[0]["baseline"])
+        ax.set_xticks(list(x), labels, rotation=90, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"{suite}: GB/s (bars) vs baseline (ticks)", fontsize=10)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    if not panels:
+        axes[0][0].text(0.5, 0.5, "no benchmark results", ha="center", transform=axes[0][0].transAxes)
+    t = res["steps"].get("tests", {})
+    fig.suptitle(f"anchorkv GPU validation, {res['machine']} ({res['mode']}); kernel tests: {t.get('status')}"
+                 + (f" ({t['passed']} passed, {t['failures'] + t['errors']} failed)" if "tests" in t else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def write_report(res: dict, out: Path, plot: bool = True) -> None:
+    from anchorkv.bench import finite
+
+    res["results"] = results(res["steps"])
+    res["targets"] = targets(res["results"], bool(res["device"].get("gpu")))
+    (out / res["files"]["json"]).write_text(json.dumps(finite(res), indent=1, allow_nan=False, default=str) + "\n")
+    (out / res["files"]["md"]).write_text(render_markdown(res) + "\n")
+    if plot and importlib.util.find_spec("matplotlib") is not None:
+        render_plot(res, out / res["files"]["png"])
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="benchmarks/results", help="report directory (default: %(default)s)")
+    ap.add_argument("--quick", action="store_true", help="benchmarks at small sizes, one round (smoke test)")
+    ap.add_argument("--skip-tests", action="store_true", help="do not run tests/kernels")
+    ap.add_argument("--tests-k", help="pytest -k expression selecting kernel tests")
+    ap.add_argument("-k", help="pytest -k expression selecting benchmarks")
+    ap.add_argument("--budget", type=float, default=420, help="seconds for all steps (default: %(default)s)")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    out = Path(args.out) if os.path.isabs(args.out) else ROOT / args.out
+    out.mkdir(parents=True, exist_ok=True)
+    machine, device, missing = environment()
+    print(f"anchorkv GPU validation ({'quick' if args.quick else 'full'}) on {machine}, "
+          f"budget {args.budget:.0f} s, report in {out}", flush=True)
+    if missing:
+        print("  MISSING modules: " + "; ".join(f"{m} ({NEEDS[m]})" for m in missing)
+              + " -> run scripts/fetch_gpu_wheels.sh where there is network and bring .whl", flush=True)
+    files = {"json": f"{machine}.json", "md": f"{machine}.md", "png": f"{machine}.png",
+             "log": f"{machine}-validate.log", "junit": f"{machine}-tests.xml"}
+    log = out / files["log"]
+    log.write_text(f"anchorkv GPU validation on {machine}: {json.dumps(device)}\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in
+           os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+           "ANCHORKV_BENCH_QUICK": "1" if args.quick else "0"}
+    res = {"machine": machine, "device": device, "missing": missing, "mode": "quick" if args.quick else "full",
+           "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "command": "scripts/gpu_validate.sh " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "budget_s": args.budget, "files": files, "steps": {}, "seconds": 0.0}
+    active = [s for s in STEPS if not (s[0] == "tests" and args.skip_tests)]
+    if args.skip_tests:
+        res["steps"]["tests"] = {"status": "skipped", "reason": "--skip-tests"}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, cap, least) in enumerate(active):
+            left = args.budget - (time.perf_counter() - t0) - REPORT_S
+            limit = min(cap, left - GRACE_S - sum(s[2] for s in active[i + 1:]))
+            if limit < least / 2:
+                res["steps"][name] = {"status": "no time", "reason": f"{left:.0f} s of the budget left"}
+                continue
+            if name == "tests":
+                res["steps"][name] = run_tests(args, out, machine, limit, log, env)
+            elif name == "profile":
+                res["steps"][name] = run_profile(args, limit, log, env)
+            else:
+                res["steps"][name] = run_bench(name, args, limit, log, env, Path(tmp))
+            res["seconds"] = time.perf_counter() - t0
+            write_report(res, out, plot=False)  # after every step: a run cut short leaves its report
+    res["seconds"] = time.perf_counter() - t0
+    write_report(res, out)
+    for f in files.values():
+        if (out / f).exists():
+            print(f"  wrote {out / f}")
+    bad = [n for n, s in res["steps"].items() if s["status"] not in ("ok", "passed", "skipped")]
+    t = res["steps"]["tests"]
+    print(f"kernel tests: {t['status']}" + (f" ({t['passed']} passed, {t['failures']} failed, {t['errors']} "
+                                            f"errors, {t['skipped']} skipped)" if "tests" in t else ""))
+    if bad:
+        listed = ", ".join(f"{n} ({res['steps'][n]['status']})" for n in bad)
+        print(f"FAILED steps: {listed} (log: {log})")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The GPU validation command on a CPU: one quick run end to end, and its exit status, reports
+and time limits with canned steps (fast)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+import subprocess
+import sys
+import time
+
+import pytest
+
+from anchorkv.bench import machine_name
+from benchmarks import gpu_validate
+
+pytest.importorskip("matplotlib")
+pytest.importorskip("pytest_benchmark")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_cpu_run_end_to_end(tmp_path):
+    """scripts/gpu_validate.sh on a CPU: a few kernel tests (interpreter), the copy baselines of
+    both benchmarks, the report; exit 0, and only its five files under --out."""
+    out = tmp_path / "report"
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "gpu_validate.sh"), "--quick", "--out", str(out),
+         "--tests-k", "test_empty_block_list or test_bad_groups_are_refused", "-k", "copy-4 or d2h"],
+        capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    machine = machine_name()[0]
+    names = {f"{machine}{s}" for s in (".json", ".md", ".png", "-validate.log", "-tests.xml")}
+    assert {p.name for p in out.iterdir()} == names
+    res = json.loads((out / f"{machine}.json").read_text())
+    assert res["machine"] == machine and res["device"]["versions"]["torch"]
+    steps = res["steps"]
+    assert steps["tests"]["status"] == "passed" and steps["tests"]["passed"] == 3, steps["tests"]
+    assert steps["kernels"]["status"] == "ok" and len(steps["kernels"]["benchmarks"]) == 4
+    assert steps["save_path"]["status"] == "ok" and len(steps["save_path"]["benchmarks"]) == 4
+    assert steps["profile"]["status"] == "skipped"  # no CUDA
+    rows = res["results"]
+    assert {(r["suite"], r["provider"]) for r in rows} == {
+        ("kernels", "copy"), ("save_path", "d2h-raw"), ("save_path", "d2h-packed")}
+    assert all(r["gbps"] > 0 and r["baseline_gbps"] > 0 and r["ratio"] > 0 for r in rows)
+    md = (out / f"{machine}.md").read_text()
+    assert "**PASSED**: 3 passed" in md and "## Save path" in md and "## Kernels" in md
+
+
+def _canned(status: str):
+    tests = {"status": status, "returncode": 0 if status == "passed" else 1, "seconds": 1.0,
+             "limit_s": 10, "tests": 5, "passed": 4 + (status == "passed"),
+             "failures": int(status != "passed"), "errors": 0, "skipped": 0, "junit": "x.xml",
+             "failed": [] if status == "passed" else ["tests.kernels.test_x::test_y[int8]"]}
+
+    def bench(name, *a):
+        info = ({"op": "pack", "provider": "ours", "tp": 1, "backend": "triton", "source_bytes": 10**8,
+                 "packed_bytes": 4 * 10**7, "gbps": 1800.0, "copy_gbps": 2000.0, "ratio_vs_copy": 0.9}
+                if name == "kernels" else
+                {"provider": "save", "codecs": "quant", "tokens": 7680, "bytes": 4 * 10**7,
+                 "packed_bytes": 4 * 10**7, "gbps": 10.0, "state_gbps": 25.0, "ratio_vs_d2h_packed": 0.5,
+                 "ratio_vs_d2h_raw": 1.2, "launch_s": 1e-4})
+        return {"status": "ok", "returncode": 0, "seconds": 1.0, "command": "pytest",
+                "benchmarks": [{"name": "t", "median_s": 4e-3 if name == "save_path" else 1e-4,
+                                "extra_info": info}]}
+
+    profile = {"status": "ok", "rows": [{"op": "pack", "tp": 1, "wall_ms": 2.0, "host_ms": 1.5,
+                                         "kernel_ms": 0.1}]}
+    return tests, bench, profile
+
+
+@pytest.mark.parametrize("status", ["passed", "failed"])
+def test_exit_status_and_report_follow_the_kernel_tests(status, tmp_path, monkeypatch):
+    tests, bench, profile = _canned(status)
+    machine, device, _ = gpu_validate.environment()
+    device = {**device, "gpu": "Test GPU"}
+    monkeypatch.setattr(gpu_validate, "environment", lambda: (machine, device, []))
+    monkeypatch.setattr(gpu_validate, "run_tests", lambda *a: dict(tests))
+    monkeypatch.setattr(gpu_validate, "run_bench", bench)
+    monkeypatch.setattr(gpu_validate, "run_profile", lambda *a: dict(profile))
+    rc = gpu_validate.main(["--out", str(tmp_path)])
+    assert rc == (0 if status == "passed" else 1)
+    res = json.loads((tmp_path / f"{machine}.json").read_text())
+    targets = {t["target"]: t["met"] for t in res["targets"]}
+    assert targets == {"pack tp=1: ours >= 0.85 x device copy": True,
+                       "save path quant 7680 tokens, save: >= 0.8 x d2h copy of the packed bytes": False}
+    save = next(r for r in res["results"] if r["suite"] == "save_path")
+    assert save["baseline_gbps"] == pytest.approx(4e7 / (0.5 * 4e-3) / 1e9)
+    md = (tmp_path / f"{machine}.md").read_text()
+    assert ("**PASSED**" in md) == (status == "passed")
+    assert ("tests.kernels.test_x::test_y[int8]" in md) == (status == "failed")
+    assert "| pack | 1 | 2.000 | 1.500 | 0.100 | 0.05 |" in md  # host vs kernel time
+    assert (tmp_path / f"{machine}.png").stat().st_size > 0
+
+
+def test_a_step_over_its_limit_is_interrupted_and_keeps_its_output(tmp_path):
+    """SIGINT at the limit (pytest then still writes its reports), not a silent kill."""
+    code = ("import time\nprint('started', flush=True)\ntry:\n    time.sleep(60)\n"
+            "except KeyboardInterrupt:\n    print('interrupted: reports written')\n    raise SystemExit(2)\n")
+    t0 = time.perf_counter()
+    res, text = gpu_validate.run_step("sleeper", [sys.executable, "-c", code], 2, tmp_path / "log",
+                                      dict(os.environ))
+    assert time.perf_counter() - t0 < 15
+    assert res["timed_out"] and res["returncode"] == 2
+    assert "interrupted: reports written" in text and "===== sleeper" in (tmp_path / "log").read_text()
