@@ -22,12 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_quick_cpu_run_end_to_end(tmp_path):
-    """scripts/gpu_validate.sh on a CPU: a few kernel tests (interpreter), the copy baselines of
-    both benchmarks, the report; exit 0, and only its five files under --out."""
+    """scripts/gpu_validate.sh on a CPU: a few kernel tests (interpreter), the kernel benchmark's
+    copy baseline, the save path (raw codecs: its d2h baselines and the whole save into a store),
+    the report; exit 0, and only its five files under --out."""
     out = tmp_path / "report"
     proc = subprocess.run(
         [str(ROOT / "scripts" / "gpu_validate.sh"), "--quick", "--out", str(out),
-         "--tests-k", "test_empty_block_list or test_bad_groups_are_refused", "-k", "copy-4 or d2h"],
+         "--tests-k", "test_empty_block_list or test_bad_groups_are_refused", "-k", "copy-4 or raw-d2h or raw-save"],
         capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     machine = machine_name()[0]
@@ -37,12 +38,12 @@ def test_quick_cpu_run_end_to_end(tmp_path):
     assert res["machine"] == machine and res["device"]["versions"]["torch"]
     steps = res["steps"]
     assert steps["tests"]["status"] == "passed" and steps["tests"]["passed"] == 3, steps["tests"]
-    assert steps["kernels"]["status"] == "ok" and len(steps["kernels"]["benchmarks"]) == 4
-    assert steps["save_path"]["status"] == "ok" and len(steps["save_path"]["benchmarks"]) == 4
+    assert steps["kernels"]["status"] == "ok" and len(steps["kernels"]["benchmarks"]) == 2  # pack, unpack
+    assert steps["save_path"]["status"] == "ok" and len(steps["save_path"]["benchmarks"]) == 3
     assert steps["profile"]["status"] == "skipped"  # no CUDA
     rows = res["results"]
     assert {(r["suite"], r["provider"]) for r in rows} == {
-        ("kernels", "copy"), ("save_path", "d2h-raw"), ("save_path", "d2h-packed")}
+        ("kernels", "copy"), ("save_path", "d2h-raw"), ("save_path", "d2h-packed"), ("save_path", "save")}
     assert all(r["gbps"] > 0 and r["baseline_gbps"] > 0 and r["ratio"] > 0 for r in rows)
     md = (out / f"{machine}.md").read_text()
     assert "**PASSED**: 3 passed" in md and "## Save path" in md and "## Kernels" in md
