@@ -226,16 +226,19 @@ def test_save_path(benchmark, codecs, provider, quick, make_request):
     if provider == "pack+d2h":
         assert req.discard.saved == [req.packed_bytes] * len(specs), req.discard.saved
     moved = req.source_bytes if provider == "d2h-raw" else req.packed_bytes
-    info = {
-        "op": "save", "provider": provider, "codecs": codecs, "codec_set": CODEC_SETS[codecs],
-        "tokens": req.tokens, "tp": 1, "device": torch.cuda.get_device_name() if DEVICE.type == "cuda"
-        else "cpu", "source_bytes": req.source_bytes, "packed_bytes": req.packed_bytes, "bytes": moved,
-        "median_s": median, "gbps": moved / median / 1e9, "state_gbps": req.source_bytes / median / 1e9,
+    info = {  # the ratios first: `anchorkv bench`'s generic table shows the first ~200 characters
+        "provider": provider, "codecs": codecs,
         "ratio_vs_d2h_packed": _copy_median(req, "d2h-packed", codecs, rounds) / median,
         "ratio_vs_d2h_raw": _copy_median(req, "d2h-raw", codecs, rounds) / median,
+        "gbps": moved / median / 1e9, "state_gbps": req.source_bytes / median / 1e9,
     }
     if launch:
         info["launch_s"] = statistics.median(launch[1:] or launch)
+    info.update({
+        "tokens": req.tokens, "tp": 1, "bytes": moved, "source_bytes": req.source_bytes,
+        "packed_bytes": req.packed_bytes, "median_s": median, "codec_set": CODEC_SETS[codecs],
+        "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
+    })
     benchmark.extra_info.update(info)
 
 
