@@ -1,35 +1,84 @@
 """The `anchorkv` command (also `python -m anchorkv`): one subcommand per module.
 
-Each module listed in `_COMMAND_MODULES` has `register(subparsers)`, which adds its
-subcommands with `set_defaults(func=...)`; `func(args)` returns the exit status.
+Each module listed in `_COMMANDS` has `register(subparsers)`, which adds its subcommands with
+`set_defaults(func=...)`; `func(args)` returns the exit status. Modules are imported only for
+the command being run (so `anchorkv --help` and the store commands never import torch); the
+other commands appear in `--help` by name.
+
+Errors a user can cause (a bad path, URL, size, a missing extra) end as one or two lines on
+stderr and exit status 2, never a traceback; an unexpected internal error prints one line too
+(``ANCHORKV_DEBUG=1`` shows its traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
-_COMMAND_MODULES = (
-    "anchorkv.demo",
-    "anchorkv.bench",
-    "anchorkv.store.cli",
-)
+#: command -> (module that registers it, one-line help for the top-level --help)
+_COMMANDS = {
+    "demo": ("anchorkv.demo", "save and restore one request with every codec; print what it wrote"),
+    "bench": ("anchorkv.bench", "run the benchmarks and the fidelity study (report in a temporary dir unless --out)"),
+    "ls": ("anchorkv.store.cli", "list the entries of a store"),
+    "inspect": ("anchorkv.store.cli", "show one entry's manifest and arrays"),
+    "verify": ("anchorkv.store.cli", "check entries, exit 1 naming each damaged one"),
+    "rm": ("anchorkv.store.cli", "delete entries"),
+    "gc": ("anchorkv.store.cli", "remove garbage and damaged entries; evict to --capacity (--dry-run)"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = "*") -> argparse.ArgumentParser:
+    """The parser; the module of `command` registers its real subcommands, the others are
+    listed by name ("*": every module registers; None: none, for `anchorkv --help`)."""
     parser = argparse.ArgumentParser(
         prog="anchorkv", description="Save and restore hybrid-LLM cache state, compressed."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in _COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    if command == "*":
+        modules = {m for m, _ in _COMMANDS.values()}
+    else:
+        modules = set() if command is None else {_COMMANDS[command][0]}
+    registered: set[str] = set()
+    for name in dict.fromkeys(m for m, _ in _COMMANDS.values()):
+        if name in modules:
+            before = set(sub.choices)
+            importlib.import_module(name).register(sub)
+            registered |= set(sub.choices) - before
+    for name, (_, help) in _COMMANDS.items():
+        if name not in registered:
+            sub.add_parser(name, help=help, add_help=False)
     return parser
 
 
+def _command(argv: list[str]) -> str | None:
+    for a in argv:
+        if a in _COMMANDS:
+            return a
+        if not a.startswith("-"):
+            return None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(_command(argv)).parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"anchorkv {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a user error the command did not catch itself, or a bug: one line
+        if os.environ.get("ANCHORKV_DEBUG"):
+            raise
+        from anchorkv.store.cli import report_error
+
+        if isinstance(e, (ValueError, OSError, ImportError)) or type(e).__module__.startswith("anchorkv"):
+            return report_error(args.command, e, getattr(args, "store", None))
+        print(f"anchorkv {args.command}: internal error: {type(e).__name__}: {str(e)[:300]} "
+              "(ANCHORKV_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from typing import Sequence
 from urllib.parse import parse_qs, urlparse
 import uuid
 
+from anchorkv.store.errors import StoreUnavailable, explain
+
 Buffers = Sequence[bytes | bytearray | memoryview]
 #: Where a local store moves directories it deletes (then removes them).
 TRASH = ".trash"
@@ -46,7 +48,20 @@ class LocalBackend:
         return self._prefix + path
 
     def ensure_root(self) -> None:
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreUnavailable(f"{self.url} is a file, not a store directory; pass a directory (--store / 'store')")
         self.root.mkdir(parents=True, exist_ok=True)
+
+    def check_store(self) -> None:
+        """`StoreUnavailable` unless an anchorkv store is here (reads only)."""
+        if not self.root.exists():
+            raise StoreUnavailable(f"no store at {self.url}: the directory does not exist (the first save creates "
+                                   "it); pass --store PATH_OR_URL")
+        if not self.root.is_dir():
+            raise StoreUnavailable(f"{self.url} is a file, not a store directory; pass the store's directory (--store)")
+        if not (self.root / "zarr.json").is_file():
+            raise StoreUnavailable(f"{self.url} is not an anchorkv store (expected a zarr.json there, found none); "
+                                   "pass the store's directory (--store)")
 
     def read(self, path: str) -> bytes:
         with open(self._s(path), "rb") as f:
@@ -168,6 +183,35 @@ class LocalBackend:
         except FileNotFoundError:
             return None
 
+    def tree_size(self, prefix: str) -> int:
+        """Bytes of every file under `prefix` (0 if there is none)."""
+        total = 0
+        for dirpath, _, files in os.walk(self._p(prefix)):
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(dirpath, name)).st_size
+                except FileNotFoundError:
+                    pass
+        return total
+
+    def remove_empty_dir(self, prefix: str) -> bool:
+        """Remove the directory `prefix` if it is empty or holds only its group ``zarr.json``
+        (a key whose entries are all gone); True if removed."""
+        d = self._p(prefix)
+        try:
+            names = os.listdir(d)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        if any(n != "zarr.json" for n in names):
+            return False
+        try:
+            if names:
+                os.unlink(d / "zarr.json")
+            os.rmdir(d)
+        except OSError:  # something arrived meanwhile: keep it
+            return False
+        return True
+
     def touch_entry(self, entry: str) -> None:
         """Record a use of `entry`: its directory's mtime (one `utime`, no data written)."""
         try:
@@ -221,11 +265,13 @@ class ObjectBackend:
     atomic_publish = False
 
     def __init__(self, url: str, **options) -> None:
-        from obstore.store import S3Store
-
         parsed = urlparse(url)
         if parsed.scheme != "s3" or not parsed.netloc:
-            raise ValueError(f"an object-store URL looks like s3://bucket/prefix, found {url!r}")
+            raise StoreUnavailable(f"an object-store URL looks like s3://bucket/prefix, found {url!r}")
+        try:
+            from obstore.store import S3Store
+        except ModuleNotFoundError as e:
+            raise StoreUnavailable(explain(e, url)) from None
         opts = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
         opts.update(options)
         if str(opts.get("endpoint", "")).startswith("http://"):
@@ -244,6 +290,20 @@ class ObjectBackend:
 
     def ensure_root(self) -> None:
         pass
+
+    def check_store(self) -> None:
+        """`StoreUnavailable` unless an anchorkv store is at the prefix (reads only): says
+        whether the bucket is missing or the prefix holds no store."""
+        import obstore
+
+        if self.exists("zarr.json"):
+            return
+        try:
+            obstore.list_with_delimiter(self.store, None)
+        except Exception as e:
+            raise StoreUnavailable(explain(e, self.url)) from None
+        raise StoreUnavailable(f"no store at {self.url}: expected a zarr.json under the prefix, found none "
+                               "(is the prefix mistyped?); the first save creates it")
 
     def read(self, path: str) -> bytes:
         import obstore
@@ -364,6 +424,23 @@ class ObjectBackend:
                  for o in batch]
         return max(times, default=None)
 
+    def tree_size(self, prefix: str) -> int:
+        import obstore
+
+        return sum(o["size"] for batch in obstore.list(self.store, prefix.rstrip("/") + "/") for o in batch)
+
+    def remove_empty_dir(self, prefix: str) -> bool:
+        """Delete a key's group ``zarr.json`` if nothing else is under the key; True if deleted."""
+        import obstore
+
+        res = obstore.list_with_delimiter(self.store, prefix.rstrip("/") + "/")
+        names = {o["path"].rsplit("/", 1)[-1] for o in res["objects"]}
+        if res["common_prefixes"] or names - {"zarr.json"}:
+            return False
+        if names:
+            self.delete(f"{prefix}/zarr.json")
+        return bool(names)
+
     def touch_entry(self, entry: str) -> None:
         """Record a use of `entry`: a tiny ``.last_use`` object (the store throttles this)."""
         self.write(f"{entry}/.last_use", [str(time.time()).encode()])
@@ -388,7 +465,10 @@ def open_backend(url: str | os.PathLike, **options):
     if text.startswith("s3://"):
         return ObjectBackend(text, **options)
     if "://" in text and not text.startswith("file://"):
-        raise ValueError(f"unsupported store URL {text!r}; use a local path or s3://bucket/prefix")
+        scheme = text.split("://", 1)[0]
+        raise StoreUnavailable(f"unsupported store URL {text!r}: expected a local path or s3://bucket/prefix, found "
+                               f"scheme {scheme}:// (for Google Cloud Storage use its S3-compatible endpoint: "
+                               "s3://bucket/prefix?endpoint=https://storage.googleapis.com with HMAC keys)")
     if options:
-        raise ValueError(f"a local store takes no options, found {sorted(options)}")
+        raise StoreUnavailable(f"a local store takes no storage_options, found {sorted(options)}; they are for s3:// stores")
     return LocalBackend(text.removeprefix("file://"))

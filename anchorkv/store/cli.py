@@ -2,14 +2,21 @@
 
     anchorkv ls [--store PATH_OR_URL] [--json]
     anchorkv inspect ENTRY [--json]
-    anchorkv verify [ENTRY ...]          # every entry when none is named; exit 1 on a problem
-    anchorkv rm ENTRY [ENTRY ...]
-    anchorkv gc [--stale-after SECONDS] [--capacity SIZE]
+    anchorkv verify [ENTRY ...] [--json]   # every entry when none is named; exit 1 on a problem
+    anchorkv rm ENTRY [ENTRY ...] [--json]
+    anchorkv gc [--stale-after SECONDS] [--capacity SIZE] [--dry-run] [--json]
 
 `--store` defaults to the connector's default store (``~/.cache/anchorkv``); an object store
 is ``s3://bucket/prefix?endpoint=http://host:9000&region=us-east-1`` (credentials from the
-usual AWS environment variables). ENTRY is an entry id as `ls` shows it (``<key
-prefix>/<name>``, a unique prefix of the full id is enough) or an anchor with one entry.
+usual AWS environment variables). ENTRY is an entry id exactly as `ls` prints it, a unique
+prefix of one (8 characters or more), ``<key prefix>/<name>``, or an anchor with one entry.
+
+`ls`, `inspect` and `verify` only read: they never create or change anything in the store.
+Sizes are binary units (KiB, MiB, GiB) everywhere. Errors are one or two lines (what was
+expected, what was found, what to do), never a traceback; the exit status is 2 (1: `verify`
+found damage).
+
+This module imports nothing heavy at import time (`anchorkv --help` does not import torch).
 """
 
 from __future__ import annotations
@@ -22,10 +29,6 @@ import sys
 import time
 
 from anchorkv.store.errors import EntryNotFound, StoreError
-from anchorkv.store.keys import normalize_anchor
-from anchorkv.store.manifest import EntryInfo
-
-SHORT_KEY = 12
 
 
 def human_bytes(n: float) -> str:
@@ -46,14 +49,17 @@ def human_age(seconds: float) -> str:
     return f"{int(s)}s"
 
 
-def short_id(info: EntryInfo) -> str:
-    return f"{info.key[:SHORT_KEY]}/{info.id.split('/', 1)[1]}"
+def codec_text(array) -> str:
+    """``raw``, ``int8:16``, ``fp8:whole`` (a group of the whole last axis)."""
+    c = array.codec
+    if c.group is None:
+        return c.format.value
+    return f"{c.format.value}:{'whole' if c.group == array.shape[-1] else c.group}"
 
 
-def codecs_text(info: EntryInfo) -> str:
-    """``conv=raw latent=fp8:64 recurrent=int8:128`` (raw has no group)."""
-    arrays = info.arrays()
-    return " ".join(f"{f}={a.codec.spec if a.codec.group else a.codec.format.value}" for f, a in sorted(arrays.items()))
+def codecs_text(info) -> str:
+    """``conv=int8:8 latent=fp8:whole recurrent=int8:16``."""
+    return " ".join(f"{f}={codec_text(a)}" for f, a in sorted(info.arrays().items()))
 
 
 def _default_store() -> str:
@@ -62,38 +68,41 @@ def _default_store() -> str:
     return DEFAULT_STORE
 
 
-def _open(args):
+def _open(args, *, write: bool = False):
+    """The store of `--store`. Read-only commands open it without writing anything."""
     from anchorkv.store.store import Store
 
     url = args.store or _default_store()
-    if "://" not in url and not os.path.isdir(os.path.expanduser(url)):
-        raise SystemExit(f"anchorkv: no store at {url} (a directory is created by the first save); "
-                         "pass --store PATH_OR_URL")
-    return Store.open(url)
+    return Store.open(url, create=write)
 
 
-def resolve(store, text: str, entries: list[EntryInfo] | None = None) -> EntryInfo:
-    """The entry named by `text`: a full id, `<key prefix>/<name>` (as `ls` shows it), an
-    anchor with exactly one entry, or a unique prefix (>= 8 characters) of an id."""
-    entries = store.list() if entries is None else entries
+def resolve(store, text: str, entries: list | None = None):
+    """The `Listing` named by `text`: a full id (as `ls` prints it), ``<key prefix>/<name>``,
+    an anchor with exactly one entry, or a unique prefix (>= 8 characters) of an id."""
+    entries = store.scan() if entries is None else entries
+    text = text.strip()
     key_part, _, name_part = text.partition("/")
-    found = [e for e in entries if e.id == text
-             or (name_part and e.key.startswith(key_part) and e.id.split("/", 1)[1] == name_part)]
+    found = [e for e in entries if e.id == text]
+    if not found and name_part:
+        found = [e for e in entries if e.key.startswith(key_part) and e.id.split("/", 1)[1] == name_part]
     if not found:
+        from anchorkv.store.keys import normalize_anchor
+
         try:
             anchor = normalize_anchor(text)
         except StoreError:
             anchor = None
-        found = [e for e in entries if anchor is not None and e.anchor == anchor]
+        found = [e for e in entries if anchor is not None and e.info is not None and e.info.anchor == anchor]
     if not found and len(text) >= 8:
         found = [e for e in entries if e.id.startswith(text)]
     if len(found) == 1:
         return found[0]
     if not found:
-        raise EntryNotFound(f"no entry matches {text!r} in {store.url}; `anchorkv ls` lists them")
+        raise EntryNotFound(f"no entry matches {text!r} in {store.url} (expected an entry id, a unique prefix of "
+                            "8+ characters or an anchor); `anchorkv ls` lists them")
     raise EntryNotFound(
-        f"{text!r} matches {len(found)} entries ({', '.join(short_id(e) for e in found[:4])}); "
-        "give an entry id from `anchorkv ls`"
+        f"{text!r} matches {len(found)} entries ({', '.join(e.id for e in found[:3])}); "
+        "give a full entry id from `anchorkv ls`"
     )
 
 
@@ -102,21 +111,30 @@ def _console(stderr: bool = False):
 
     console = Console(stderr=stderr, highlight=False)
     if not console.is_terminal:  # piped: never truncate ids or codecs to 80 columns
-        console = Console(stderr=stderr, highlight=False, width=max(console.width, 240))
+        console = Console(stderr=stderr, highlight=False, width=max(console.width, 320))
     return console
 
 
-def _progress():
+def _progress(enabled: bool = True):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=_console(stderr=True), transient=False)
+                    TimeElapsedColumn(), console=_console(stderr=True), transient=False, disable=not enabled)
 
 
-def _summary(info: EntryInfo, t: float) -> dict:
-    return {"id": info.id, "anchor": info.anchor, "tokens": info.num_tokens, "stored_bytes": info.stored_bytes,
-            "logical_bytes": info.logical_bytes, "codecs": info.codecs, "tp": info.tp_size,
-            "created": info.created, "age_s": round(t - info.created, 3)}
+def _summary(e, t: float) -> dict:
+    """One entry as `ls --json` gives it (sizes in bytes, times in seconds)."""
+    out = {"id": e.id, "state": e.state, "stored_bytes": e.stored_bytes, "created": e.created,
+           "age_s": round(t - e.created, 3)}
+    if e.info is None:
+        return {**out, "problem": e.problem}
+    i = e.info
+    return {**out, "anchor": i.anchor, "tokens": i.num_tokens, "logical_bytes": i.logical_bytes,
+            "codecs": {f: codec_text(a) for f, a in sorted(i.arrays().items())}, "tp": i.tp_size}
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=1))
 
 
 # ----------------------------------------------------------------------------- commands
@@ -124,29 +142,47 @@ def _summary(info: EntryInfo, t: float) -> dict:
 
 def cmd_ls(args) -> int:
     store = _open(args)
-    entries, t = store.list(), time.time()
+    entries, t = store.scan(), time.time()
     if args.json:
-        print(json.dumps([_summary(e, t) for e in entries], indent=1))
+        _print_json({"store": store.url, "entries": [_summary(e, t) for e in entries],
+                     "stored_bytes": sum(e.stored_bytes for e in entries)})
         return 0
     from rich.table import Table
 
-    table = Table(title=f"{store.url}: {len(entries)} entries, {human_bytes(sum(e.stored_bytes for e in entries))}")
-    for col, just in (("entry", "left"), ("anchor", "left"), ("tokens", "right"), ("size", "right"),
-                      ("state", "right"), ("ratio", "right"), ("codecs", "left"), ("tp", "right"), ("age", "right")):
-        table.add_column(col, justify=just, no_wrap=col != "codecs")
+    bad = sum(e.state != "ok" for e in entries)
+    title = (f"{store.url}: {len(entries)} entries, {human_bytes(sum(e.stored_bytes for e in entries))} stored"
+             + (f" ({bad} not loadable: `anchorkv gc` removes damaged and old-format ones)" if bad else ""))
+    table = Table(title=title)
+    for col, just in (("entry", "left"), ("state", "left"), ("anchor", "left"), ("tokens", "right"),
+                      ("stored", "right"), ("logical", "right"), ("ratio", "right"), ("codecs", "left"),
+                      ("tp", "right"), ("age", "right")):
+        table.add_column(col, justify=just, no_wrap=col not in ("codecs",), overflow="fold")
     for e in entries:
-        table.add_row(short_id(e), e.anchor or "-", f"{e.num_tokens:,}", human_bytes(e.stored_bytes),
-                      human_bytes(e.logical_bytes), f"{e.stored_bytes / max(1, e.logical_bytes):.2f}",
-                      codecs_text(e), str(e.tp_size), human_age(t - e.created))
+        if e.info is None:
+            table.add_row(e.id, e.state, "-", "-", human_bytes(e.stored_bytes), "-", "-", "-", "-",
+                          human_age(t - e.created))
+            continue
+        i = e.info
+        table.add_row(e.id, e.state, i.anchor or "-", f"{i.num_tokens:,}", human_bytes(i.stored_bytes),
+                      human_bytes(i.logical_bytes), f"{i.stored_bytes / max(1, i.logical_bytes):.2f}",
+                      codecs_text(i), str(i.tp_size), human_age(t - i.created))
     _console().print(table)
     return 0
 
 
 def cmd_inspect(args) -> int:
     store = _open(args)
-    info = resolve(store, args.entry)
+    e = resolve(store, args.entry)
+    if e.info is None:
+        if args.json:
+            _print_json({"id": e.id, "state": e.state, "problem": e.problem, "stored_bytes": e.stored_bytes})
+        else:
+            print(f"entry {e.id}\nstate    {e.state}: {e.problem}\nstored   {human_bytes(e.stored_bytes)} "
+                  "on disk; `anchorkv rm` or `anchorkv gc` removes it")
+        return 0
+    info = e.info
     if args.json:
-        print(json.dumps({"id": info.id, "manifest": info.manifest}, indent=1))
+        _print_json({"id": info.id, "state": e.state, "manifest": info.manifest})
         return 0
     m, t = info.manifest, time.time()
     last = store.backend.last_use(info.path)
@@ -156,13 +192,13 @@ def cmd_inspect(args) -> int:
         ("prefix", f"{info.num_tokens:,} tokens, hash {info.prefix_hash[:16]}"),
         ("model", f"{m['model_fingerprint'].get('architecture', '?')}, fingerprint {info.fingerprint_hash[:16]}"),
         ("tp", f"written at tp={info.tp_size}"),
-        ("size", f"{human_bytes(info.stored_bytes)} stored, {human_bytes(info.logical_bytes)} of state "
-                 f"({info.stored_bytes / max(1, info.logical_bytes):.3f}x)"),
+        ("size", f"{human_bytes(info.stored_bytes)} stored, {human_bytes(info.logical_bytes)} logical (the state "
+                 f"uncompressed; ratio {info.stored_bytes / max(1, info.logical_bytes):.3f})"),
         ("codecs", codecs_text(info) + (f" + {m['compressor']['id']}" if m.get("compressor") else "")),
         ("created", f"{created} ({human_age(t - info.created)} ago)"),
         ("last use", "-" if last is None else f"{human_age(t - last)} ago"),
         ("format", f"version {m['format_version']}, {len(m['shards'])} shards of {len(m['checksums'])} chunks "
-                   "(crc32c per shard and per chunk)"),
+                   "(crc32c per shard and per chunk; manifest checksum)"),
     ]
     console = _console()
     for k, v in rows:
@@ -170,90 +206,151 @@ def cmd_inspect(args) -> int:
     from rich.table import Table
 
     table = Table()
-    for col in ("array", "kind", "layers", "shape", "chunks", "shards", "codec", "source", "stored"):
+    for col in ("array", "role", "dtype", "kind", "layers", "shape", "chunks", "shards", "codec", "source", "stored"):
         table.add_column(col)
     for name, a in info.arrays().items():
-        stored = sum(v[1] for k, v in m["shards"].items() if k.startswith(f"{name}/"))
-        codec = str(a.codec.spec) if a.codec.group else a.codec.format.value
-        table.add_row(name, a.kind, str(len(a.layers)), str(list(a.shape)), str(list(a.chunks)),
-                      str(list(a.shards)), codec,
-                      a.codec.source_dtype, human_bytes(stored))
+        for p in a.parts:
+            stored = sum(v[1] for k, v in m["shards"].items() if k.startswith(f"{p.name}/"))
+            table.add_row(p.name, p.role, p.dtype, a.kind, str(len(a.layers)), str(list(p.shape)),
+                          str(list(p.chunks)), str(list(p.shards)), codec_text(a), a.codec.source_dtype,
+                          human_bytes(stored))
     console.print(table)
     return 0
 
 
 def cmd_verify(args) -> int:
     store = _open(args)
-    entries = store.list()
+    entries = store.scan()
     chosen = [resolve(store, e, entries) for e in args.entry] if args.entry else entries
-    problems: list[str] = []
-    with _progress() as bar:
-        total = sum(len(a.all_shards()) for e in chosen for a in e.arrays().values())
+    results: list[tuple] = []
+    ok_infos = [e.info for e in chosen if e.info is not None]
+    with _progress(enabled=not args.json) as bar:
+        total = sum(len(a.all_shards()) * len(a.parts) for i in ok_infos for a in i.arrays().values())
         task = bar.add_task(f"verify {len(chosen)} entries", total=total)
         for e in chosen:
-            problems += store.verify(e, progress=lambda n: bar.advance(task, n))
+            if e.info is None:
+                results.append((e, [f"{e.state}: {e.problem}"]))
+            else:
+                found = store.verify(e.info, progress=lambda n: bar.advance(task, n))
+                results.append((e, [p.removeprefix(f"entry {e.id}: ") for p in found]))
+    bad = [(e, p) for e, p in results if p]
+    if args.json:
+        _print_json({"store": store.url, "ok": not bad, "checked": len(results),
+                     "entries": [{"id": e.id, "state": "ok" if not p else ("damaged" if e.state == "ok" else e.state),
+                                  "problems": p} for e, p in results]})
+        return 1 if bad else 0
     console = _console()
-    for p in problems:
-        console.print(f"[red]FAIL[/red] {p}")
-    bad = len({p.split(":", 1)[0] for p in problems})
-    console.print(f"{len(chosen) - bad} of {len(chosen)} entries ok" + (f", {bad} damaged: delete them "
-                  "(anchorkv rm ENTRY); the next request recomputes" if bad else ""))
-    return 1 if problems else 0
+    for e, problems in bad:
+        console.print(f"[red]FAIL[/red] {e.id}")
+        for p in problems:
+            console.print(f"  {p}", soft_wrap=True)
+    console.print(f"{len(results) - len(bad)} of {len(results)} entries ok" + (
+        f", {len(bad)} damaged or unloadable: delete them (anchorkv rm ENTRY, or anchorkv gc); the next request "
+        "recomputes" if bad else ""))
+    return 1 if bad else 0
 
 
 def cmd_rm(args) -> int:
-    store = _open(args)
-    entries = store.list()
+    store = _open(args, write=True)
+    entries = store.scan()
     chosen = [resolve(store, e, entries) for e in args.entry]
+    done = []
     for e in chosen:
-        store.delete(e)
-        print(f"deleted {e.id} ({e.anchor or 'token-keyed'}, {e.num_tokens:,} tokens, {human_bytes(e.stored_bytes)})")
+        store.delete(e.id)
+        done.append(e)
+        if not args.json:
+            what = f"{e.info.anchor or 'token-keyed'}, {e.info.num_tokens:,} tokens" if e.info else e.state
+            print(f"deleted {e.id} ({what}, {human_bytes(e.stored_bytes)})")
+    if args.json:
+        _print_json({"deleted": [{"id": e.id, "state": e.state, "bytes": e.stored_bytes} for e in done],
+                     "freed_bytes": sum(e.stored_bytes for e in done)})
     return 0
+
+
+def _capacity(text: str) -> int:
+    from anchorkv.store.settings import parse_size
+
+    try:
+        if float(text) == 0:
+            return 0  # evict every entry not in use
+    except ValueError:
+        pass
+    return parse_size(text, "--capacity")
 
 
 def cmd_gc(args) -> int:
-    store = _open(args)
-    if args.capacity is not None:
-        from anchorkv.store.settings import parse_size
-
-        store.capacity_bytes = parse_size(args.capacity, "--capacity")
-    with _progress() as bar:
-        task = bar.add_task("gc: abandoned writes", total=None)
-        report = store.gc(stale_after=args.stale_after, progress=lambda step, n: bar.advance(task, n))
-        bar.update(task, total=bar.tasks[0].completed, description="gc")
-    print(" ".join(f"{k}={v}" for k, v in report.items()))
+    capacity = None if args.capacity is None else _capacity(args.capacity)
+    store = _open(args, write=not args.dry_run)
+    if capacity is not None:
+        store.capacity_bytes = capacity
+    with _progress(enabled=not args.json) as bar:
+        task = bar.add_task("gc", total=None)
+        report = store.gc(stale_after=args.stale_after, dry_run=args.dry_run,
+                          progress=lambda step, n: bar.advance(task, n))
+        bar.update(task, total=bar.tasks[0].completed)
+    if args.json:
+        _print_json(report)
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    for r in report["removed"]:
+        print(f"{verb} {r['kind']}: {r['what']}" + (f" ({human_bytes(r['bytes'])})" if r["bytes"] else ""))
+    counts = " ".join(f"{k}={v}" for k, v in report.items() if isinstance(v, int) and not isinstance(v, bool)
+                      and k != "freed_bytes")
+    print(f"gc{' (dry run)' if args.dry_run else ''}: {verb} {len(report['removed'])} items, "
+          f"{'would free' if args.dry_run else 'freed'} {human_bytes(report['freed_bytes'])}; {counts}")
     return 0
+
+
+def report_error(command: str, e: BaseException, url: str | None) -> int:
+    """Print a user error as one or two lines on stderr; the exit status."""
+    from anchorkv.store.errors import explain
+
+    msg = str(e) if isinstance(e, (StoreError, ValueError)) else explain(e, url or "the store")
+    print(f"anchorkv {command}: {msg}", file=sys.stderr)
+    return 2
 
 
 def _run(fn):
     def run(args) -> int:
         try:
             return fn(args)
-        except StoreError as e:
-            print(f"anchorkv {args.command}: {e}", file=sys.stderr)
-            return 2
+        except (StoreError, ValueError, OSError, ImportError) as e:
+            return report_error(args.command, e, args.store or _default_store())
 
     return run
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     def add(name: str, fn, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help)
+        p = sub.add_parser(name, help=help, description=help)
         p.add_argument("--store", metavar="PATH_OR_URL", default=None,
                        help="local directory or s3://bucket/prefix (default: ~/.cache/anchorkv)")
+        p.add_argument("--json", action="store_true", help="machine-readable output (sizes in bytes)")
         p.set_defaults(func=_run(fn))
         return p
 
-    p = add("ls", cmd_ls, "list the entries of a store (size, anchor, tokens, codecs, tp, age)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add("ls", cmd_ls, "list every entry of a store: state, anchor, tokens, stored and logical size, codecs, tp, age")
     p = add("inspect", cmd_inspect, "show one entry's manifest and arrays")
-    p.add_argument("entry", metavar="ENTRY", help="entry id (as `ls` shows it) or anchor")
-    p.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
-    p = add("verify", cmd_verify, "read every shard and check its crc32c (exit 1 on a problem)")
+    p.add_argument("entry", metavar="ENTRY", help="entry id (as `ls` prints it), a unique prefix, or an anchor")
+    p = add("verify", cmd_verify, "re-read every shard and check the manifest, every chunk's crc32c and the "
+            "shard indexes (exit 1 naming each damaged entry)")
     p.add_argument("entry", metavar="ENTRY", nargs="*", help="entries to check (default: all)")
-    p = add("rm", cmd_rm, "delete entries")
+    p = add("rm", cmd_rm, "delete entries (damaged and other-format ones too)")
     p.add_argument("entry", metavar="ENTRY", nargs="+")
-    p = add("gc", cmd_gc, "remove abandoned writes, stale leases, duplicates; evict to --capacity")
+    p = add("gc", cmd_gc, "remove abandoned writes, stale leases, duplicates, damaged and old-format entries, "
+            "empty directories; evict LRU entries down to --capacity")
     p.add_argument("--stale-after", type=float, default=3600.0, metavar="SECONDS",
                    help="unfinished writes older than this are abandoned (default 3600)")
-    p.add_argument("--capacity", default=None, metavar="SIZE", help="evict LRU entries down to SIZE (e.g. 200GB)")
+    p.add_argument("--capacity", default=None, metavar="SIZE",
+                   help="evict LRU entries down to SIZE (e.g. 200GiB, 500MB; 0: every entry not in use)")
+    p.add_argument("--dry-run", action="store_true", help="remove nothing; print what would be removed")
+
+
+#: (name, help) of the commands `register` adds, for `anchorkv --help` without importing this module's users.
+COMMANDS = (
+    ("ls", "list the entries of a store"),
+    ("inspect", "show one entry's manifest and arrays"),
+    ("verify", "check entries (exit 1 on damage)"),
+    ("rm", "delete entries"),
+    ("gc", "remove garbage; evict to --capacity"),
+)

@@ -30,6 +30,22 @@ class CorruptEntry(StoreError):
         self.entry = entry
 
 
+class OtherFormat(CorruptEntry):
+    """An entry of another format version: listed and removable, never loaded."""
+
+    def __init__(self, entry: str, version) -> None:
+        from anchorkv.store.format import FORMAT_VERSION
+
+        self.version = version
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            what = (f"format version {version}, newer than this anchorkv's {FORMAT_VERSION}: "
+                    "upgrade anchorkv to load it (this one leaves it alone)")
+        else:
+            what = (f"format version {version}, this anchorkv reads version {FORMAT_VERSION}: it is "
+                    "never loaded; `anchorkv gc` or `anchorkv rm` removes it")
+        super().__init__(entry, what)
+
+
 class FingerprintMismatch(StoreError):
     """The entry was written for another model (layers, field shapes or dtypes differ)."""
 
@@ -40,3 +56,47 @@ class IncompleteEntry(StoreError):
 
 class FormatError(StoreError, ValueError):
     """A codec, layout or field that the entry format cannot represent (e.g. an unknown codec)."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be opened or used: missing, not a store, not writable, unreachable,
+    no credentials, a backend that is not installed. The message says what to do."""
+
+
+def explain(e: BaseException, url: str) -> str:
+    """One or two lines for an error a backend raised on `url`: what was expected, what was
+    found, the fix (which extra to install, which ``storage_options`` key, permissions)."""
+    import errno as _errno
+
+    text = str(e)
+    low = text.lower()
+    first = text.strip().splitlines()[0][:240] if text.strip() else type(e).__name__
+    if isinstance(e, StoreError):
+        return text
+    if isinstance(e, ModuleNotFoundError) and "obstore" in text:
+        return (f"{url}: an s3:// store needs the S3 extra, found no 'obstore' module; "
+                "install it: pip install 'anchorkv[s3]'")
+    if "169.254.169.254" in text or "credential" in low or "no such file or directory (os error 2)" in low and "token" in low:
+        return (f"{url}: no S3 credentials were found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+                "pass storage_options {\"access_key_id\": ..., \"secret_access_key\": ...} (connector: "
+                "kv_connector_extra_config.storage_options)")
+    if "nosuchbucket" in low:
+        return f"{url}: the bucket does not exist; create it, or fix the bucket name in the URL"
+    if "invalidaccesskeyid" in low or "signaturedoesnotmatch" in low:
+        return (f"{url}: the S3 credentials were refused ({'InvalidAccessKeyId' if 'invalidaccesskeyid' in low else 'SignatureDoesNotMatch'}); "
+                "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or storage_options access_key_id / secret_access_key")
+    if "accessdenied" in low or "403 forbidden" in low:
+        return (f"{url}: access denied by the object store; the credentials need read and write permission on "
+                "the bucket and prefix")
+    if "error sending request" in low or "connection refused" in low or "dns error" in low or "timed out" in low:
+        return (f"{url}: cannot reach the object store ({first[:120]}); check the endpoint "
+                "(storage_options 'endpoint' or ?endpoint= in the URL) and the network")
+    if isinstance(e, PermissionError):
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        return (f"{url}: permission denied{where}; the store is not writable by this user: fix its "
+                "permissions, or use another store (--store / 'store')")
+    if isinstance(e, OSError) and e.errno == _errno.EROFS:
+        return f"{url}: the file system is read-only; use a store on a writable file system (--store / 'store')"
+    if isinstance(e, OSError) and e.errno == _errno.ENOSPC:
+        return f"{url}: no space left on the device; free space (anchorkv gc --capacity SIZE) or use another store"
+    return f"{url}: {type(e).__name__}: {first}"

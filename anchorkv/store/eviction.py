@@ -26,6 +26,8 @@ import time
 from typing import TYPE_CHECKING, Callable, Iterator
 import uuid
 
+from anchorkv.store.backends import TRASH
+from anchorkv.store.errors import EntryNotFound
 from anchorkv.store.manifest import ENTRIES, parse_entry_name
 
 if TYPE_CHECKING:
@@ -83,9 +85,9 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _live_leases(store: "Store", *, remove_stale: bool = False) -> set[str]:
-    """Entry ids with a live lease (lease prefixes map back to '<key>/<name>')."""
-    live = set()
+def _leases(store: "Store") -> list[tuple[str, str, bool]]:
+    """(file name, entry id, stale?) of every lease (lease prefixes map back to '<key>/<name>')."""
+    out = []
     local = store.backend.atomic_publish
     for name in store.backend.list_dir(LEASES):
         stem, _, rest = name.partition(".")  # key . name . pid . rand
@@ -96,47 +98,67 @@ def _live_leases(store: "Store", *, remove_stale: bool = False) -> set[str]:
         pid = int(tail.split(".")[0]) if tail.split(".")[0].isdigit() else -1
         mtime = store.backend.mtime(f"{LEASES}/{name}") or 0.0
         stale = (local and not _pid_alive(pid)) or time.time() - mtime > LEASE_TTL
-        if stale:
-            if remove_stale:
-                store.backend.delete(f"{LEASES}/{name}")
-            continue
-        live.add(f"{stem}/{entry_name}")
-    return live
+        out.append((name, f"{stem}/{entry_name}", stale))
+    return out
 
 
-def evict(store: "Store", capacity: int, keep: set[str] = frozenset()) -> list[str]:
-    """Delete least-recently-used entries until the total is <= `capacity`; returns their ids.
+def _live_leases(store: "Store") -> set[str]:
+    """Entry ids with a live lease."""
+    return {entry_id for _, entry_id, stale in _leases(store) if not stale}
 
-    Never removes an entry pinned in this process, leased by any process, or in `keep`.
+
+def evict(store: "Store", capacity: int, keep: set[str] = frozenset(), *, dry_run: bool = False) -> list[str]:
+    """Delete entries until the total is <= `capacity`; returns their ids. Damaged and old-format
+    entries go first (they are never loaded), then the least recently used.
+
+    Every entry counts toward the total, whatever its state. Never removes an entry pinned in
+    this process, leased by any process, or in `keep`. `dry_run`: only say what would go.
     """
-    entries = store.list()
+    entries = store.scan()
     total = sum(e.stored_bytes for e in entries)
     if total <= capacity:
         return []
     leased = _live_leases(store)
-    uses = [(store.backend.last_use(e.path) or e.created, e) for e in entries]
+
+    def order(e) -> tuple:
+        useless = e.state in ("damaged", "old-format")
+        return (not useless, (store.backend.last_use(e.path) or e.created) if not useless else e.created)
+
     evicted = []
-    for _, e in sorted(uses, key=lambda u: u[0]):
+    for e in sorted(entries, key=order):
         if total <= capacity:
             break
         if e.id in keep or e.id in store.pins or e.id in leased:
             continue
-        try:
-            store.delete(e.id)
-        except Exception:  # deleted by another process meanwhile
-            continue
+        if not dry_run:
+            try:
+                store.delete(e.id)
+            except EntryNotFound:  # deleted by another process meanwhile
+                continue
         total -= e.stored_bytes
         evicted.append(e.id)
     return evicted
 
 
-def gc(store: "Store", stale_after: float, progress: Callable[[str, int], None] | None = None) -> dict[str, int]:
+def gc(store: "Store", stale_after: float, progress: Callable[[str, int], None] | None = None, *,
+       dry_run: bool = False) -> dict:
     """See `Store.gc`. `progress(step, n)` is called as work is done (for a progress bar)."""
     from anchorkv.store.writer import STAGING
 
     backend = store.backend
-    report = {"abandoned_writes": 0, "stale_leases": 0, "duplicates": 0, "orphans": 0, "trash": 0,
-              "evicted": 0}
+    report: dict = {"abandoned_writes": 0, "stale_leases": 0, "duplicates": 0, "orphans": 0, "trash": 0,
+                    "damaged": 0, "old_format": 0, "empty_dirs": 0, "evicted": 0, "freed_bytes": 0,
+                    "removed": [], "dry_run": dry_run}
+
+    def remove(kind: str, what: str, nbytes: int, fn: Callable[[], object]) -> None:
+        report[kind] += 1
+        report["freed_bytes"] += nbytes
+        report["removed"].append({"kind": kind, "what": what, "bytes": nbytes})
+        if not dry_run:
+            fn()
+        if progress:
+            progress(kind, 1)
+
     t = time.time()
     live_data: set[str] = set()  # data prefixes of writes still in progress (object store)
     for wid in backend.list_dir(STAGING):
@@ -145,44 +167,68 @@ def gc(store: "Store", stale_after: float, progress: Callable[[str, int], None] 
         newest = max(times, default=backend.mtime(f"{STAGING}/{wid}") or 0.0)
         datas = []
         for n in markers:
-            with contextlib.suppress(Exception):
+            try:
                 datas.append(json.loads(backend.read(f"{STAGING}/{wid}/{n}"))["data"])
+            except (FileNotFoundError, ValueError, KeyError, TypeError):  # gone meanwhile, or torn
+                pass
         if t - newest < stale_after:
             live_data.update(datas)
             continue
-        for data in datas:
-            if not backend.atomic_publish and not backend.exists(f"{data}/zarr.json"):
-                backend.delete_tree(data)
-        backend.delete_tree(f"{STAGING}/{wid}")
-        report["abandoned_writes"] += 1
-        if progress:
-            progress("staging", 1)
-    report["orphans"] = _remove_orphans(store, stale_after, live_data, t)
-    before = len(backend.list_dir(LEASES))
-    _live_leases(store, remove_stale=True)
-    report["stale_leases"] = before - len(backend.list_dir(LEASES))
+
+        def drop(wid=wid, datas=datas) -> None:
+            for data in datas:
+                if not backend.atomic_publish and not backend.exists(f"{data}/zarr.json"):
+                    backend.delete_tree(data)
+            backend.delete_tree(f"{STAGING}/{wid}")
+
+        nbytes = backend.tree_size(f"{STAGING}/{wid}") + (0 if backend.atomic_publish else sum(
+            backend.tree_size(d) for d in datas if not backend.exists(f"{d}/zarr.json")))
+        remove("abandoned_writes", f"write {wid}", nbytes, drop)
+    _remove_orphans(store, stale_after, live_data, t, remove)
+    for name, _, stale in _leases(store):
+        if stale:
+            remove("stale_leases", f"lease {name}", 0, lambda name=name: backend.delete(f"{LEASES}/{name}"))
+    entries = store.scan()
     if not backend.atomic_publish:  # same entry committed twice: keep the oldest
         groups: dict[tuple, list] = {}
-        for e in store.list():
-            n, h, _ = parse_entry_name(e.id.split("/", 1)[1])
-            groups.setdefault((e.key, n, h), []).append(e)
+        for e in entries:
+            if e.info is not None:
+                n, h, _ = parse_entry_name(e.id.split("/", 1)[1])
+                groups.setdefault((e.key, n, h), []).append(e)
         for dup in groups.values():
             for e in sorted(dup, key=lambda e: (e.created, e.id))[1:]:
-                store.delete(e.id)
-                report["duplicates"] += 1
+                remove("duplicates", f"entry {e.id} (a second copy)", e.stored_bytes, lambda e=e: store.delete(e.id))
+    leased = _live_leases(store)
+    for e in entries:
+        if e.state not in ("damaged", "old-format") or e.id in store.pins or e.id in leased:
+            continue
+        if e.state == "damaged" and t - e.created < stale_after and not backend.atomic_publish:
+            continue  # perhaps still being written over (object store)
+        kind = "damaged" if e.state == "damaged" else "old_format"
+        remove(kind, f"entry {e.id} ({e.problem})", e.stored_bytes, lambda e=e: store.delete(e.id))
+    for key in backend.list_dir(ENTRIES):
+        if len(key) == 64 and not [n for n in backend.list_dir(f"{ENTRIES}/{key}") if n != "zarr.json"]:
+            if dry_run:
+                remove("empty_dirs", f"key {key}", 0, lambda: None)
+            elif backend.remove_empty_dir(f"{ENTRIES}/{key}"):
+                remove("empty_dirs", f"key {key}", 0, lambda: None)
     if hasattr(backend, "purge_trash"):
-        report["trash"] = backend.purge_trash()
+        for name in backend.list_dir(TRASH):
+            remove("trash", f"{TRASH}/{name}", backend.tree_size(f"{TRASH}/{name}"),
+                   lambda name=name: backend.delete_tree(f"{TRASH}/{name}"))
     if store.capacity_bytes is not None:
-        report["evicted"] = len(evict(store, store.capacity_bytes))
+        gone = {r["what"].split()[1] for r in report["removed"] if r["what"].startswith("entry ")}
+        sizes = {e.id: e.stored_bytes for e in entries}
+        for entry_id in evict(store, store.capacity_bytes, keep=gone if dry_run else frozenset(), dry_run=dry_run):
+            remove("evicted", f"entry {entry_id} (least recently used)", sizes.get(entry_id, 0), lambda: None)
     return report
 
 
-def _remove_orphans(store: "Store", stale_after: float, live_data: set[str], t: float) -> int:
+def _remove_orphans(store: "Store", stale_after: float, live_data: set[str], t: float, remove) -> None:
     """Remove what no entry owns under ``entries/<key>/``: on an object store, prefixes with
     chunks but no group ``zarr.json`` (a write or a delete killed half-way) that no write in
     progress claims; on both, temp files of atomic writes whose process died."""
     backend = store.backend
-    removed = 0
     for key in backend.list_dir(ENTRIES):
         if len(key) != 64:
             continue
@@ -190,8 +236,7 @@ def _remove_orphans(store: "Store", stale_after: float, live_data: set[str], t: 
             path = f"{ENTRIES}/{key}/{name}"
             if name.startswith(".") and name.endswith(".tmp"):
                 if t - (backend.mtime(path) or t) >= stale_after:
-                    backend.delete(path)
-                    removed += 1
+                    remove("orphans", path, 0, lambda path=path: backend.delete(path))
                 continue
             if backend.atomic_publish or parse_entry_name(name) is None or path in live_data:
                 continue
@@ -200,6 +245,4 @@ def _remove_orphans(store: "Store", stale_after: float, live_data: set[str], t: 
             newest = backend.newest_mtime(path) if hasattr(backend, "newest_mtime") else None
             if newest is not None and t - newest < stale_after:
                 continue  # perhaps a write whose begun marker we have not seen yet
-            backend.delete_tree(path)
-            removed += 1
-    return removed
+            remove("orphans", path, backend.tree_size(path), lambda path=path: backend.delete_tree(path))

@@ -533,6 +533,34 @@ def shard_chunk(n: int) -> int:
     return n // tp
 
 
+def geometry(name: str, kind: str, num_layers: int, logical: tuple[int, ...], axis: int | None,
+             num_tokens: int, tp_size: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(shape, chunks, shards) of the array of a field (see the module docstring): `logical` is
+    the field's logical shape (paged: the per-token row), `axis` the array axis tp splits."""
+    if kind == "state":
+        shape = (num_layers, *logical)
+        chunks = [1, *logical]
+    else:
+        shape = (num_layers, num_tokens, *logical)
+        chunks = [1, TOKEN_CHUNK, *logical]
+    if axis is not None:
+        chunks[axis] = shard_chunk(shape[axis])
+    shards = list(chunks)
+    if kind == "state":
+        shards[1:] = logical
+        if axis is not None:
+            per_axis = shape[axis] // chunks[axis]
+            if tp_size <= 0 or per_axis % tp_size:
+                raise FormatError(
+                    f"field {name!r}: tp_size {tp_size} cannot write {per_axis} chunks along "
+                    f"axis {axis}; tp must divide {per_axis}"
+                )
+            shards[axis] = shape[axis] // tp_size
+    else:
+        shards[1] = TOKEN_CHUNK * min(SHARD_TOKEN_CHUNKS, -(-num_tokens // TOKEN_CHUNK))
+    return tuple(shape), tuple(chunks), tuple(shards)
+
+
 def array_layouts(layout, codecs: dict[str, CodecSpec | str], num_tokens: int) -> dict[str, ArrayLayout]:
     """The arrays of an entry of `layout` (a `ModelLayout`) holding `num_tokens` tokens, with
     shards cut for the writer's tp (`layout.tp_size`)."""
@@ -554,31 +582,13 @@ def array_layouts(layout, codecs: dict[str, CodecSpec | str], num_tokens: int) -
             else:
                 prev[2].append(layer.name)
     for name, ((kind, dtype, logical, shard), f, layers) in fields.items():
-        if kind is LayerKind.STATE:
-            shape = (len(layers), *logical)
-            chunks = [1, *logical]
-            axis = None if shard is None else shard + 1
-        else:
-            if shard == 0:
-                raise FormatError(f"paged field {name!r} cannot be sharded along its token axis")
-            shape = (len(layers), num_tokens, *logical)
-            chunks = [1, TOKEN_CHUNK, *logical]
-            axis = None if shard is None else shard + 1
-        if axis is not None:
-            chunks[axis] = shard_chunk(shape[axis])
-        shards = list(chunks)
-        if kind is LayerKind.STATE:
-            shards[1:] = logical
-            if axis is not None:
-                per_axis = shape[axis] // chunks[axis]
-                if layout.tp_size <= 0 or per_axis % layout.tp_size:
-                    raise FormatError(
-                        f"field {name!r}: tp_size {layout.tp_size} cannot write {per_axis} chunks along "
-                        f"axis {axis}; tp must divide {per_axis}"
-                    )
-                shards[axis] = shape[axis] // layout.tp_size
-        else:
-            shards[1] = TOKEN_CHUNK * min(SHARD_TOKEN_CHUNKS, -(-num_tokens // TOKEN_CHUNK))
+        if name.endswith(SCALES_SUFFIX) and name[: -len(SCALES_SUFFIX)] in fields:
+            raise FormatError(f"field {name!r} would share its array name with the scales of field "
+                              f"{name[: -len(SCALES_SUFFIX)]!r}; rename one of them")
+        if kind is LayerKind.PAGED and shard == 0:
+            raise FormatError(f"paged field {name!r} cannot be sharded along its token axis")
+        axis = None if shard is None else shard + 1
+        shape, chunks, shards = geometry(name, kind.value, len(layers), logical, axis, num_tokens, layout.tp_size)
         if name not in codecs:
             raise FormatError(f"no codec given for field {name!r}; codecs were given for {sorted(codecs)}")
         codec = ChunkCodec.for_field(codecs[name], dtype, chunks[-1], where=f"field {name!r}")

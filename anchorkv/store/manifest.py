@@ -24,12 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import functools
 import json
+import math
 import re
 import time
 from typing import Any
 
-from anchorkv.store.errors import CorruptEntry
-from anchorkv.store.format import FORMAT_VERSION, ArrayLayout, ChunkCodec, part_attrs
+from anchorkv.store.errors import CorruptEntry, OtherFormat
+from anchorkv.store.format import FORMAT_VERSION, READABLE_VERSIONS, ArrayLayout, ChunkCodec, part_attrs
 
 ENTRIES = "entries"
 ATTR = "anchorkv"
@@ -176,21 +177,175 @@ def arrays_to_manifest(arrays: dict[str, ArrayLayout]) -> tuple[dict, dict]:
     )
 
 
+def manifest_checksum(manifest: dict[str, Any]) -> str:
+    """blake3 of the manifest's canonical JSON (sorted keys, no spaces), its ``checksum`` left out."""
+    import blake3
+
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return "blake3:" + blake3.blake3(text.encode()).hexdigest()
+
+
 def parse_group(entry_id: str, data: bytes) -> EntryInfo:
-    """The `EntryInfo` of an entry's group ``zarr.json``; `CorruptEntry` if it is not one."""
+    """The `EntryInfo` of an entry's group ``zarr.json``; `OtherFormat` for another format
+    version, `CorruptEntry` naming every problem if anything a load relies on is inconsistent."""
     try:
         doc = json.loads(data)
         manifest = doc["attributes"][ATTR]
         version = manifest["format_version"]
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptEntry(entry_id, f"its zarr.json holds no anchorkv manifest ({e!r})") from None
-    if version != FORMAT_VERSION:
-        raise CorruptEntry(
-            entry_id,
-            f"format version {version}, this anchorkv reads version {FORMAT_VERSION}; "
-            "upgrade anchorkv or delete the entry",
-        )
+    if version not in READABLE_VERSIONS:
+        raise OtherFormat(entry_id, version)
+    problems = check_manifest(entry_id, manifest)
+    if problems:
+        raise CorruptEntry(entry_id, "manifest damaged: " + "; ".join(problems[:8])
+                           + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+                           + "; delete the entry (anchorkv rm) and recompute")
     return EntryInfo(entry_id, manifest)
+
+
+def check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:
+    """Every inconsistency of a manifest (empty: none): its checksum, and what a load relies on
+    (token count, prefix hash, key, layer names, shapes, chunk and shard geometry, shard axes,
+    chunk sizes and offsets) against the entry's id, the model fingerprint and the format rules."""
+    try:
+        problems = _check_manifest(entry_id, m)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:  # a field of the wrong type
+        return [f"malformed ({type(e).__name__}: {e})"]
+    return problems
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:
+    import hashlib
+
+    from anchorkv.store.format import (
+        MAX_TP,
+        array_keys,
+        geometry,
+        index_nbytes,
+    )
+
+    out = []
+    want = manifest_checksum(m)
+    if m.get("checksum") != want:
+        out.append("checksum mismatch (the manifest changed after it was written)" if m.get("checksum")
+                   else "no checksum")
+    key, _, name = entry_id.partition("/")
+    parsed = parse_entry_name(name)
+    n = m["num_tokens"]
+    if not _is_int(n) or n <= 0:
+        return out + [f"num_tokens {n!r} is not a positive integer"]
+    if parsed is None:
+        out.append(f"entry name {name!r} is not t<tokens>-<hash>")
+    else:
+        if parsed[0] != n:
+            out.append(f"num_tokens is {n}, the entry name says {parsed[0]}")
+        if not str(m["prefix_hash"]).startswith(parsed[1]) or len(str(m["prefix_hash"])) != 64:
+            out.append(f"prefix_hash {str(m['prefix_hash'])[:16]}... does not match the entry name's {parsed[1]}")
+        if parsed[2] is not None and parsed[2] != m.get("write_id"):
+            out.append(f"write_id {m.get('write_id')!r} does not match the entry name's {parsed[2]!r}")
+    if m.get("name") != entry_name(n, str(m["prefix_hash"])):
+        out.append(f"name {m.get('name')!r} does not match num_tokens {n} and the prefix hash")
+    if m.get("key") != key:
+        out.append(f"key {str(m.get('key'))[:16]}... is not the entry's key {key[:16]}...")
+    fp = m["model_fingerprint"]
+    text = json.dumps(fp, sort_keys=True, separators=(",", ":"))
+    if hashlib.sha256(text.encode()).hexdigest() != m["fingerprint_hash"]:
+        out.append("fingerprint_hash does not match model_fingerprint")
+    tp = m["tp_size"]
+    if not _is_int(tp) or tp <= 0 or tp > MAX_TP or MAX_TP % tp:
+        return out + [f"tp_size {tp!r} is not a divisor of {MAX_TP}"]
+    if set(m["arrays"]) != set(m["codecs"]):
+        return out + [f"arrays {sorted(m['arrays'])} and codecs {sorted(m['codecs'])} name different fields"]
+    by_field: dict[str, list] = {}
+    for layer in fp["layers"]:
+        for fname, f in layer["fields"].items():
+            by_field.setdefault(fname, []).append((layer["name"], layer["kind"], f))
+    if set(by_field) != set(m["arrays"]):
+        out.append(f"arrays {sorted(m['arrays'])} are not the model's fields {sorted(by_field)}")
+    try:
+        arrays = arrays_from_manifest(m)
+    except Exception as e:  # FormatError, bad types: the layout cannot even be built
+        return out + [f"arrays cannot be read ({e})"]
+    sums, shards = m["checksums"], m["shards"]
+    want_chunks, want_shards, logical, stored = set(), set(), 0, 0
+    for fname, a in arrays.items():
+        layers = by_field.get(fname, [])
+        where = f"array {fname!r}"
+        if list(a.layers) != [l[0] for l in layers]:
+            out.append(f"{where}: layers {list(a.layers)[:4]}... are not the model's {[l[0] for l in layers][:4]}...")
+            continue
+        kinds = {l[1] for l in layers}
+        if kinds != {a.kind}:
+            out.append(f"{where}: kind {a.kind!r}, the model's layers are {sorted(kinds)}")
+            continue
+        fshape, fdtype = tuple(layers[0][2]["shape"]), layers[0][2]["dtype"]
+        if a.codec.source_dtype != fdtype:
+            out.append(f"{where}: source dtype {a.codec.source_dtype}, the model's is {fdtype}")
+        if a.shard_axis is not None and not (1 + (a.kind == "paged") <= a.shard_axis < len(a.shape)):
+            out.append(f"{where}: shard_axis {a.shard_axis} is not an axis tp can split")
+            continue
+        try:
+            geo = geometry(fname, a.kind, len(layers), fshape, a.shard_axis, n, tp)
+        except Exception as e:
+            out.append(f"{where}: {e}")
+            continue
+        if (a.shape, a.chunks, a.shards) != geo:
+            out.append(f"{where}: shape/chunks/shards {list(a.shape)}/{list(a.chunks)}/{list(a.shards)}, the format "
+                       f"makes {[list(g) for g in geo]} for {n} tokens at tp {tp}")
+            continue
+        if a.codec.group is not None and a.chunks[-1] % a.codec.group:
+            out.append(f"{where}: group {a.codec.group} does not divide the chunk's last axis {a.chunks[-1]}")
+            continue
+        skeys, ckeys = array_keys(a)
+        want_chunks.update(ckeys)
+        want_shards.update(skeys)
+        logical += math.prod(a.shape) * a.codec._itemsize
+        compressed = bool(m.get("compressor"))
+        for part in a.parts:
+            k = part.chunks_per_shard(a.chunks_per_shard)
+            for shard in a.all_shards():
+                skey = part.shard_key(shard)
+                offset = 0
+                for coords in a.shard_chunks(shard):
+                    if not a.in_bounds(coords):
+                        continue
+                    ckey = part.chunk_key(coords)
+                    c = sums.get(ckey)
+                    if c is None:
+                        continue
+                    if len(c) != 3 or not all(_is_int(v) and v >= 0 for v in c):
+                        out.append(f"checksum of {ckey} is {c!r}, expected [crc32c, nbytes, offset]")
+                        break
+                    if c[2] != offset:
+                        out.append(f"chunk {ckey} is at offset {c[2]} of its shard, expected {offset}")
+                    if not compressed and c[1] != part.chunk_nbytes():
+                        out.append(f"chunk {ckey} is {c[1]} bytes, its shape and dtype make {part.chunk_nbytes()}")
+                    offset += c[1]
+                sh = shards.get(skey)
+                if sh is not None:
+                    if len(sh) != 2 or not all(_is_int(v) and v >= 0 for v in sh):
+                        out.append(f"shard checksum of {skey} is {sh!r}, expected [crc32c, nbytes]")
+                    elif sh[1] != offset + index_nbytes(k):
+                        out.append(f"shard {skey} is {sh[1]} bytes, its chunks and index make {offset + index_nbytes(k)}")
+                    else:
+                        stored += sh[1]
+    for what, have, want in (("chunk", set(sums), want_chunks), ("shard", set(shards), want_shards)):
+        missing, extra = sorted(want - have), sorted(have - want)
+        if missing:
+            out.append(f"{len(missing)} {what} checksums missing (e.g. {missing[0]})")
+        if extra:
+            out.append(f"{len(extra)} {what} checksums for no {what} of the arrays (e.g. {extra[0]})")
+    if not out and m.get("stored_bytes") != stored:
+        out.append(f"stored_bytes is {m.get('stored_bytes')}, its shards sum to {stored}")
+    if not out and m.get("logical_bytes") != logical:
+        out.append(f"logical_bytes is {m.get('logical_bytes')}, its arrays make {logical}")
+    return out
 
 
 def now() -> float:

@@ -12,7 +12,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import contextlib
 import json
 import logging
+from dataclasses import dataclass
 import os
+import re
 import threading
 from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
 import uuid
@@ -20,12 +22,21 @@ import uuid
 import numpy as np
 import torch
 
-from anchorkv.codec.packed import Packed
+from anchorkv.codec.packed import Packed, dtype_name
 from anchorkv.codec.spec import CodecSpec
 from anchorkv.store import eviction
 from anchorkv.store.backends import open_backend
-from anchorkv.store.errors import CorruptEntry, EntryNotFound, FingerprintMismatch
+from anchorkv.store.errors import (
+    CorruptEntry,
+    EntryNotFound,
+    FingerprintMismatch,
+    OtherFormat,
+    StoreError,
+    StoreUnavailable,
+    explain,
+)
 from anchorkv.store.format import (
+    EMPTY,
     FORMAT_VERSION,
     ArrayLayout,
     Encoded,
@@ -51,6 +62,8 @@ from anchorkv.store.writer import STAGING, EntryWriter, chunk_plan, commit_stage
 
 log = logging.getLogger("anchorkv.store")
 Mode = Literal["exact", "semantic"]
+#: Where `Store.check_writable` puts its probe (removed at once; gc ignores the folder).
+PROBES = ".probes"
 #: Threads that write shard files while the writing thread computes their crc32c (os.writev and
 #: crc32c release the GIL; 2 measured best on 2 CPU cores, benchmarks/bench_store.py); 1: serial.
 CHUNK_THREADS = 2
@@ -70,21 +83,48 @@ class Store:
         self._arrays: dict[str, dict[str, ArrayLayout]] = {}
         self._fingerprints: dict[int, tuple[Any, str]] = {}
         self._groups: set[str] = set()
+        self._checked: set[tuple] = set()
         self.pins = eviction.Pins()
         self._touched: dict[str, float] = {}
         self._warned_semantic = False
 
     @classmethod
     def open(cls, url: str | os.PathLike, *, capacity_bytes: int | None = None, io_threads: int = 4,
-             **options) -> "Store":
-        """Open (creating if needed) the store at a local path or ``s3://bucket/prefix``."""
-        store = cls(open_backend(url, **options), capacity_bytes=capacity_bytes, io_threads=io_threads)
-        store.backend.ensure_root()
-        for path in ("zarr.json", f"{ENTRIES}/zarr.json"):
-            if not store.backend.exists(path):
-                attrs = {"anchorkv": {"format_version": FORMAT_VERSION}} if path == "zarr.json" else {}
-                store.backend.write(path, [group_json(attrs)], atomic=True)
+             create: bool = True, **options) -> "Store":
+        """Open the store at a local path or ``s3://bucket/prefix``.
+
+        create=True (what a writer needs): create it if needed and check that it is writable
+        (`check_writable`), so a read-only or unreachable store fails here, not at every save.
+        create=False (read-only tools): write nothing; `StoreUnavailable` if there is no store.
+        Every failure is a `StoreUnavailable` whose message says what to do.
+        """
+        text = os.fspath(url)
+        try:
+            store = cls(open_backend(text, **options), capacity_bytes=capacity_bytes, io_threads=io_threads)
+            if not create:
+                store.backend.check_store()
+                return store
+            store.backend.ensure_root()
+            for path in ("zarr.json", f"{ENTRIES}/zarr.json"):
+                if not store.backend.exists(path):
+                    attrs = {"anchorkv": {"format_version": FORMAT_VERSION}} if path == "zarr.json" else {}
+                    store.backend.write(path, [group_json(attrs)], atomic=True)
+            store.check_writable()
+        except StoreError:
+            raise
+        except Exception as e:
+            raise StoreUnavailable(explain(e, text)) from None
         return store
+
+    def check_writable(self) -> None:
+        """Write and delete a small probe object: `StoreUnavailable` (saying why and what to do)
+        if the store is read-only, unwritable or unreachable."""
+        probe = f"{PROBES}/{uuid.uuid4().hex}"
+        try:
+            self.backend.write(probe, [b"anchorkv write probe"])
+            self.backend.delete(probe)
+        except Exception as e:
+            raise StoreUnavailable(f"cannot write to the store: {explain(e, self.url)}") from None
 
     @property
     def url(self) -> str:
@@ -254,18 +294,42 @@ class Store:
         self._infos[entry] = info
         return info
 
-    def list(self) -> list[EntryInfo]:
-        """Every committed entry, newest first."""
+    def scan(self) -> list["Listing"]:
+        """Every entry in the store, whatever its state (`Listing.state`): ``ok``, ``damaged``
+        (its manifest is unreadable or inconsistent), ``old-format`` / ``newer-format`` (another
+        format version). Damaged and other-format entries are never loaded, but they are listed,
+        counted toward usage and capacity, and removable. Newest first."""
         out = []
         for key in self.backend.list_dir(ENTRIES):
-            if len(key) != 64:
+            if not _HEX64.match(key):
                 continue
             for name in self.backend.list_dir(f"{ENTRIES}/{key}"):
-                if parse_entry_name(name):
-                    info = self._try_info(f"{key}/{name}")
-                    if info is not None:
-                        out.append(info)
+                parsed = parse_entry_name(name)
+                if not parsed:
+                    continue
+                entry_id = f"{key}/{name}"
+                try:
+                    out.append(Listing(entry_id, "ok", self.get(entry_id)))
+                except EntryNotFound:
+                    if not self.backend.atomic_publish:
+                        continue  # an object prefix without a manifest: a write in progress (gc: orphan)
+                    out.append(self._broken(entry_id, "damaged", "its zarr.json (the manifest) is missing"))
+                except OtherFormat as e:
+                    newer = isinstance(e.version, int) and e.version > FORMAT_VERSION
+                    out.append(self._broken(entry_id, "newer-format" if newer else "old-format", str(e)))
+                except CorruptEntry as e:
+                    out.append(self._broken(entry_id, "damaged", str(e)))
         return sorted(out, key=lambda e: -e.created)
+
+    def _broken(self, entry_id: str, state: str, problem: str) -> "Listing":
+        path = f"{ENTRIES}/{entry_id}"
+        problem = problem.removeprefix(f"entry {entry_id}: ")
+        created = self.backend.mtime(f"{path}/zarr.json") or self.backend.mtime(path) or 0.0
+        return Listing(entry_id, state, None, problem, self.backend.tree_size(path), created)
+
+    def list(self) -> list[EntryInfo]:
+        """Every loadable (``ok``) entry, newest first; `scan` lists the others too."""
+        return [e.info for e in self.scan() if e.info is not None]
 
     # ------------------------------------------------------------------ loading
     def check_fingerprint(self, entry: EntryInfo, layout) -> None:
@@ -292,6 +356,7 @@ class Store:
         self.check_fingerprint(info, layout)
         array = self._array(info, field)
         lf = layout.layer(layer).page.field(field)
+        self._check_array(info, array, layout, lf)
         index = array.layer_index(layer)
         array.rank_range(layout.tp_size, layout.tp_rank)
         region = rank_region(array, index, layout.tp_size, layout.tp_rank)
@@ -306,6 +371,9 @@ class Store:
             shape = (1, *lf.shape)
         block = tuple(s.stop - s.start for s in region)
         pn, sn = codec.nbytes(block)
+        if (pn, sn) != codec.nbytes(shape):  # never hand out a payload its shape does not describe
+            raise CorruptEntry(info.id, f"field {field!r}: the entry's slice {list(block)} is {pn + sn} bytes, the "
+                               f"reader's {list(shape)} needs {sum(codec.nbytes(shape))}; recompute")
         payload, scales = np.empty(pn, np.uint8), np.empty(sn // 4, np.float32)
         out = codec.views(payload, scales, block)
         with self.pins.pinned(info.id):
@@ -324,6 +392,29 @@ class Store:
         cols = codec.columns
         return Packed(codec.spec, shape, lf.dtype, torch.from_numpy(payload),
                       torch.from_numpy(scales.reshape(-1, cols) if cols else np.empty((0, 0), np.float32)))
+
+    def _check_array(self, info: EntryInfo, array: ArrayLayout, layout, lf) -> None:
+        """The entry's array agrees with the reader's layout (layers holding the field, logical
+        shape, dtype, the axis tp splits), so no byte of one layer or slice lands in another."""
+        ok_key = (info.id, array.field, self._fingerprint(layout), lf.shard_axis)
+        if ok_key in self._checked:
+            return
+        names = tuple(l.name for l in layout.layers if any(f.name == array.field for f in l.page.fields))
+        logical = tuple(lf.logical_shape[1:]) if array.kind == "paged" else tuple(lf.logical_shape)
+        axis = None if lf.shard_axis is None else lf.shard_axis + 1
+        stored = array.shape[2:] if array.kind == "paged" else array.shape[1:]
+        problems = []
+        if array.layers != names:
+            problems.append(f"its layers {list(array.layers)} are not the reader's {list(names)}")
+        if tuple(stored) != logical:
+            problems.append(f"its logical shape {list(stored)} is not the reader's {list(logical)}")
+        if array.codec.source_dtype != dtype_name(lf.dtype):
+            problems.append(f"its dtype {array.codec.source_dtype} is not the reader's {dtype_name(lf.dtype)}")
+        if array.shard_axis != axis:
+            problems.append(f"it is split along axis {array.shard_axis}, the reader along {axis}")
+        if problems:
+            raise CorruptEntry(info.id, f"field {array.field!r}: " + "; ".join(problems) + "; recompute")
+        self._checked.add(ok_key)
 
     def load_async(self, *args, **kwargs) -> Future:
         """`load` on the I/O pool: a future of the `Packed`."""
@@ -414,39 +505,53 @@ class Store:
             enc = array.codec.views(np.frombuffer(bufs[0], np.uint8), scales, array.chunks)
             _copy(dst, enc.region(into_chunk))
 
-    def _verify_shard(self, info: EntryInfo, array: ArrayLayout, part, shard: tuple[int, ...]) -> str | None:
-        """Read a whole shard of one stored array and check its size and crc32c (the problem
-        found, or None); on a mismatch, say which inner chunks (and whether the index) are
-        damaged."""
+    def _verify_shard(self, info: EntryInfo, array: ArrayLayout, part, shard: tuple[int, ...]) -> list[str]:
+        """Read a whole shard of one stored array and check everything a load relies on: its
+        size and crc32c, each inner chunk's crc32c at the manifest's offset, and that zarr's
+        index (what other readers use) holds the manifest's offsets and sizes. The problems
+        found (empty: none), each naming the entry."""
         skey = part.shard_key(shard)
+        head = f"entry {info.id}: shard {skey}"
         want = info.manifest["shards"].get(skey)
         if want is None:
-            return f"entry {info.id}: the manifest has no checksum for shard {skey}"
+            return [f"entry {info.id}: the manifest has no checksum for shard {skey}"]
         try:
             data = self.backend.read(f"{info.path}/{skey}")
         except FileNotFoundError:
-            return f"entry {info.id}: shard {skey} is missing"
+            return [f"{head} is missing"]
+        problems = []
         crc = crc32c(data)
-        if len(data) == want[1] and crc == want[0]:
-            return None
+        if len(data) != want[1] or crc != want[0]:
+            problems.append(f"{head} fails its check: expected {want[1]} bytes with crc32c {want[0]:#010x}, "
+                            f"found {len(data)} bytes with crc32c {crc:#010x}")
         bad = []
         sums = info.manifest["checksums"]
+        k = part.chunks_per_shard(array.chunks_per_shard)
+        slots = {}
         for coords in array.shard_chunks(shard):
             key = part.chunk_key(coords)
+            local = part.local(tuple(c % n for c, n in zip(coords, array.chunks_per_shard)))
             if key not in sums:
+                slots[local] = (EMPTY, EMPTY)
                 continue
             c, size, offset = sums[key]
+            slots[local] = (offset, size)
             piece = data[offset : offset + size]
             if len(piece) != size or crc32c(piece) != c:
                 bad.append(key)
-        what = f"damaged chunks: {', '.join(bad)}" if bad else "its chunks are intact"
-        k = part.chunks_per_shard(array.chunks_per_shard)
+        if bad:
+            problems.append(f"{head}: damaged chunks: {', '.join(bad)} (their bytes do not match the manifest's "
+                            "crc32c at its offsets)")
         try:
-            parse_shard_index(data[-index_nbytes(k):], k)
+            index = parse_shard_index(data[-index_nbytes(k):], k)
         except ValueError as e:
-            what += f"; its index is damaged ({e})"
-        return (f"entry {info.id}: shard {skey} fails its check: expected {want[1]} bytes with crc32c "
-                f"{want[0]:#010x}, found {len(data)} bytes with crc32c {crc:#010x}; {what}")
+            problems.append(f"{head}: its index is damaged ({e})")
+        else:
+            wrong = [local for local, slot in slots.items() if tuple(int(v) for v in index[local]) != slot]
+            if wrong:
+                problems.append(f"{head}: its zarr index disagrees with the manifest for {len(wrong)} chunks "
+                                f"(e.g. local chunk {list(wrong[0])})")
+        return problems
 
     def _touch(self, entry_id: str) -> None:
         """Record a use for LRU eviction, at most once a minute per entry and process."""
@@ -465,13 +570,21 @@ class Store:
 
     # ------------------------------------------------------------------ admin
     def delete(self, entry: EntryInfo | str) -> None:
-        """Delete an entry (it vanishes atomically: readers see all of it or nothing)."""
+        """Delete an entry, damaged or not (it vanishes atomically: readers see all of it or
+        nothing); the key's directory goes too once it holds no entry."""
         entry_id = entry.id if isinstance(entry, EntryInfo) else entry
-        self.get(entry_id)  # EntryNotFound for a bad id
-        self.backend.delete_tree(f"{ENTRIES}/{entry_id}")
+        key, _, name = entry_id.partition("/")
+        if not _HEX64.match(key) or parse_entry_name(name) is None:
+            raise EntryNotFound(f"{entry_id!r} is not an entry id ('<64 hex key>/t<tokens>-<hash>')")
+        path = f"{ENTRIES}/{entry_id}"
+        if not self.backend.exists(f"{path}/zarr.json") and not self.backend.list_dir(path):
+            raise EntryNotFound(f"entry {entry_id} does not exist in {self.url} (deleted, evicted or never committed)")
+        self.backend.delete_tree(path)
         self._infos.pop(entry_id, None)
         self._arrays.pop(entry_id, None)
         self._touched.pop(entry_id, None)
+        if self.backend.remove_empty_dir(f"{ENTRIES}/{key}"):
+            self._groups.discard(key)
 
     def verify(self, entry: EntryInfo | str, progress: Callable[[int], None] | None = None) -> list[str]:
         """Read every shard of an entry and check it; returns the problems found (empty: ok).
@@ -486,16 +599,14 @@ class Store:
                 if not self.backend.exists(f"{info.path}/{part.name}/zarr.json"):
                     problems.append(f"entry {info.id}: array {part.name!r} has no zarr.json")
                 for shard in array.all_shards():
-                    problem = self._verify_shard(info, array, part, shard)
-                    if problem:
-                        problems.append(problem)
+                    problems += self._verify_shard(info, array, part, shard)
                     if progress:
                         progress(1)
         return problems
 
     def usage(self) -> int:
-        """Bytes of all committed entries (from their manifests)."""
-        return sum(e.stored_bytes for e in self.list())
+        """Bytes of all entries, damaged and other-format ones included."""
+        return sum(e.stored_bytes for e in self.scan())
 
     def evict(self, capacity_bytes: int | None = None) -> list[str]:
         """Delete least-recently-used entries until the store holds <= capacity bytes."""
@@ -504,16 +615,19 @@ class Store:
             raise ValueError("no capacity: pass capacity_bytes here or to Store.open")
         return eviction.evict(self, cap)
 
-    def gc(self, *, stale_after: float = 3600.0,
-           progress: Callable[[str, int], None] | None = None) -> dict[str, int]:
+    def gc(self, *, stale_after: float = 3600.0, progress: Callable[[str, int], None] | None = None,
+           dry_run: bool = False) -> dict:
         """Remove garbage: abandoned writes older than `stale_after` seconds (what a killed save
-        left), stale leases, duplicate object-store entries, orphaned object prefixes and
-        leftover trash; then evict down to the capacity, if one is set. Returns counts per kind.
+        left), stale leases, duplicate object-store entries, orphaned object prefixes, leftover
+        trash, damaged and old-format entries (never loadable), empty key directories; then
+        evict down to the capacity, if one is set. Returns counts per kind, ``freed_bytes`` and
+        ``removed`` (kind, what, bytes of each). `dry_run`: remove nothing, report what would go.
 
         `stale_after` must exceed the longest save in progress: a younger staged write is
-        presumed alive and kept (0 removes every unfinished write, alive or not).
+        presumed alive and kept (0 removes every unfinished write, alive or not). Errors (e.g.
+        a read-only store) propagate.
         """
-        return eviction.gc(self, stale_after, progress)
+        return eviction.gc(self, stale_after, progress, dry_run=dry_run)
 
     # ------------------------------------------------------------------ threads
     def submit(self, fn: Callable[..., Any], *args, **kwargs) -> Future:
@@ -551,6 +665,37 @@ class Store:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class Listing:
+    """An entry as `Store.scan` finds it: its state, and its manifest when it is loadable."""
+
+    id: str
+    state: str  # "ok", "damaged", "old-format", "newer-format"
+    info: EntryInfo | None = None
+    problem: str | None = None
+    size: int | None = None  # bytes on disk (damaged / other-format: measured)
+    mtime: float | None = None
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.info.stored_bytes if self.info is not None else int(self.size or 0)
+
+    @property
+    def created(self) -> float:
+        return self.info.created if self.info is not None else float(self.mtime or 0.0)
+
+    @property
+    def key(self) -> str:
+        return self.id.split("/", 1)[0]
+
+    @property
+    def path(self) -> str:
+        return f"{ENTRIES}/{self.id}"
 
 
 def _copy(dst: Encoded, src: Encoded, broadcast: bool = False) -> None:

@@ -49,6 +49,7 @@ from anchorkv.store.manifest import (
     array_json,
     group_json,
     numcodecs_compressor,
+    manifest_checksum,
     now,
     parse_group,
 )
@@ -383,6 +384,7 @@ def commit_staged(store: "Store", write_id: str) -> EntryInfo:
     manifest = {**header, "created": now(), "checksums": dict(sorted(checksums.items())),
                 "shards": dict(sorted(shards.items())),
                 "stored_bytes": sum(v[1] for v in shards.values()), "logical_bytes": logical}
+    manifest["checksum"] = manifest_checksum(manifest)
     data = backend.data_prefix(final, write_id)
     for a in arrays.values():
         for name, doc in array_json(a, header["compressor"]).items():
