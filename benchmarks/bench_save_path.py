@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+import shutil
 import statistics
 import time
 
@@ -99,7 +100,7 @@ class Request:
     """One request's blocks in hma regions on DEVICE, a store and two workers (store, discard)."""
 
     def __init__(self, layout: ModelLayout, tokens: int, codecs: str, root: Path) -> None:
-        self.layout = layout
+        self.layout, self.root = layout, root
         bs = self.layout.block_size
         assert tokens % bs == 0, "whole MLA blocks: every provider moves the same bytes"
         self.tokens, paged_blocks = tokens, tokens // bs
@@ -157,6 +158,7 @@ class Request:
         self.worker.shutdown()
         self.discard_worker.shutdown()
         self.entries.close()
+        shutil.rmtree(self.root, ignore_errors=True)  # ~1.2 GB of entries at full size
 
 
 _requests: dict[str, Request] = {}
