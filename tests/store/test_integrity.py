@@ -1,0 +1,144 @@
+"""Nothing a load relies on goes unverified: manifest flips, consistent rewrites, wrong sizes.
+
+A flip that keeps the JSON valid is caught by the manifest checksum; a manifest rewritten with
+a matching checksum is caught by the cross-checks against the entry name, the model
+fingerprint and the format rules (or, for a chunk crc, by the read and by `verify`). Either
+way no load returns a byte and lookup skips the entry.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+import re
+
+import numpy as np
+import pytest
+
+from anchorkv.store import CorruptEntry, StoreError
+from anchorkv.store.manifest import check_manifest, manifest_checksum
+from anchorkv.store.store import Store
+from tests.store.helpers import CODECS, all_packed, tiny_layout, tokens
+
+N = 1100  # two token chunks of the latent
+
+
+@pytest.fixture
+def saved(tmp_path):
+    layout = tiny_layout()
+    store = Store.open(tmp_path / "s")
+    info = store.save(layout, CODECS, tokens(N), all_packed(layout, CODECS, N), anchor="a")
+    meta = Path(store.backend.root) / info.path / "zarr.json"
+    return tmp_path / "s", info, meta, meta.read_text()
+
+
+def _every_read_refuses(root, info) -> None:
+    """A fresh store (no cache) refuses the entry on every path: get, load, lookup, verify."""
+    store = Store.open(root, create=False)
+    layout = tiny_layout()
+    with pytest.raises(CorruptEntry, match=re.escape(info.id)):
+        store.get(info.id)
+    with pytest.raises(CorruptEntry):
+        store.load(info.id, layout, "model.layers.1.attn", "recurrent")
+    assert store.lookup(fingerprint_hash=layout.fingerprint_hash(), tokens=tokens(N), anchor="a") is None
+    assert store.verify(info.id) != []
+    assert [e.state for e in store.scan()] == ["damaged"]
+
+
+def test_digit_flips_anywhere_in_the_manifest_are_refused(saved):
+    """Every 7th digit of the manifest (all kinds of fields), flipped: JSON still valid."""
+    root, info, meta, text = saved
+    positions = [m.start() for m in re.finditer(r"\d", text)][::7]
+    assert len(positions) > 100
+    missed = []
+    for pos in positions:
+        meta.write_text(text[:pos] + str((int(text[pos]) + 1) % 10) + text[pos + 1 :])
+        try:
+            Store.open(root, create=False).get(info.id)
+            missed.append(text[max(0, pos - 40) : pos + 3])
+        except CorruptEntry:
+            pass
+    assert missed == []
+
+
+@pytest.mark.parametrize("what", ["num_tokens", "shard_axis", "layers", "offset", "chunk_size", "tp_size", "prefix_hash"])
+def test_consistent_rewrites_are_refused(saved, what):
+    """The manifest rewritten with a valid checksum: the cross-checks refuse it."""
+    root, info, meta, text = saved
+    doc = json.loads(text)
+    m = doc["attributes"]["anchorkv"]
+    if what == "num_tokens":
+        m["num_tokens"] = 1200
+    elif what == "shard_axis":  # the issue's case: a payload 20x what its shape implies
+        m["arrays"]["recurrent"]["shard_axis"] = None
+    elif what == "layers":
+        layers = m["arrays"]["recurrent"]["layers"]
+        layers[0], layers[1] = layers[1], layers[0]
+    elif what == "offset":
+        m["checksums"]["recurrent/c.1.3.0.0"][2] += 256
+    elif what == "chunk_size":
+        m["checksums"]["latent/c.0.1.0"][1] -= 72
+    elif what == "tp_size":
+        m["tp_size"] = 2
+    else:
+        m["prefix_hash"] = "0" * 64
+    m["checksum"] = manifest_checksum(m)
+    assert check_manifest(info.id, m) != []
+    meta.write_text(json.dumps(doc))
+    _every_read_refuses(root, info)
+
+
+def test_a_wrong_chunk_crc_fails_the_read_and_verify(saved):
+    """A chunk crc rewritten (checksum recomputed): the manifest is self-consistent, so only the
+    data can tell; the load of that chunk and `verify` both refuse, naming the chunk."""
+    root, info, meta, text = saved
+    doc = json.loads(text)
+    m = doc["attributes"]["anchorkv"]
+    m["checksums"]["recurrent_scales/c.1.3.0.0.0"][0] ^= 1
+    m["checksum"] = manifest_checksum(m)
+    meta.write_text(json.dumps(doc))
+    store = Store.open(root, create=False)
+    with pytest.raises(CorruptEntry, match=r"recurrent_scales/c\.1\.3\.0\.0\.0 fails its check"):
+        store.load(info.id, tiny_layout(), "model.layers.1.attn", "recurrent")
+    problems = store.verify(info.id)
+    assert len(problems) == 1 and "damaged chunks: recurrent_scales/c.1.3.0.0.0" in problems[0], problems
+
+
+def test_a_manifest_that_is_not_json_is_listed_damaged(saved):
+    root, info, meta, text = saved
+    meta.write_text(text[: len(text) // 2])
+    store = Store.open(root, create=False)
+    [entry] = store.scan()
+    assert entry.state == "damaged" and "no anchorkv manifest" in entry.problem
+    assert entry.stored_bytes > 0 and store.usage() == entry.stored_bytes
+
+
+def test_load_refuses_a_layout_that_disagrees(saved):
+    """Same fingerprint hash is necessary but not enough: a reader layout whose field is split
+    along another axis (or has other layers) gets an error, never bytes of another slice."""
+    root, info, meta, text = saved
+    store = Store.open(root, create=False)
+    layout = tiny_layout()
+    store._fingerprint = lambda _layout: info.fingerprint_hash  # pretend the fingerprints agree
+    other = tiny_layout(architecture="Other")
+    f = other.layer("model.layers.1.attn").page.field("recurrent")
+    object.__setattr__(f, "shard_axis", 1)
+    with pytest.raises(CorruptEntry, match="split along axis 1, the reader along 2"):
+        store.load(info.id, other, "model.layers.1.attn", "recurrent")
+    got = store.load(info.id, layout, "model.layers.1.attn", "recurrent")  # the real layout still loads
+    assert got.payload.numel() == sum(info.arrays()["recurrent"].codec.nbytes((1, 8, 16, 16))[:1])
+
+
+def test_other_format_versions(saved):
+    """An older version is never loaded and gc removes it; a newer one is listed, left alone."""
+    root, info, meta, text = saved
+    for version, state in ((2, "old-format"), (4, "newer-format")):
+        meta.write_text(text.replace('"format_version": 3', f'"format_version": {version}'))
+        store = Store.open(root, create=False)
+        [entry] = store.scan()
+        assert entry.state == state, entry
+        with pytest.raises(StoreError, match=f"format version {version}"):
+            store.load(info.id, tiny_layout(), "model.layers.1.attn", "recurrent")
+        report = Store.open(root).gc(dry_run=True)
+        assert report["old_format"] == (1 if version == 2 else 0)
+    assert np.array_equal(np.frombuffer(meta.read_bytes()[:1], np.uint8), np.frombuffer(b"{", np.uint8))
