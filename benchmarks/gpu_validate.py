@@ -44,7 +44,7 @@ import xml.etree.ElementTree as ET
 
 ROOT = Path(__file__).resolve().parent.parent
 #: (step, most seconds it may take, least seconds worth starting it with), in run order.
-STEPS = (("tests", 240, 60), ("kernels", 180, 60), ("save_path", 90, 30), ("profile", 60, 20))
+STEPS = (("tests", 300, 60), ("kernels", 180, 60), ("save_path", 90, 30), ("profile", 60, 20))
 GRACE_S = 20  # after SIGINT, before SIGKILL
 REPORT_S = 15  # kept back for writing the report
 #: module -> why the run needs it (checked before anything runs; wheels: scripts/fetch_gpu_wheels.sh)
