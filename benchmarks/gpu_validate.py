@@ -335,10 +335,12 @@ def render_plot(res: dict, path: Path) -> None:
         ax.bar(x, [r["gbps"] for r in rows], color=[f"C{providers.index(r['provider']) % 10}" for r in rows])
         ax.scatter(x, [r["baseline_gbps"] for r in rows], marker="_", s=300, c="k", zorder=3,
                    label=rows[0]["baseline"])
+        for i, r in zip(x, rows):  # the ratio to the baseline, over each bar
+            ax.annotate(f"{r['ratio']:.2f}x", (i, r["gbps"]), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(list(x), labels, rotation=90, fontsize=7)
         ax.set_yscale("log")
         ax.set_ylabel("GB/s")
-        ax.set_title(f"{suite}: GB/s (bars) vs baseline (ticks)", fontsize=10)
+        ax.set_title(f"{suite}: GB/s (bars), baseline (ticks), ratio to it (labels)", fontsize=10)
         ax.grid(True, axis="y", which="both", alpha=0.3)
         ax.legend(fontsize=8)
     if not panels:
