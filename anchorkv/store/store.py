@@ -62,8 +62,8 @@ from anchorkv.store.writer import STAGING, EntryWriter, chunk_plan, commit_stage
 
 log = logging.getLogger("anchorkv.store")
 Mode = Literal["exact", "semantic"]
-#: Where `Store.check_writable` puts its probe (removed at once; gc ignores the folder).
-PROBES = ".probes"
+#: Name prefix of the probe `Store.check_writable` writes at the store's root (removed at once).
+PROBE = ".write-probe-"
 #: Threads that write shard files while the writing thread computes their crc32c (os.writev and
 #: crc32c release the GIL; 2 measured best on 2 CPU cores, benchmarks/bench_store.py); 1: serial.
 CHUNK_THREADS = 2
@@ -119,7 +119,7 @@ class Store:
     def check_writable(self) -> None:
         """Write and delete a small probe object: `StoreUnavailable` (saying why and what to do)
         if the store is read-only, unwritable or unreachable."""
-        probe = f"{PROBES}/{uuid.uuid4().hex}"
+        probe = f"{PROBE}{uuid.uuid4().hex}"
         try:
             self.backend.write(probe, [b"anchorkv write probe"])
             self.backend.delete(probe)

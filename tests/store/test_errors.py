@@ -1,0 +1,94 @@
+"""Opening a store: every failure is one `StoreUnavailable` line that says what to do, read-only
+tools never write, a writer fails at open (the connector's start-up) when it cannot write.
+
+S3 cases run against a real S3-compatible server (moto) on loopback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from anchorkv.store.errors import StoreUnavailable
+from anchorkv.store.store import Store
+from tests.store.conftest import S3_OPTIONS, make_s3_bucket
+
+ROOT = Path(__file__).resolve().parents[2]
+NO_AWS = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+
+
+def test_a_writer_checks_it_can_write(tmp_path, monkeypatch):
+    import errno
+
+    from anchorkv.store.backends import LocalBackend
+
+    Store.open(tmp_path / "s")  # creates it
+    assert sorted(os.listdir(tmp_path / "s")) == ["entries", "zarr.json"], "the write probe was not removed"
+
+    def refuse(self, path, buffers, atomic=False):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(LocalBackend, "write", refuse)
+    with pytest.raises(StoreUnavailable, match="cannot write to the store: .*permission denied.*not writable"):
+        Store.open(tmp_path / "s")
+    assert Store.open(tmp_path / "s", create=False).list() == []  # reading still works
+
+
+def test_a_file_is_not_a_store(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(StoreUnavailable, match="is a file, not a store directory"):
+        Store.open(tmp_path / "f")
+
+
+@pytest.mark.s3
+def test_s3_typo_prefix_is_reported_and_nothing_is_written(s3_endpoint):
+    import boto3
+
+    bucket = make_s3_bucket(s3_endpoint)
+    options = {**S3_OPTIONS, "endpoint": s3_endpoint}
+    Store.open(f"s3://{bucket}/store", **options)
+    with pytest.raises(StoreUnavailable, match="no store at s3://.*/stroe: expected a zarr.json under the prefix"):
+        Store.open(f"s3://{bucket}/stroe", create=False, **options)
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                          aws_secret_access_key="testing")
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert not [k for k in keys if k.startswith("stroe")], keys
+
+
+@pytest.mark.s3
+def test_s3_missing_bucket(s3_endpoint):
+    options = {**S3_OPTIONS, "endpoint": s3_endpoint}
+    for create in (False, True):
+        with pytest.raises(StoreUnavailable, match="the bucket does not exist; create it"):
+            Store.open("s3://no-such-bucket-here/p", create=create, **options)
+
+
+@pytest.mark.s3
+def test_s3_cli_errors_are_one_or_two_lines(s3_endpoint, tmp_path):
+    """No credentials (the CLI, AWS variables unset) and a missing bucket: a line naming the
+    fix, no traceback, nothing of obstore's debug dump."""
+    bucket = make_s3_bucket(s3_endpoint)
+    cases = [
+        (f"s3://{bucket}/p?endpoint={s3_endpoint}&region=us-east-1", "storage_options"),
+        (f"s3://no-such-bucket-here/p?endpoint={s3_endpoint}&region=us-east-1", None),
+    ]
+    for url, expect in cases:
+        env = NO_AWS if expect else {**NO_AWS, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+        res = subprocess.run([sys.executable, "-m", "anchorkv", "ls", "--store", url], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=180)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and 1 <= len(lines) <= 2 and "Traceback" not in res.stderr, res.stderr
+        assert (expect or "the bucket does not exist") in res.stderr, res.stderr
+
+
+def test_s3_without_the_extra(tmp_path):
+    """An s3:// store where obstore is not installed names the extra to install."""
+    code = ("import sys\nsys.modules['obstore'] = None\nsys.modules['obstore.store'] = None\n"
+            "from anchorkv.cli import main\nsys.exit(main(['ls', '--store', 's3://bucket/prefix']))\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "pip install 'anchorkv[s3]'" in res.stderr, res.stderr
