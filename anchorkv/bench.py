@@ -385,7 +385,12 @@ def main(args: argparse.Namespace) -> int:
         "shipped_defaults": dict(DEFAULT_CODECS),
         "seconds": time.perf_counter() - t0,
     }
-    paths = write_report(res, Path(args.out) if os.path.isabs(args.out) else root / args.out)
+    if args.out is None and mode != "full":  # a smoke run never overwrites the committed report
+        out = Path(tempfile.mkdtemp(prefix="anchorkv-bench-"))
+    else:
+        out_arg = args.out or "benchmarks/results"
+        out = Path(out_arg) if os.path.isabs(out_arg) else root / out_arg
+    paths = write_report(res, out)
     for p in paths.values():
         print(f"  wrote {p}")
     missing = [n for n, s in suites.items() if s["status"] == "missing"]
@@ -404,7 +409,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run the benchmarks and the fidelity study; write the report "
                        "(needs a source checkout)")
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke test, about a minute)")
-    p.add_argument("--out", default="benchmarks/results", help="report directory (default: %(default)s)")
+    p.add_argument("--out", default=None, help="report directory (default: benchmarks/results for a full run, "
+                   "a new temporary directory for --quick)")
     p.add_argument("--suite", action="append", choices=SUITES, help="only these suites (repeatable)")
     p.add_argument("-k", help="pytest -k expression selecting benchmarks")
     p.add_argument("--no-fidelity", action="store_true", help="skip the fidelity study")
