@@ -148,11 +148,10 @@ def _print(rows: list[dict], tp_size: int) -> None:
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
+    """Binary units, as `anchorkv ls` shows sizes."""
+    from anchorkv.store.cli import human_bytes
+
+    return human_bytes(n)
 
 
 #: The store cycle's codec settings: lossless, and the connector's defaults.
@@ -174,7 +173,8 @@ def store_cycle(store: str | None, seed: int) -> list[dict]:
         root = store or tmp
         for name, codec in CYCLE_CODECS.items():
             codec = dict(codec or DEFAULT_CODECS)
-            rows.append({"name": name, **cycle(os.path.join(root, f"demo-{name}"), codec, seed)})
+            path = os.path.join(root, f"demo-{name}")
+            rows.append({"name": name, "store": path if store else None, **cycle(path, codec, seed)})
     return rows
 
 
@@ -182,8 +182,9 @@ def _print_cycle(rows: list[dict], store: str | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    where = (f"stores {os.path.join(store, 'demo-<codecs>')}" if store else "temporary stores, removed after")
     table = Table(title="save -> new process -> restore (ZarrEntryStore + WorkerSide, tp=1, "
-                        f"3000 tokens; store {store or 'a temporary directory'})")
+                        f"3000 tokens; {where})")
     for col in ("codecs", "logical", "stored", "ratio", "save s", "restore s", "worst SQNR dB", "verified"):
         table.add_column(col, justify="left" if col == "codecs" else "right")
     for r in rows:
@@ -196,6 +197,9 @@ def _print_cycle(rows: list[dict], store: str | None) -> None:
                       f"{r['save_s']:.2f}", f"{r['restore_s']:.2f}",
                       "exact" if math.isinf(sq) else f"{sq:.1f}", "yes" if r["ok"] else "NO")
     Console(width=max(Console().width, 120)).print(table)
+    for r in rows:
+        if r.get("store"):
+            print(f"wrote the {r['name']} entry to {r['store']} (see it: anchorkv ls --store {r['store']})")
 
 
 def main(args: argparse.Namespace) -> int:
