@@ -35,6 +35,7 @@ import json
 import os
 from pathlib import Path
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -394,7 +395,7 @@ def main(argv=None) -> int:
            "ANCHORKV_BENCH_QUICK": "1" if args.quick else "0"}
     res = {"machine": machine, "device": device, "missing": missing, "mode": "quick" if args.quick else "full",
            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "command": "scripts/gpu_validate.sh " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "command": shlex.join(["scripts/gpu_validate.sh", *(argv if argv is not None else sys.argv[1:])]),
            "budget_s": args.budget, "files": files, "steps": {}, "seconds": 0.0}
     active = [s for s in STEPS if not (s[0] == "tests" and args.skip_tests)]
     if args.skip_tests:
