@@ -206,7 +206,10 @@ class Store:
                 writer.write_layer(layer, field, p)
             return writer.commit()
         except BaseException:
-            writer.abort()
+            try:
+                writer.abort()
+            except Exception as cleanup:  # never hide why the save failed; gc removes the rest
+                log.warning("anchorkv: cleaning up the failed save %s failed too: %s", writer.write_id, cleanup)
             raise
 
     def _ensure_groups(self, key: str) -> None:

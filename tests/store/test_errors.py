@@ -92,3 +92,23 @@ def test_s3_without_the_extra(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "pip install 'anchorkv[s3]'" in res.stderr, res.stderr
+
+
+def test_a_failed_cleanup_keeps_the_original_error(tmp_path, monkeypatch):
+    from anchorkv.store.writer import EntryWriter
+    from tests.store.helpers import CODECS, all_packed, tiny_layout, tokens
+
+    store = Store.open(tmp_path / "s")
+    layout = tiny_layout()
+    packed = all_packed(layout, CODECS, 300)
+
+    def broken_write(self, layer, field, p):
+        raise RuntimeError("disk on fire")
+
+    def broken_abort(self):
+        raise OSError("cleanup failed")
+
+    monkeypatch.setattr(EntryWriter, "write_layer", broken_write)
+    monkeypatch.setattr(EntryWriter, "abort", broken_abort)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        store.save(layout, CODECS, tokens(300), packed, anchor="x")
