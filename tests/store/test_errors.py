@@ -112,3 +112,23 @@ def test_a_failed_cleanup_keeps_the_original_error(tmp_path, monkeypatch):
     monkeypatch.setattr(EntryWriter, "abort", broken_abort)
     with pytest.raises(RuntimeError, match="disk on fire"):
         store.save(layout, CODECS, tokens(300), packed, anchor="x")
+
+
+def test_the_connector_fails_at_start_up_on_an_unwritable_store(tmp_path, monkeypatch):
+    """`ZarrEntryStore` (built when the connector starts) opens its store for writing, so an
+    unwritable store fails there, once, saying why."""
+    import errno
+
+    from anchorkv.connector.config import ConnectorConfig
+    from anchorkv.connector.storage_zarr import ZarrEntryStore
+    from anchorkv.store.backends import LocalBackend
+    from tests.store.helpers import tiny_layout
+
+    def refuse(self, path, buffers, atomic=False):
+        raise OSError(errno.EROFS, "Read-only file system", path)
+
+    monkeypatch.setattr(LocalBackend, "write", refuse)
+    config = ConnectorConfig.from_extra_config({"store": str(tmp_path / "store"), "codec": {
+        "conv": "raw", "recurrent": "raw", "latent": "raw"}})
+    with pytest.raises(ValueError, match="cannot open the store .*file system is read-only"):
+        ZarrEntryStore(config, tiny_layout())
