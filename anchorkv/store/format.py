@@ -64,7 +64,7 @@ import torch
 from anchorkv.codec.packed import dtype_from_name, dtype_name
 from anchorkv.codec.spec import CodecSpec
 from anchorkv.kernels import reference
-from anchorkv.kernels.formats import SCALE_COLUMNS, Quant
+from anchorkv.kernels.formats import BF16_ITEMSIZE, ELEMENTWISE, SCALE_COLUMNS, Quant
 from anchorkv.store.errors import FormatError
 
 FORMAT_VERSION = 3
@@ -102,7 +102,7 @@ class ChunkCodec:
             raise FormatError(
                 f"source dtype {self.source_dtype!r} cannot be stored; expected one of {SOURCE_DTYPES}"
             )
-        if self.format is Quant.RAW:
+        if self.format in ELEMENTWISE:  # raw, bf16: no groups
             object.__setattr__(self, "group", None)
         elif not isinstance(self.group, int) or self.group <= 0:
             raise FormatError(f"{self.format} needs a resolved positive group size, found {self.group!r}")
@@ -131,7 +131,7 @@ class ChunkCodec:
                 f"{where}: the store keeps the built-in formats {[q.value for q in Quant]}; "
                 f"codec {spec.id!r} has no chunk format yet"
             ) from None
-        group = None if fmt is Quant.RAW else (chunk_last if spec.group is None else spec.group)
+        group = None if fmt in ELEMENTWISE else (chunk_last if spec.group is None else spec.group)
         if group is not None and chunk_last % group:
             raise FormatError(
                 f"{where}: group size {group} must divide the chunk's last axis ({chunk_last} "
@@ -162,10 +162,12 @@ class ChunkCodec:
             return width * self._itemsize
         if self.format is Quant.INT4:
             return width // 2
+        if self.format is Quant.BF16:
+            return width * BF16_ITEMSIZE
         return width
 
     def groups(self, width: int) -> int:
-        return 0 if self.format is Quant.RAW else width // self.group
+        return 0 if self.format in ELEMENTWISE else width // self.group
 
     def nbytes(self, shape: tuple[int, ...]) -> tuple[int, int]:
         """(payload bytes, scale bytes) of a block of `shape`."""
@@ -250,13 +252,14 @@ class Encoded:
 #: The zarr v3 data type of a field's values (raw, by source dtype) or codes (by format).
 #: bfloat16 and float8 are stored as their bits: zarr-python 3.1 has neither data type.
 _CODE_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "uint16",
-                "int8": "int8", "fp8": "uint8", "int4": "uint8"}
+                "int8": "int8", "fp8": "uint8", "int4": "uint8", "bf16": "uint16"}
 
 _DEQUANTIZE = {
     "fp8": "x[..., j] = float32(codes[..., j] as float8_e4m3fn bits) * scales[..., j // G, 0]",
     "int8": "x[..., j] = float32(codes[..., j]) * scales[..., j // G, 0]",
     "int4": ("q[..., 2i] = codes[..., i] & 15; q[..., 2i+1] = codes[..., i] >> 4; "
              "x[..., j] = float32(q[..., j]) * scales[..., j // G, 0] + scales[..., j // G, 1]"),
+    "bf16": "x[..., j] = float32(codes[..., j] as bfloat16 bits) (shift left by 16 and view as float32: exact)",
 }
 
 
@@ -305,6 +308,10 @@ def part_attrs(array: "ArrayLayout", part: Part) -> dict[str, Any]:
         if c.source_dtype == "bfloat16":
             out["bits"] = ("bfloat16 bits: view as ml_dtypes.bfloat16, or shift left by 16 and view "
                            "as float32 (exact)")
+        return out
+    if c.format is Quant.BF16:  # elementwise: no group, no scales
+        out.update(codes=array.field, dequantize=f"{_DEQUANTIZE['bf16']}, then rounded to "
+                                                 f"{c.source_dtype} (round half to even)")
         return out
     out.update(group=c.group, codes=array.field, scales=array.field + SCALES_SUFFIX,
                dequantize=f"{_DEQUANTIZE[c.format.value]} with G = {c.group}, then rounded to "
@@ -366,7 +373,7 @@ class ArrayLayout:
         code = Part(self.field, "values" if c.format is Quant.RAW else "codes", dtype,
                     (*outer, c.row_bytes(last) // item), (*couter, c.row_bytes(clast) // item),
                     (*souter, c.row_bytes(slast) // item), False)
-        if c.format is Quant.RAW:
+        if c.format is Quant.RAW or not c.columns:  # raw values, or bf16 codes: no scales
             return (code,)
         cols = c.columns
         scales = Part(self.field + SCALES_SUFFIX, "scales", "float32", (*outer, c.groups(last), cols),

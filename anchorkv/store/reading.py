@@ -24,7 +24,7 @@ class FieldValues:
     def __init__(self, group, name: str) -> None:
         self.codes = group[name]
         self.meta: dict[str, Any] = dict(self.codes.attrs[ATTR])
-        self.scales = group[name + SCALES_SUFFIX] if self.meta["role"] == "codes" else None
+        self.scales = group[name + SCALES_SUFFIX] if "scales" in self.meta else None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -47,9 +47,13 @@ class FieldValues:
                              "the last axis is read whole (quantization groups lie along it)")
         codes = np.ascontiguousarray(self.codes[index])
         dtype = dtype_from_name(self.meta["source_dtype"])
-        if self.scales is None:
+        if self.meta["role"] == "values":
             t = torch.from_numpy(codes.view(np.uint8).copy()).view(dtype)
             return t.reshape(codes.shape).to(torch.float32).numpy()
+        if self.scales is None:  # bf16 codes: elementwise, no scales
+            out = reference.dequantize(torch.from_numpy(codes.view(np.uint8).reshape(-1).copy()),
+                                       torch.empty(0, 0), self.meta["codec"], None, codes.shape, dtype)
+            return out.to(torch.float32).numpy()
         scales = np.ascontiguousarray(self.scales[index], dtype=np.float32)
         shape = (*codes.shape[:-1], self.shape[-1])
         out = reference.dequantize(torch.from_numpy(codes.view(np.uint8).reshape(-1).copy()),

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from anchorkv.codec.packed import Packed
-from anchorkv.kernels.formats import Quant
+from anchorkv.kernels.formats import ELEMENTWISE, Quant
 from anchorkv.store.errors import FormatError, IncompleteEntry
 from anchorkv.store.format import (
     ArrayLayout,
@@ -248,7 +248,7 @@ class EntryWriter:
             )
         c = array.codec
         group = packed.codec.group if packed.codec.group is not None else packed.shape[-1]
-        if packed.codec.id != c.format.value or (c.format is not Quant.RAW and group != c.group):
+        if packed.codec.id != c.format.value or (c.format not in ELEMENTWISE and group != c.group):
             raise FormatError(
                 f"{where}: the entry stores {c.spec} but the Packed is {packed.codec} (group "
                 f"{group}); pack with {c.spec} (a field sharded along its last axis needs a "
