@@ -81,6 +81,7 @@ class Engine:
     blocks: dict[str, list[list[int]]] = field(default_factory=dict)  # req id -> rank 0's block table
     reads_checked: int = 0  # (request, forward step, rank) triples whose reads were checked
     forward_hook: object = None  # called as hook(engine, scheduler_output) before each forward
+    _expect: dict = field(default_factory=dict)  # this step's expected bytes, shared by the ranks
 
     @property
     def block_size(self) -> int:
@@ -110,6 +111,7 @@ class Engine:
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
         outputs = []
+        self._expect.clear()
         for rank in self.ranks:
             c = rank.connector
             c.handle_preemptions(meta)
@@ -246,7 +248,10 @@ class Engine:
                         if start == 0:
                             continue  # a fresh request: the model ignores the initial state
                         block = self._state_block(rank, rid, gi, start, n)
-                        want = logical_state(layer, tuple(toks[:start]))
+                        key = ("state", rid, layer, start)
+                        if key not in self._expect:
+                            self._expect[key] = logical_state(layer, tuple(toks[:start]))
+                        want = self._expect[key]
                         for fname, full in want.items():
                             got = view.tensor(fname)[block]
                             exp = full[view.page.field(fname).rank_slice()]
@@ -259,7 +264,10 @@ class Engine:
                     lat = view.tensor("latent")
                     rows = torch.cat([lat[b] for b in table[gi][: end_row // bs]])
                     if start:
-                        exp = latent_rows(layer, torch.arange(start), torch.tensor(toks[:start]))
+                        key = ("rows", rid, layer, start)
+                        if key not in self._expect:
+                            self._expect[key] = latent_rows(layer, torch.arange(start), torch.tensor(toks[:start]))
+                        exp = self._expect[key]
                         got = rows[:start]
                         if not torch.equal(got, exp):
                             bad = int((got != exp).any(dim=1).sum())
@@ -321,12 +329,15 @@ class Engine:
 def make_engine(model_dir: str, store: str, *, mode: str = "none", tp: int = 1, num_blocks: int = 12,
                 extra: dict | None = None, ranks: list[int] | None = None, monkeypatch=None,
                 max_num_batched_tokens: int | None = None, max_num_seqs: int = 16,
-                kernel_block: int | None = None, check: bool = True) -> Engine:
+                kernel_block: int | None = None, check: bool = True,
+                reserve_full_isl: bool = True) -> Engine:
     """A scheduler plus `tp` worker connectors (ranks simulated in one process).
 
     `max_num_batched_tokens` small enough makes prefills chunk (it is set after the CPU
     platform's adjustment); `kernel_block` splits the MLA group's blocks into kernel blocks
     of that many tokens, as FlashMLA (64), FlashInfer-MLA (32, 64) or CUTLASS-MLA (128) do.
+    `reserve_full_isl=False` admits a request before its whole prompt fits
+    (`--scheduler-reserve-full-isl false`), so a prefill can be preempted midway.
     """
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -339,6 +350,7 @@ def make_engine(model_dir: str, store: str, *, mode: str = "none", tp: int = 1, 
                              extra_config=extra, enable_prefix_caching=(mode == "align"),
                              mamba_cache_mode=mode, tp=tp, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens or 8192)
+    cfg.scheduler_config.scheduler_reserve_full_isl = reserve_full_isl
     H.hybrid_block_size(cfg)
     kv = H.make_kv_cache_config(cfg, num_blocks)
     scheduler = H.make_scheduler(cfg, kv)
