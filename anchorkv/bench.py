@@ -129,7 +129,7 @@ def run_fidelity(root: Path, quick: bool, tiny: bool = False) -> dict:
             return {"returncode": rc, "seconds": secs, "log_tail": tail}
         res = json.loads(js.read_text())
         res.update({"returncode": rc, "seconds": secs})
-        print(f"  fidelity: {secs:.0f} s, defaults {res['defaults']}")
+        print(f"  fidelity: {secs:.0f} s, presets {res.get('presets')}")
         return res
 
 
@@ -170,43 +170,9 @@ def render_markdown(res: dict) -> str:
     fid = res.get("fidelity") or {}
     if fid and not fid.get("fields"):
         lines += [f"**Fidelity study FAILED (rc {fid.get('returncode')}); log tail in the JSON.**", ""]
-    if fid.get("fields"):
-        lines += ["## Fidelity", "", f"Rule: {fid['rule']}.", "",
-                  "Defaults by the rule: " + ", ".join(f"`{k}` = **{v}**" for k, v in fid["defaults"].items()) + "."]
-        shipped = res.get("shipped_defaults")
-        if shipped:
-            same = all(shipped.get(k) == v for k, v in fid["defaults"].items())
-            lines.append(f"Shipped `DEFAULT_CODECS` (anchorkv/connector/config.py): "
-                         + ", ".join(f"`{k}` = {v}" for k, v in shipped.items())
-                         + (" (the same)" if same else " (**DIFFERENT**: this mode's sizes may disagree "
-                            "with the full run that set them)"))
-        lines.append("")
-        for name, t in fid.get("size_targets", {}).items():
-            lines.append(f"- size target `{name}` <= {t['target']}x raw: default gives "
-                         f"{_num(t['default_ratio'], '.4f')}x ({'met' if t['ok'] else 'NOT met'})")
-        tog = fid.get("kda_defaults_together")
-        if tog:
-            lines.append(f"- KDA conv and recurrent both restored with the defaults: continuation "
-                         f"error mean {_num(tog['cont_err_mean'])}, max {_num(tog['cont_err_max'])}")
-        lines.append("")
-        head = ["field", "codec", "bits/value", "size vs raw", "SQNR dB", "max rel err",
-                "cont. err mean", "cont. err max"]
-        rows = []
-        for name, f in fid["fields"].items():
-            for r in f["rows"]:
-                codec = f"**{r['codec']}**" if r["codec"] == f.get("default") else r["codec"]
-                rows.append([name, codec, _num(r["bits_per_value"], ".2f"), _num(r["size_ratio"], ".4f"),
-                             _num(r["sqnr_db"], ".1f"), _num(r["max_rel_err"], ".2e"),
-                             _num(r["cont_err_mean"], ".2e"), _num(r["cont_err_max"], ".2e")])
-        lines += _table(head, rows) + [""]
-        c = fid["config"]
-        lines += [f"KDA: {c['kda_heads']} heads x {c['head_dim']} x {c['head_dim']}, {c['kda_prefix']}-token "
-                  f"prefix, {c['steps']} steps continued; MLA: {c['mla_heads']} heads, {c['mla_prefix']}-token "
-                  f"prefix, {c['steps']} query steps; seed {c['seed']}. Continuation error = relative L2 error "
-                  "per step of the layer's outputs (KDA: per-head RMS-normalized, as o_proj reads them) "
-                  "vs the unquantized continuation. `recurrent` rows give the worse of the state "
-                  "stored `[H, K, V]` (groups along V) and `[H, V, K]` (groups along K); both are in "
-                  "the JSON. Reproduce: `python -m benchmarks.fidelity"
+    if fid.get("markdown"):  # the study renders its own section (every row it computed)
+        lines += list(fid["markdown"])
+        lines += [f"Reproduce: `python -m benchmarks.fidelity"
                   + {"full": "", "quick": " --quick", "tiny": " --tiny"}.get(res["mode"], "") + "`.", ""]
     codec = (res.get("suites") or {}).get("codec", {})
     benches = codec.get("benchmarks", [])
@@ -310,11 +276,11 @@ def render_plot(res: dict, path: Path) -> None:
     else:
         ax.text(0.5, 0.5, "no scaling results", ha="center", transform=ax.transAxes)
     fid = res.get("fidelity") or {}
-    colors = {"raw": "k", "fp8": "C0", "int8": "C1", "int4": "C2"}
+    colors = {"raw": "k", "bf16": "C4", "fp8": "C0", "int8": "C1", "int4": "C2"}
     markers = {"conv": "^", "recurrent": "o", "latent": "s"}
-    panels = ((axes[0, 1], "sqnr_db", "Round-trip SQNR (dB)", None),
-              (axes[1, 0], "cont_err_mean", "Continuation error, mean over steps", fid.get("threshold")),
-              (axes[1, 1], "cont_err_max", "Continuation error, worst step", fid.get("max_threshold")))
+    panels = ((axes[0, 1], "sqnr_db", "Round-trip SQNR (dB), lowest over conditions", None),
+              (axes[1, 0], "cont_err_mean", "Continuation error, mean over steps (worst condition)", fid.get("threshold")),
+              (axes[1, 1], "cont_err_max", "Continuation error, worst step (worst condition)", fid.get("max_threshold")))
     for ax, key, title, bound in panels:
         for name, f in (fid.get("fields") or {}).items():
             for r in f["rows"]:
@@ -337,7 +303,7 @@ def render_plot(res: dict, path: Path) -> None:
     handles = [Line2D([], [], color=c, marker="o", ls="", label=k) for k, c in colors.items() if k != "raw"]
     handles += [Line2D([], [], color="gray", marker=m, ls="", label=k) for k, m in markers.items()]
     handles += [Line2D([], [], color="w", marker="o", markeredgecolor="r", markeredgewidth=2, ls="",
-                       label="default (rule)")]
+                       label="`smallest` preset")]
     axes[0, 1].legend(handles=handles, fontsize=8, loc="lower right")
     fig.suptitle(f"anchorkv, {res['machine']} ({res['mode']} mode)")
     fig.tight_layout()

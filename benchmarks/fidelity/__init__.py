@@ -1,14 +1,16 @@
 """Fidelity study of anchorkv's codecs (plain torch, CPU): `python -m benchmarks.fidelity`.
 
-Modules: `data` (realistic generators), `kda` (reference gated delta rule and KDA layer),
-`mla` (absorbed-query MLA attention), `metrics` (SQNR, errors), `study` (the study and the rule
-that picks the default codec per field kind).
+Modules: `data` (input models), `layers` (KDA and Gated DeltaNet layers around fla-core's
+reference recurrences, `fla_ref`), `mla` (absorbed-query MLA attention), `metrics` (SQNR,
+errors), `study` (the conditions and the runs), `presets` (the rule that names the presets),
+`report` (the markdown).
 """
 
 from .metrics import max_rel_err, rel_err_per_step, sqnr_db
-from .study import CODECS, MAX_THRESHOLD, RULE, THRESHOLD, StudyConfig, choose_default, run_study
+from .presets import LEVELS, MAX_THRESHOLD, RULE, THRESHOLD, choose, choose_presets
+from .study import CODECS, DECAYS, LOGIT_STDS, StudyConfig, run_study
 
 __all__ = [
-    "CODECS", "MAX_THRESHOLD", "RULE", "THRESHOLD", "StudyConfig", "choose_default", "max_rel_err",
-    "rel_err_per_step", "run_study", "sqnr_db",
+    "CODECS", "DECAYS", "LEVELS", "LOGIT_STDS", "MAX_THRESHOLD", "RULE", "THRESHOLD", "StudyConfig",
+    "choose", "choose_presets", "max_rel_err", "rel_err_per_step", "run_study", "sqnr_db",
 ]

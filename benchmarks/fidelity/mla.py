@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+QUERY_MODELS = ("isotropic", "equalized")
+
 
 @dataclass
 class MLAQueries:

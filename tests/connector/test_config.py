@@ -34,6 +34,17 @@ def test_presets_by_name(name):
     assert (name == "exact") == (not lossy_codecs(c.codec))
 
 
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_resolve_for_the_store(tmp_path, name):
+    """Every preset is a setting the store can keep (bf16 included), for Kimi-Linear at tp=2."""
+    from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, kimi_linear_layout
+    from anchorkv.connector.storage_zarr import ZarrEntryStore
+
+    config = ConnectorConfig.from_extra_config({"store": str(tmp_path / "store"), "codec": name})
+    es = ZarrEntryStore(config, kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=2))
+    assert {k: v.id for k, v in es.codecs.items()} == {k: CodecSpec.parse(v).id for k, v in PRESETS[name].items()}
+
+
 def test_codec_banner_warns_when_lossy():
     exact = ConnectorConfig.from_extra_config({}).codec
     level, msg = codec_banner(exact)
