@@ -132,3 +132,26 @@ def test_the_connector_fails_at_start_up_on_an_unwritable_store(tmp_path, monkey
         "conv": "raw", "recurrent": "raw", "latent": "raw"}})
     with pytest.raises(ValueError, match="cannot open the store .*file system is read-only"):
         ZarrEntryStore(config, tiny_layout())
+
+
+def test_packaging_extras():
+    """triton only in the [gpu] extra (and [test]: the interpreter tests), one crc32c library,
+    a [bench] extra that runs `anchorkv bench`, tensorstore tested."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = lambda reqs: {r.split(">")[0].split("=")[0].split("[")[0].strip().lower() for r in reqs}  # noqa: E731
+    base, extras = names(project["dependencies"]), {k: names(v) for k, v in project["optional-dependencies"].items()}
+    assert "triton" not in base and "triton" in extras["gpu"]
+    assert "google-crc32c" in base and "crc32c" not in base | set().union(*extras.values())
+    assert {"pytest", "pytest-benchmark", "matplotlib", "safetensors"} <= extras["bench"]
+    assert "tensorstore" in extras["test"]
+
+
+def test_cpu_use_never_imports_triton():
+    code = ("import sys\nsys.modules['triton'] = None\nsys.modules['triton.language'] = None\n"
+            "import torch\nimport anchorkv.codec, anchorkv.store.store, anchorkv.connector\n"
+            "from anchorkv.kernels import reference\n"
+            "p, s = reference.quantize(torch.ones(4, 8), 'int8', 8)\nprint(p.numel(), s.numel())\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0 and res.stdout.split() == ["32", "4"], res.stderr[-2000:]
