@@ -73,8 +73,8 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             pr.disable()
             s = io.StringIO()
-            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(15)
-            print("\n".join(s.getvalue().splitlines()[:40]))
+            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
+            print("\n".join(s.getvalue().splitlines()[:50]))
     return 0
 
 

@@ -14,13 +14,20 @@ This module is plain Python and torch; the Triton kernels live in `triton_pack.p
 from __future__ import annotations
 
 from dataclasses import dataclass
+import functools
 import math
 from typing import Sequence
 
 import torch
 
 from anchorkv.kernels import reference
-from anchorkv.kernels.formats import SCALE_COLUMNS, Quant, payload_nbytes, resolve_group
+from anchorkv.kernels.formats import (
+    ELEMENTWISE,
+    SCALE_COLUMNS,
+    Quant,
+    payload_nbytes,
+    resolve_group,
+)
 from anchorkv.kernels.geometry import StridedField
 
 #: Same-size integer dtype used to move the bits of a field element.
@@ -30,13 +37,19 @@ INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 FLOAT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 #: `FMT` constexpr of the kernels.
-FMT_CODE = {Quant.RAW: 0, Quant.FP8: 1, Quant.INT8: 2, Quant.INT4: 3}
+FMT_CODE = {Quant.RAW: 0, Quant.FP8: 1, Quant.INT8: 2, Quant.INT4: 3, Quant.BF16: 4}
 
 #: Leading axes the kernels unravel a row index into (after merging mergeable axes).
 MAX_LEADING_AXES = 3
 
-#: Elements one program handles, roughly (a tile of BLOCK_R groups of BLOCK_G elements).
-TILE_ELEMENTS = 4096
+#: Bytes of source one program reads, roughly (a tile of BLOCK_R groups of BLOCK_G elements),
+#: and elements per thread: measured on an H100 (benchmarks/sweep_launch.py, results in
+#: benchmarks/results/nvidia-h100-80gb-hbm3-sweep.json): the big fields of a Kimi-Linear request
+#: ran fastest with 4096-element bf16 tiles x 8 warps (MLA latent) and 1024-element fp32 tiles x
+#: 2 warps (KDA recurrent), both 16 elements a thread; tiles of 4x the bytes were up to 10%
+#: slower, and small fields (the conv state) liked small tiles too.
+TILE_BYTES = 8192
+ELEMENTS_PER_THREAD = 16
 
 #: Largest chunk of the last axis one row of a raw tile holds.
 RAW_CHUNK = 1024
@@ -92,7 +105,7 @@ class Geometry:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
 
 def _merge_leading(shape: tuple[int, ...], strides: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -116,8 +129,13 @@ def _raw_chunk(last: int) -> int:
 
 
 def geometry(field: StridedField, fmt: Quant | str, group: int | None) -> Geometry:
-    """Validate `field` for the Triton kernels and describe its groups."""
-    fmt = Quant(fmt)
+    """Validate `field` for the Triton kernels and describe its groups (cached: a connector
+    packs the same fields every step)."""
+    return _geometry(field, Quant(fmt), group)
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry(field: StridedField, fmt: Quant, group: int | None) -> Geometry:
     if not field.shape:
         raise ValueError("the Triton kernels need a field with at least one axis, found a scalar")
     if fmt is Quant.RAW:
@@ -129,7 +147,7 @@ def geometry(field: StridedField, fmt: Quant | str, group: int | None) -> Geomet
             "pack it as raw instead"
         )
     last = field.last_dim
-    if fmt is Quant.RAW:
+    if fmt in ELEMENTWISE:  # no groups: the chunk only cuts rows into tiles
         g = _raw_chunk(last)
     else:
         g = resolve_group(last, group)
@@ -160,25 +178,47 @@ def geometry(field: StridedField, fmt: Quant | str, group: int | None) -> Geomet
     )
 
 
+def tile_elements(geom: Geometry) -> int:
+    """Elements one program handles: about `TILE_BYTES` of source, at least 1024."""
+    return max(1024, TILE_BYTES // geom.itemsize)
+
+
 def tile_rows(geom: Geometry, block_g: int) -> int:
-    """BLOCK_R: groups per program, a power of two of about `TILE_ELEMENTS` elements."""
-    want = max(1, TILE_ELEMENTS // block_g)
+    """BLOCK_R: groups per program, a power of two of about `tile_elements` elements."""
+    want = max(1, tile_elements(geom) // block_g)
     return min(want, max(1, 1 << (geom.groups - 1).bit_length()))
 
 
-def check_ids(block_ids, num_blocks: int, *, distinct: bool = False) -> torch.Tensor:
-    """Block ids as a CPU int64 vector, each in [0, num_blocks).
+def num_warps(tile: int) -> int:
+    """Warps per program for a tile of `tile` elements: `ELEMENTS_PER_THREAD` a thread, 1-16."""
+    return min(16, max(1, tile // (32 * ELEMENTS_PER_THREAD)))
 
-    Ids on a GPU are copied to the host (a synchronization): pass them as a list or a CPU tensor
-    on the hot path.
+
+def check_ids(block_ids, num_blocks: int, *, distinct: bool = False) -> tuple[int, ...]:
+    """Block ids as a tuple of Python ints, each in [0, num_blocks) (and distinct if asked).
+
+    Plain Python on purpose: the launchers turn a request's ids into an item table every step,
+    and a few torch ops per item cost more than the kernels move. Ids on a GPU are copied to the
+    host (a synchronization): pass them as a list or a CPU tensor on the hot path.
     """
-    ids = torch.as_tensor(block_ids, dtype=torch.int64).cpu()
-    return reference.check_block_ids(ids, num_blocks, distinct=distinct)
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dim() != 1 or block_ids.is_floating_point() or block_ids.is_complex():
+            return tuple(reference.check_block_ids(block_ids, num_blocks).tolist())  # raises
+        ids = tuple(block_ids.tolist())
+    else:
+        ids = tuple(block_ids)
+    if any(type(i) is not int for i in ids):
+        ids = tuple(reference.check_block_ids(torch.as_tensor(ids, dtype=torch.int64),
+                                              num_blocks).tolist())
+    if ids and (min(ids) < 0 or max(ids) >= num_blocks) or (distinct and len(set(ids)) != len(ids)):
+        reference.check_block_ids(torch.tensor(ids, dtype=torch.int64), num_blocks,
+                                  distinct=distinct)  # raises with the reference's message
+    return ids
 
 
 def byte_address(t: torch.Tensor) -> int:
     """Address of the first byte of `t` (its storage start plus its storage offset)."""
-    return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+    return t.data_ptr()
 
 
 def anchor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -212,9 +252,13 @@ def field_origin(buffer: torch.Tensor, field: StridedField) -> int:
     return byte_address(buffer) + field.offset
 
 
-def signature(device: torch.device, field: StridedField, ids: torch.Tensor, fmt, group) -> tuple:
+def signature(device: torch.device, field: StridedField, ids: Sequence[int], fmt, group) -> tuple:
     """Items with equal signatures share one launch."""
-    return (str(device), field.dtype, field.shape, field.strides, Quant(fmt), group, ids.numel())
+    return (device, field.dtype, field.shape, field.strides, _QUANT[fmt], group, len(ids))
+
+
+#: `Quant(fmt)` as a dict lookup (an Enum call costs more than the rest of a signature).
+_QUANT = {**{q: q for q in Quant}, **{q.value: q for q in Quant}}
 
 
 def group_items(keys: Sequence[tuple]) -> list[list[int]]:
@@ -237,3 +281,72 @@ def grid_check(programs_per_block: int, blocks: int) -> None:
 
 def prod(values) -> int:
     return math.prod(values)
+
+
+#: Widest global access the kernels aim for (16 bytes: `ld/st.global.v4.b32`).
+VECTOR_BYTES = 16
+
+
+def alignment(geom: Geometry, anchor_address: int, offsets: Sequence[int], itemsize: int) -> int:
+    """The `*_ALIGN` constexpr of a launch: a power of two of elements (at most 16 bytes' worth)
+    that the host has checked divides the anchor's address and every element offset the
+    kernel adds to it per row (`offsets`: item origins, block strides, axis strides, ...).
+
+    Why: row starts come from values the kernel loads out of the item table, so the compiler
+    cannot prove they are aligned and emits one scalar access per element; `tl.multiple_of`
+    with this value lets it use 16-byte vector accesses. 1 means no claim.
+    """
+    a = VECTOR_BYTES // itemsize
+    if anchor_address % VECTOR_BYTES:
+        return 1
+    while a > 1 and any(v % a for v in offsets):
+        a //= 2
+    return max(a, 1)
+
+
+def row_offsets(geom: Geometry) -> list[int]:
+    """The per-row element offsets of a field inside one block: leading axis strides (of axes
+    longer than 1) and the start of each group within a row."""
+    out = [s for n, s in zip(geom.sizes, geom.strides) if n > 1]
+    if geom.gpr > 1:
+        out.append(geom.g * geom.td)
+    return out
+
+
+def payload_dtype(geom: Geometry) -> torch.dtype:
+    """The element type the kernels read and write the payload as: the source's same-size
+    integer for raw, int16 (bf16 bits) for bf16, bytes for the quantized formats."""
+    if geom.fmt is Quant.RAW:
+        return INT_OF_SIZE[geom.itemsize]
+    if geom.fmt is Quant.BF16:
+        return torch.int16
+    return torch.uint8
+
+
+def stage_tables(segments: Sequence[tuple[torch.device, list[int]]]) -> list[torch.Tensor]:
+    """The item tables of one call's launches on their devices, without a host synchronization.
+
+    All tables for one device go into one page-locked host tensor (torch's caching host
+    allocator reuses such buffers and keeps each from reuse until the copy that reads it has
+    run) and cross in one `non_blocking=True` copy on the current stream, so the launch path
+    never waits for the GPU. A copy from pageable memory would block the CPU until the stream
+    had drained: with the side stream waiting on the forward pass, that would undo vLLM's async
+    scheduling on every step. Each table starts 16-byte aligned (even int64 offsets), so the
+    kernels' pointer specialization never changes between calls.
+    """
+    out: list[torch.Tensor | None] = [None] * len(segments)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (device, _) in enumerate(segments):
+        by_device.setdefault(device, []).append(i)
+    for device, members in by_device.items():
+        flat: list[int] = []
+        starts = []
+        for i in members:
+            starts.append(len(flat))
+            flat += segments[i][1]
+            flat += [0] * (len(flat) % 2)
+        host = torch.tensor(flat, dtype=torch.int64)
+        table = host if device.type != "cuda" else host.pin_memory().to(device, non_blocking=True)
+        for i, start in zip(members, starts):
+            out[i] = table[start : start + len(segments[i][1])]
+    return out  # type: ignore[return-value]

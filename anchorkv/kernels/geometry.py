@@ -33,7 +33,7 @@ class StridedField:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def numel(self) -> int:

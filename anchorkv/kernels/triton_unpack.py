@@ -18,13 +18,13 @@ import triton
 import triton.language as tl
 
 from anchorkv.kernels import batch as B
-from anchorkv.kernels.bits import fp8_decode, narrow
+from anchorkv.kernels.bits import fp8_decode, narrow, widen
 from anchorkv.kernels.formats import Quant
 from anchorkv.kernels.geometry import StridedField
 from anchorkv.kernels.triton_pack import launch_config
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "TAB_W"])
 def _unpack_kernel(
     dst,  # integer alias of the first item's region storage (anchor of target offsets)
     tab,  # int64 [items, 4 + N]: field origin, block stride (elements of dst), payload offset
@@ -42,11 +42,14 @@ def _unpack_kernel(
     TD,
     NUMEL,
     TAB_W,
-    FMT: tl.constexpr,  # 0 raw, 1 fp8, 2 int8, 3 int4
+    FMT: tl.constexpr,  # 0 raw, 1 fp8, 2 int8, 3 int4, 4 bf16
     DST: tl.constexpr,  # 0 bf16, 1 fp16, 2 fp32 (unused for raw)
     G: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_G: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # next power of two of G
+    CONTIG: tl.constexpr,  # the last axis is contiguous (TD == 1)
+    ALIGN: tl.constexpr,  # host-checked: every target row start is a multiple of ALIGN elements
+    IN_ALIGN: tl.constexpr,  # host-checked: every payload group start is a multiple of IN_ALIGN
 ):
     i_t = tl.program_id(0).to(tl.int64)
     i_b = tl.program_id(1).to(tl.int64)
@@ -65,15 +68,27 @@ def _unpack_kernel(
     o_j = o_grp % GPR
     o_i2 = o_rowi % S2
     o_rest = o_rowi // S2
-    o_dst = b_base + b_bid * b_bstride + (o_rest // S1) * T0 + (o_rest % S1) * T1 + o_i2 * T2
-    o_dst += o_j * (G * TD)
+    o_row = (o_rest // S1) * T0 + (o_rest % S1) * T1 + o_i2 * T2 + o_j * (G * TD)
+    # the block's start (runtime values from the table) is added last, so the sum the alignment
+    # claim is attached to is never folded away (a claim on a folded `x + 0` is lost)
+    o_dst = tl.multiple_of((b_base + b_bid * b_bstride) + o_row, ALIGN)
     o_col = tl.arange(0, BLOCK_G).to(tl.int64)
-    o_in = i_n * NUMEL + o_grp * G  # first element of each group, from the item's payload
+    o_in = i_n * NUMEL + o_grp * G  # first element of each group in the item's [N, *F] order
     o_scale = i_n * GROUPS + o_grp
+    if CONTIG:
+        p_dst = dst + o_dst[:, None] + o_col[None, :]
+    else:
+        p_dst = dst + o_dst[:, None] + o_col[None, :] * TD
+    if BLOCK_G == G:
+        m = m_grp[:, None] & (o_col >= 0)[None, :]
+    else:
+        m = m_grp[:, None] & (o_col < G)[None, :]
 
     if FMT == 3:
-        m = m_grp[:, None] & (o_col < G // 2)[None, :]
-        b_q = tl.load(payload + b_pay + (o_in // 2)[:, None] + o_col[None, :], mask=m, other=0).to(tl.int32)
+        o_half = tl.arange(0, BLOCK_G // 2).to(tl.int64)
+        m_half = m_grp[:, None] & (o_half < G // 2)[None, :]
+        o_in = tl.multiple_of(b_pay + o_in // 2, IN_ALIGN)  # two codes a byte
+        b_q = tl.load(payload + o_in[:, None] + o_half[None, :], mask=m_half, other=0).to(tl.int32)
         scale = tl.load(scales + b_sc + 2 * o_scale, mask=m_grp, other=0).to(tl.float32, bitcast=True)
         lo = tl.load(scales + b_sc + 2 * o_scale + 1, mask=m_grp, other=0).to(tl.float32, bitcast=True)
         # a rounded product, then a rounded sum: the launch disables fp fusion (no FMA)
@@ -81,15 +96,16 @@ def _unpack_kernel(
         y_even = y_even + lo[:, None]
         y_odd = ((b_q >> 4) & 0xF).to(tl.float32) * scale[:, None]
         y_odd = y_odd + lo[:, None]
-        p_even = dst + o_dst[:, None] + (2 * o_col)[None, :] * TD
-        tl.store(p_even, narrow(y_even, DST), mask=m)
-        tl.store(p_even + TD, narrow(y_odd, DST), mask=m)
+        # interleave back into element order: one contiguous store per group
+        y = tl.reshape(tl.join(narrow(y_even, DST), narrow(y_odd, DST)), (BLOCK_R, BLOCK_G))
+        tl.store(p_dst, y, mask=m)
     else:
-        m = m_grp[:, None] & (o_col < G)[None, :]
-        b_q = tl.load(payload + b_pay + o_in[:, None] + o_col[None, :], mask=m, other=0)
-        p_dst = dst + o_dst[:, None] + o_col[None, :] * TD
+        o_in = tl.multiple_of(b_pay + o_in, IN_ALIGN)
+        b_q = tl.load(payload + o_in[:, None] + o_col[None, :], mask=m, other=0)
         if FMT == 0:
             tl.store(p_dst, b_q, mask=m)
+        elif FMT == 4:  # bf16 bits -> exact fp32 -> the field's dtype, rounded once
+            tl.store(p_dst, narrow(widen(b_q, 0), DST), mask=m)
         else:
             scale = tl.load(scales + b_sc + o_scale, mask=m_grp, other=0).to(tl.float32, bitcast=True)
             if FMT == 1:
@@ -118,60 +134,83 @@ def _check(item: B.UnpackItem, geom: B.Geometry, n: int) -> tuple[torch.Tensor, 
                 f"{list(scales.shape)} on {scales.device}"
             )
     payload = payload.contiguous().reshape(-1)
-    if geom.fmt is Quant.RAW and B.byte_address(payload) % geom.itemsize:
+    if B.byte_address(payload) % B.payload_dtype(geom).itemsize:
         payload = payload.clone()  # a fresh allocation is aligned for the wide loads
     return payload, scales.contiguous()
 
 
-def _launch(items: Sequence[B.UnpackItem], ids: list[torch.Tensor]) -> None:
+def _plan(items: Sequence[B.UnpackItem], ids: list[tuple[int, ...]]):
+    """Item-table rows and the launch of one batch of same-signature items: (rows, go), or
+    ([], None) when there is nothing to move."""
     first = items[0]
     geom = B.geometry(first.field, first.fmt, first.group)
     device = first.buffer.device
-    n = ids[0].numel()
+    n = len(ids[0])
     checked = [_check(item, geom, n) for item in items]
     if n == 0 or geom.numel == 0:
-        return
-    int_dtype = B.INT_OF_SIZE[geom.itemsize]
+        return [], None
+    itemsize = geom.itemsize
+    int_dtype = B.INT_OF_SIZE[itemsize]
     dst = B.anchor(first.buffer, int_dtype)
-    pay = B.anchor(checked[0][0], int_dtype if geom.fmt is Quant.RAW else torch.uint8)
+    pay = B.anchor(checked[0][0], B.payload_dtype(geom))
     if geom.columns:
         sc = B.anchor(checked[0][1], torch.int32)
     else:  # raw has no scales; the kernel never reads this
         sc = torch.zeros(1, dtype=torch.int32, device=device)
-    table = torch.empty(len(items), 4 + n, dtype=torch.int64)
-    for i, (item, (payload, scales)) in enumerate(zip(items, checked)):
-        table[i, 0] = B.element_offset(B.field_origin(item.buffer, item.field), dst, "field")
-        table[i, 1] = item.field.block_stride // geom.itemsize
-        table[i, 2] = B.element_offset(B.byte_address(payload), pay, "payload")
-        table[i, 3] = B.element_offset(B.byte_address(scales), sc, "scales") if geom.columns else 0
-        table[i, 4:] = ids[i]
-    table = table.to(device)
-
+    rows: list[int] = []
+    offsets = B.row_offsets(geom)
+    in_offsets = [geom.numel, geom.g]
+    for item, block_ids, (payload, scales) in zip(items, ids, checked):
+        origin = B.element_offset(B.field_origin(item.buffer, item.field), dst, "field")
+        stride = item.field.block_stride // itemsize
+        pay_off = B.element_offset(B.byte_address(payload), pay, "payload")
+        sc_off = B.element_offset(B.byte_address(scales), sc, "scales") if geom.columns else 0
+        rows += (origin, stride, pay_off, sc_off, *block_ids)
+        offsets += (origin, stride)
+        in_offsets.append(pay_off)
+    align = B.alignment(geom, dst.data_ptr(), offsets, itemsize) if geom.td == 1 else 1
+    if geom.fmt is Quant.INT4:  # two codes a byte: group starts are (element offset) / 2
+        in_offsets = [geom.numel // 2, geom.g // 2, *in_offsets[2:]]
+    in_align = B.alignment(geom, pay.data_ptr(), in_offsets, pay.element_size())
     grid, common = launch_config(geom, len(items), n)
-    _unpack_kernel[grid](
-        dst=dst,
-        tab=table,
-        payload=pay,
-        scales=sc,
-        TAB_W=4 + n,
-        DST=B.FLOAT_KIND.get(geom.dtype, 0),
-        **common,
-    )
+
+    def go(table: torch.Tensor) -> None:
+        _unpack_kernel[grid](
+            dst=dst,
+            tab=table,
+            payload=pay,
+            scales=sc,
+            TAB_W=4 + n,
+            DST=B.FLOAT_KIND.get(geom.dtype, 0),
+            ALIGN=align,
+            IN_ALIGN=in_align,
+            **common,
+        )
+
+    return rows, go
 
 
 def unpack_many(items: Sequence[B.UnpackItem]) -> None:
     """`unpack` for many items in as few launches as possible (grouped as in `pack_many`).
 
     The targets of different items must not overlap (the order of writes between items is
-    unspecified); each item's block ids must be distinct.
+    unspecified); each item's block ids must be distinct. The item tables of all launches
+    cross to the device in one asynchronous copy from page-locked memory: no host
+    synchronization.
     """
     items = list(items)
     ids = [B.check_ids(it.block_ids, it.num_blocks, distinct=True) for it in items]
     keys = [
         B.signature(it.buffer.device, it.field, i, it.fmt, it.group) for it, i in zip(items, ids)
     ]
+    launches = []
     for members in B.group_items(keys):
-        _launch([items[i] for i in members], [ids[i] for i in members])
+        rows, go = _plan([items[i] for i in members], [ids[i] for i in members])
+        if go is not None:
+            launches.append((items[members[0]].buffer.device, rows, go))
+    tables = B.stage_tables([(device, rows) for device, rows, _ in launches])
+    for (_, _, go), table in zip(launches, tables):
+        go(table)
 
 
 def unpack(

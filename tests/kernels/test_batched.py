@@ -81,8 +81,8 @@ def test_pack_many_equals_reference_item_by_item(codecs):
 
 def test_pack_many_uses_one_launch_per_signature(monkeypatch):
     calls = []
-    real = pack_module._launch
-    monkeypatch.setattr(pack_module, "_launch", lambda items, ids: calls.append(len(items))
+    real = pack_module._plan
+    monkeypatch.setattr(pack_module, "_plan", lambda items, ids: calls.append(len(items))
                         or real(items, ids))
     items = _request(_regions(7, seed=2))
     pack_many(items)

@@ -1,0 +1,253 @@
+"""Compile every kernel specialization the library launches for sm_90, on a CPU, and scan its PTX.
+
+    python -m tests.kernels.sm90 [--json OUT] [--jobs 2] [--limit N]
+
+Why a separate process: the kernel tests run the kernels in the Triton interpreter
+(`TRITON_INTERPRET=1`, read when a kernel is decorated), and an interpreted kernel cannot be
+compiled. Here the real launch path (`triton_pack._plan` / `triton_unpack._plan`) runs on CPU
+tensors laid out like vLLM's cache for each shipped model layout, tp size, codec, group size and
+dtype; the launch itself is replaced by a recorder, and each distinct specialization (Triton's
+own binder decides what is distinct) is compiled for `GPUTarget("cuda", 90, 32)` with the ptxas
+inside the triton wheel. The result per specialization: the global loads and stores of its
+PTX, by width.
+
+The check (see `check`): where the host could prove 16-byte alignment of a contiguous last
+axis (ALIGN == 16 bytes / itemsize), the bulk data path uses 16-byte vector accesses: every
+global load of the source (pack) or payload (unpack) and every store of the payload (pack) or
+target (unpack) is 16 bytes wide; only item-table (b64) and scale (b32) accesses may be narrow.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+import json
+import os
+import re
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+
+from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, kimi_linear_layout  # noqa: E402
+from anchorkv.kernels.batch import PackItem, UnpackItem, geometry  # noqa: E402
+from anchorkv.kernels.formats import Quant, payload_nbytes  # noqa: E402
+
+TP_SIZES = (1, 2, 4, 8)
+#: Group sizes the store holds per field (conv: divisors of the 512-channel chunk; latent: of 576).
+GROUPS = {"conv": (32, 64, 128, 512), "recurrent": (32, 64, 128), "latent": (32, 64, 192, None)}
+FORMATS = (Quant.FP8, Quant.INT8, Quant.INT4)
+_MEM = re.compile(r"\b(ld|st)\.global((?:\.[A-Za-z0-9_:]+)*?)(?:\.v(\d))?\.([bfsu])(\d+)\b")
+
+
+def _layouts():
+    for tp in TP_SIZES:
+        for conv_layout in ("SD", "DS"):
+            for dtype in (torch.bfloat16, torch.float16):
+                for state_dtype in (torch.float32, torch.bfloat16):
+                    yield (f"kimi-linear tp={tp} conv={conv_layout} {str(dtype)[6:]}/"
+                           f"{str(state_dtype)[6:]}",
+                           kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=tp,
+                                              conv_layout=conv_layout, dtype=dtype,
+                                              state_dtype=state_dtype))
+
+
+def _items():
+    """(label, PackItem, UnpackItem) for every field x codec of every shipped layout."""
+    for name, layout in _layouts():
+        fields = {}
+        for layer in layout.layers:
+            for f in layer.page.fields:
+                fields.setdefault(f.name, (layer.kind, f, layer.page.page_bytes))
+        for fname, (kind, f, page) in fields.items():
+            geom_field = f.geometry(page)
+            blocks = 8
+            buf = torch.empty(blocks * page, dtype=torch.uint8)
+            ids = [3] if str(kind) == "state" else [5, 1, 6, 2]
+            codecs = [(Quant.RAW, None), (Quant.BF16, None)] + [(q, g) for q in FORMATS for g in GROUPS[fname]
+                                           if g is None or f.shape[-1] % g == 0]
+            for fmt, group in codecs:
+                if fmt is Quant.INT4 and group is not None and group % 2:
+                    continue
+                label = f"{name} {fname} {fmt}:{group or 'whole'}"
+                pack = PackItem(buf, geom_field, ids, blocks, fmt, group)
+                g = geometry(geom_field, fmt, group)
+                payload = torch.empty(len(ids) * payload_nbytes(fmt, g.numel, g.itemsize),
+                                      dtype=torch.uint8)
+                scales = torch.empty(len(ids) * g.groups, g.columns, dtype=torch.float32)
+                unpack = UnpackItem(buf, geom_field, ids, blocks, payload, scales, fmt, group)
+                yield label, pack, unpack
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda **kwargs: self.calls.append(kwargs)
+
+
+def specializations(items=None) -> list[dict]:
+    """Every distinct (kernel, specialization) the launch path produces, with its labels."""
+    from anchorkv.kernels import triton_pack, triton_unpack
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    kernels = {"pack": triton_pack._pack_kernel, "unpack": triton_unpack._unpack_kernel}
+    binders = {k: create_function_from_signature(fn.signature, fn.params, backend)
+               for k, fn in kernels.items()}
+    found: dict[str, dict] = {}
+    for label, pack, unpack in (_items() if items is None else items):
+        for op, module, plan_args in (("pack", triton_pack, [pack]),
+                                      ("unpack", triton_unpack, [unpack])):
+            rec = _Recorder()
+            real = getattr(module, f"_{op}_kernel")
+            setattr(module, f"_{op}_kernel", rec)
+            try:
+                from anchorkv.kernels.batch import check_ids
+                ids = [check_ids(i.block_ids, i.num_blocks) for i in plan_args]
+                planned = module._plan(plan_args, ids)
+                go = planned[-1]
+                rows = planned[-2]
+                go(torch.tensor(rows + [0] * (len(rows) % 2), dtype=torch.int64))
+            finally:
+                setattr(module, f"_{op}_kernel", real)
+            (kwargs,) = rec.calls
+            bound, spec, options = binders[op](**kwargs)
+            opts, signature, constexprs, attrs = kernels[op]._pack_args(
+                backend, kwargs, bound, spec, options)
+            key = repr((op, sorted(signature.items()), sorted(constexprs.items()),
+                        sorted(attrs.items()), sorted(opts.__dict__.items())))
+            entry = found.setdefault(key, {"op": op, "labels": [], "key": key,
+                                            "constexprs": {str(k): v for k, v in
+                                                           constexprs.items()}})
+            entry["labels"].append(label)
+            entry["_compile"] = (signature, constexprs, attrs, opts.__dict__)
+            entry["align"] = kwargs.get("ALIGN", 1)
+            entry["itemsize"] = torch.tensor([], dtype=pack.field.dtype).element_size()
+            entry["fmt"] = str(pack.fmt)
+            entry["contig"] = bool(kwargs["CONTIG"])
+            entry["in_align"] = kwargs.get("IN_ALIGN")
+    return list(found.values())
+
+
+def request_stream(count: int = 60, seed: int = 0):
+    """(label, PackItem, UnpackItem) of `count` realistic requests at tp=1: prompts of 1 to
+    131072 tokens (1 to 69 MLA blocks of 1920 tokens), random block ids, the exact default
+    (raw) and one lossy codec per field."""
+    import random
+
+    rng = random.Random(seed)
+    layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=1)
+    page = layout.layers[0].page.page_bytes
+    blocks = 80
+    buf = torch.empty(blocks * page, dtype=torch.uint8)
+    fields = {}
+    for layer in layout.layers:
+        for f in layer.page.fields:
+            fields.setdefault(f.name, (str(layer.kind), f.geometry(page)))
+    for r in range(count):
+        tokens = rng.randint(1, 131072)
+        n = -(-tokens // layout.block_size)
+        for fname, (kind, field) in fields.items():
+            ids = [rng.randrange(blocks)] if kind == "state" else rng.sample(range(blocks), n)
+            for fmt, group in ((Quant.RAW, None), (Quant.FP8, 64 if fname == "latent" else 128)):
+                g = geometry(field, fmt, group)
+                payload = torch.empty(len(ids) * payload_nbytes(fmt, g.numel, g.itemsize),
+                                      dtype=torch.uint8)
+                scales = torch.empty(len(ids) * g.groups, g.columns, dtype=torch.float32)
+                yield (f"request {r} ({tokens} tokens) {fname} {fmt}",
+                       PackItem(buf, field, ids, blocks, fmt, group),
+                       UnpackItem(buf, field, ids, blocks, payload, scales, fmt, group))
+
+
+def _compile(args) -> dict:
+    op, signature, constexprs, attrs, options = args
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from anchorkv.kernels import triton_pack, triton_unpack
+
+    fn = triton_pack._pack_kernel if op == "pack" else triton_unpack._unpack_kernel
+    src = ASTSource(fn, signature, constexprs, attrs)
+    options = {k: v for k, v in options.items() if k not in ("extern_libs",)}
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    ptx = kernel.asm["ptx"]
+    accesses = Counter()
+    for m in _MEM.finditer(ptx):
+        kind, _, vec, _, bits = m.groups()
+        accesses[f"{kind}.v{vec}.b{bits}" if vec else f"{kind}.b{bits}"] += 1
+    return dict(accesses)
+
+
+def check(entry: dict) -> str | None:
+    """None if the PTX meets the rule of the module docstring, else why not.
+
+    The cache side (pack: loads of the source; unpack: stores of the target) must be 16 bytes
+    wide; so must the payload side, except int4, whose codes are a quarter (bf16/fp16) or an
+    eighth (fp32) of the source bytes: 8-byte payload accesses there. Narrow accesses allowed:
+    the item table (`ld.b64`) and the per-group scales (`b32`).
+    """
+    acc = entry["accesses"]
+    if not entry["contig"] or entry["align"] * entry["itemsize"] < 16:
+        return None  # no alignment claim: scalar accesses are expected
+    wide = {"ld.v4.b32", "st.v4.b32", "ld.v2.b64", "st.v2.b64"}
+    cache, payload = ("ld", "st") if entry["op"] == "pack" else ("st", "ld")
+    payload_ok = set(wide)
+    if entry["fmt"] == "int4":
+        payload_ok |= {f"{payload}.v2.b32"}
+    allowed = {"ld.b64"}  # the item table
+    if entry["fmt"] not in ("raw", "bf16"):  # scales: loaded (unpack) or stored (pack) once per group
+        allowed.add("ld.b32" if entry["op"] == "unpack" else "st.b32")
+    problems = []
+    if not any(k in wide for k in acc if k.startswith(cache)):
+        problems.append(f"no 16-byte {cache} on the cache side")
+    if not any(k in payload_ok for k in acc if k.startswith(payload)):
+        problems.append(f"no vector {payload} on the payload side")
+    bad = {k: v for k, v in acc.items() if k not in wide | payload_ok | allowed}
+    if bad:
+        problems.append(f"narrow data accesses {bad}")
+    return f"{'; '.join(problems)} (all: {acc})" if problems else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--limit", type=int, default=0, help="compile only the first N (debugging)")
+    ap.add_argument("--variants", action="store_true",
+                    help="only count the distinct specializations over a stream of requests")
+    args = ap.parse_args(argv)
+    if args.variants:
+        stream = specializations(request_stream())
+        one = specializations(request_stream(count=1))
+        print(json.dumps({"stream": len(stream), "one_request": len(one)}))
+        return 0
+    specs = specializations()
+    if args.limit:
+        specs = specs[: args.limit]
+    work = [(s["op"], *s.pop("_compile")) for s in specs]
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for s, acc in zip(specs, pool.map(_compile, work)):
+            s["accesses"] = acc
+            s["problem"] = check(s)
+    failed = [s for s in specs if s["problem"]]
+    for s in specs:
+        print(f"{'FAIL' if s['problem'] else 'ok  '} {s['op']:6} {s['labels'][0]} "
+              f"(+{len(s['labels']) - 1}) align={s['align']} {s['accesses']}"
+              + (f"\n     {s['problem']}" if s["problem"] else ""))
+    print(f"{len(specs)} specializations compiled for sm_90, {len(failed)} failed the vector check")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{k: v for k, v in s.items() if k != "key"} for s in specs], f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

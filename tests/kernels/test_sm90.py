@@ -1,0 +1,59 @@
+"""The kernels compiled for Hopper (sm_90) on a CPU: vector widths of their PTX, and how many
+variants a stream of requests compiles. Runs `python -m tests.kernels.sm90` in a subprocess
+(an interpreted kernel cannot be compiled; see that module)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str, timeout: int) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-m", "tests.kernels.sm90", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    out = tmp_path_factory.mktemp("sm90") / "sm90.json"
+    proc = _run("--json", str(out), timeout=1500)
+    if not out.exists():
+        pytest.fail(f"sm_90 compile run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}"
+                    f"\n{proc.stderr[-3000:]}")
+    return proc, json.loads(out.read_text())
+
+
+def test_every_specialization_compiles_for_sm90(compiled):
+    proc, specs = compiled
+    assert {s["op"] for s in specs} == {"pack", "unpack"}
+    # every codec of every field reached the compiler at least once
+    fmts = {(s["op"], s["fmt"]) for s in specs}
+    assert fmts == {(op, f) for op in ("pack", "unpack") for f in ("raw", "bf16", "fp8", "int8", "int4")}
+
+
+def test_bulk_path_uses_16_byte_vector_accesses(compiled):
+    proc, specs = compiled
+    failed = [f"{s['op']} {s['labels'][0]}: {s['problem']}" for s in specs if s["problem"]]
+    assert not failed, "\n".join(failed)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    # the check did apply: the contiguous, aligned fields of the shipped layouts claim 16 bytes
+    claimed = [s for s in specs if s["contig"] and s["align"] * s["itemsize"] >= 16]
+    assert len(claimed) >= len(specs) // 2, [(s["labels"][0], s["align"]) for s in specs]
+
+
+def test_compiled_variants_do_not_grow_with_requests():
+    """60 requests of 1 to 131072 tokens (1 to 69 MLA blocks, random block ids) compile no more
+    variants than one request: block counts and table widths are not specialized."""
+    proc = _run("--variants", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["stream"] == counts["one_request"], counts
+    assert counts["one_request"] <= 12, counts  # 3 fields x 2 codecs x (pack, unpack)
