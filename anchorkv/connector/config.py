@@ -30,13 +30,17 @@ DEFAULT_CODECS: dict[str, str] = {"conv": "raw", "recurrent": "raw", "latent": "
 
 #: Named codec presets, accepted as ``"codec": "<name>"``. Chosen by the rule in
 #: `benchmarks.fidelity.presets` over the fidelity study, judged on the worst case across all of
-#: its conditions (decay regimes, input models, attention sharpness, seeds):
+#: its conditions (KDA and Gated DeltaNet layers, slow / medium / fast decay, three input models,
+#: both state layouts; MLA latents with and without outlier channels, logit std 1 / 3 / 6, two
+#: query models; seeds 0-2; `benchmarks/results/fidelity.md`):
 #:   exact    - raw everywhere (the default);
 #:   compact  - per field, the fewest bytes whose worst condition keeps the continuation error
-#:              under 1e-3 on average and 5e-3 at every step;
-#:   smallest - per field, the fewest bytes whose worst condition keeps it under 1e-2 on
-#:              average and 5e-2 at every step.
-#: The README's fidelity table says where each lossy preset fails.
+#:              under 2e-3 on average and 1e-2 at every step: recurrent bf16 (worst 1.3e-3 /
+#:              5.0e-3; 0.73x of a 4096-token Kimi-Linear request);
+#:   smallest - the same under 1e-2 / 5e-2: today equal to `compact`, since no 8-bit codec meets
+#:              it in the worst case (recurrent fp8/int8 fail with slow forgetting, conv fp8 on
+#:              the first steps with outlier inputs, latent fp8 without outlier channels).
+#: `tests/test_bench.py` checks these equal the rule's choice on the recorded study.
 PRESETS: dict[str, dict[str, str]] = {
     "exact": dict(DEFAULT_CODECS),
     "compact": {"conv": "raw", "recurrent": "bf16", "latent": "raw"},
