@@ -168,14 +168,20 @@ class LocalBackend:
     def publish(self, staged: str, final: str) -> bool:
         """Rename the staged directory to `final`; False if another write published it first."""
         target = self._p(final)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.rename(self._p(staged), target)
-        except OSError as e:
-            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                return False
-            raise
-        return True
+        for attempt in range(3):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.rename(self._p(staged), target)
+                return True
+            except FileNotFoundError:
+                # the key's directory went away meanwhile (a delete removed it as empty): again
+                if attempt == 2 or not self._p(staged).exists():
+                    raise
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    return False
+                raise
+        raise AssertionError("unreachable")
 
     def mtime(self, path: str) -> float | None:
         try:

@@ -202,8 +202,6 @@ def gc(store: "Store", stale_after: float, progress: Callable[[str, int], None] 
     for e in entries:
         if e.state not in ("damaged", "old-format") or e.id in store.pins or e.id in leased:
             continue
-        if e.state == "damaged" and t - e.created < stale_after and not backend.atomic_publish:
-            continue  # perhaps still being written over (object store)
         kind = "damaged" if e.state == "damaged" else "old_format"
         remove(kind, f"entry {e.id} ({e.problem})", e.stored_bytes, lambda e=e: store.delete(e.id))
     for key in backend.list_dir(ENTRIES):

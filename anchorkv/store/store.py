@@ -82,7 +82,6 @@ class Store:
         self._infos: dict[str, EntryInfo] = {}
         self._arrays: dict[str, dict[str, ArrayLayout]] = {}
         self._fingerprints: dict[int, tuple[Any, str]] = {}
-        self._groups: set[str] = set()
         self._checked: set[tuple] = set()
         self.pins = eviction.Pins()
         self._touched: dict[str, float] = {}
@@ -213,12 +212,11 @@ class Store:
             raise
 
     def _ensure_groups(self, key: str) -> None:
-        if key in self._groups:
-            return
+        """The key's group ``zarr.json`` (checked at every commit: a delete removes the key's
+        directory once its last entry is gone)."""
         path = f"{ENTRIES}/{key}/zarr.json"
         if not self.backend.exists(path):
             self.backend.write(path, [group_json()], atomic=True)
-        self._groups.add(key)
 
     def _after_commit(self, info: EntryInfo) -> None:
         self._infos[info.id] = info
@@ -586,8 +584,7 @@ class Store:
         self._infos.pop(entry_id, None)
         self._arrays.pop(entry_id, None)
         self._touched.pop(entry_id, None)
-        if self.backend.remove_empty_dir(f"{ENTRIES}/{key}"):
-            self._groups.discard(key)
+        self.backend.remove_empty_dir(f"{ENTRIES}/{key}")
 
     def verify(self, entry: EntryInfo | str, progress: Callable[[int], None] | None = None) -> list[str]:
         """Read every shard of an entry and check it; returns the problems found (empty: ok).

@@ -169,8 +169,8 @@ class TestStoreConformance:
         with pytest.raises(CorruptEntry, match=f"{info.id}.*{key}"):
             fresh.load(info.id, tiny_layout(8, 3), layer, "recurrent")
         problems = fresh.verify(info.id)
-        assert len(problems) == 1 and f"shard {shard} fails its check" in problems[0], problems
-        assert f"damaged chunks: {key}" in problems[0], problems
+        assert len(problems) == 2 and f"shard {shard} fails its check" in problems[0], problems
+        assert f"shard {shard}: damaged chunks: {key} " in problems[1], problems
 
     def test_truncated_and_missing_shards_are_detected(self, store):
         info = save(store)
@@ -181,8 +181,10 @@ class TestStoreConformance:
         with pytest.raises(CorruptEntry, match=f"entry {info.id}: shard conv/c.0.0.0.0 is missing"):
             store.load(info, tiny_layout(), "model.layers.0.attn", "conv")
         problems = store.verify(info)
-        assert len(problems) == 2, problems
-        assert "index is damaged" in problems[0] + problems[1]
+        assert len(problems) == 3, problems  # latent: size/crc, its index; conv: missing
+        text = "\n".join(problems)
+        assert "shard latent/c.0.0.0 fails its check" in text and "shard latent/c.0.0.0: its index is damaged" in text
+        assert f"entry {info.id}: shard conv/c.0.0.0.0 is missing" in problems, problems
         # cut into the chunk bytes (not only the index): a range read comes back short
         store.backend.write(f"{info.path}/latent/c.1.0.0", [store.backend.read(f"{info.path}/latent/c.1.0.0")[:100]])
         with pytest.raises(CorruptEntry, match=f"entry {info.id}: shard latent/c.1.0.0 .*expected .* bytes"):
