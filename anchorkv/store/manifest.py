@@ -8,12 +8,15 @@ On disk (paths relative to the store root)::
     entries/<key>/<name>/zarr.json     group: the entry; attributes["anchorkv"] = manifest
     entries/<key>/<name>/<field>/zarr.json, .../<field>/c.<layer>.<i>...   arrays and shards
 
-Format version 2: each array is sharded (zarr's ``sharding_indexed``, see `anchorkv.store.format`);
-the files ``<field>/c.<...>`` are shards, keyed by their coordinates in the shard grid. The manifest
-keeps ``checksums``: per *inner* chunk (named by its coordinates in the chunk grid, as zarr would
-name it without sharding) ``[crc32c, nbytes, offset in its shard]``, so a reader that reads one
-inner chunk by byte range verifies it; and ``shards``: per shard file ``[crc32c, nbytes]`` of the
-whole file (index included), which `Store.verify` checks.
+Format version 3: each field is one or two standard Zarr v3 arrays (values, or codes and
+``<field>_scales``; see `anchorkv.store.format`), each sharded (zarr's ``sharding_indexed``); the
+files ``<array>/c.<...>`` are shards, keyed by their coordinates in the shard grid. The manifest
+keeps ``checksums``: per *inner* chunk of every array (named by its coordinates in the chunk
+grid, as zarr would name it without sharding) ``[crc32c, nbytes, offset in its shard]``, so a
+reader that reads one inner chunk by byte range verifies it; ``shards``: per shard file
+``[crc32c, nbytes]`` of the whole file (index included); and ``checksum``, the blake3 of the
+manifest's canonical JSON (`manifest_checksum`). `check_manifest` cross-checks everything a load
+relies on before an entry is used.
 
 `<name>` is ``t<prefix tokens, 8 digits>-<16 hex of the prefix hash>`` (object stores append
 ``.<write id>``). The manifest is JSON; its keys are the constants below.
