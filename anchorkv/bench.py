@@ -121,14 +121,14 @@ def run_suites(root: Path, quick: bool, k: str | None, suites: tuple[str, ...]) 
 def run_fidelity(root: Path, quick: bool, tiny: bool = False) -> dict:
     env = {**os.environ, "PYTHONPATH": str(root)}
     with tempfile.TemporaryDirectory() as tmp:
-        js = Path(tmp) / "fidelity.json"
-        cmd = [sys.executable, "-m", "benchmarks.fidelity", "--json", str(js)]
+        js, md = Path(tmp) / "fidelity.json", Path(tmp) / "fidelity.md"
+        cmd = [sys.executable, "-m", "benchmarks.fidelity", "--json", str(js), "--md", str(md)]
         cmd += ["--tiny"] if tiny else ["--quick"] if quick else []
         rc, secs, tail = _run(cmd, root, env)
-        if rc != 0 or not js.exists():
-            return {"returncode": rc, "seconds": secs, "log_tail": tail}
+        if rc != 0 or not js.exists() or not md.exists():
+            return {"returncode": rc or 1, "seconds": secs, "log_tail": tail}
         res = json.loads(js.read_text())
-        res.update({"returncode": rc, "seconds": secs})
+        res.update({"returncode": rc, "seconds": secs, "markdown": md.read_text().splitlines()})
         print(f"  fidelity: {secs:.0f} s, presets {res.get('presets')}")
         return res
 

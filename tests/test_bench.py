@@ -101,6 +101,18 @@ def test_markdown_has_every_row(result):
     assert "| `store` | **MISSING** |" in md
 
 
+def test_run_fidelity_brings_back_the_study_s_markdown():
+    """`anchorkv bench` runs the study in a subprocess and embeds its markdown in the report."""
+    from pathlib import Path
+
+    res = bench.run_fidelity(Path(__file__).resolve().parents[1], quick=False, tiny=True)
+    assert res["returncode"] == 0, res.get("log_tail")
+    assert res["markdown"][0] == "## Fidelity" and res["presets"]["exact"]["recurrent"] == "raw"
+    md = bench.render_markdown({"machine": "m", "created": "-", "mode": "tiny", "device": {}, "command": "c",
+                                "seconds": 1.0, "suites": {}, "fidelity": res})
+    assert "### Every row" in md and "Reproduce: `python -m benchmarks.fidelity --tiny`" in md
+
+
 def test_missing_suite_is_reported_not_raised(tmp_path):
     (tmp_path / "benchmarks").mkdir()
     out = bench.run_suites(tmp_path, quick=True, k=None, suites=("store",))
