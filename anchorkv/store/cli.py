@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 from datetime import datetime, timezone
 import json
-import os
 import sys
 import time
 
