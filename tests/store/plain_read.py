@@ -36,7 +36,9 @@ def dequantize(codes: np.ndarray, scales: np.ndarray | None, attrs: dict) -> np.
         if attrs["source_dtype"] == "bfloat16":  # uint16 bits
             return (codes.astype(np.uint32) << 16).view(np.float32)
         return codes.astype(np.float32)
-    fmt, g = attrs["codec"], attrs["group"]
+    fmt, g = attrs["codec"], attrs.get("group")
+    if fmt == "bf16":  # elementwise: uint16 bfloat16 bits, no scales
+        return to_source((codes.astype(np.uint32) << 16).view(np.float32), attrs["source_dtype"])
     if fmt == "fp8":
         q = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     elif fmt == "int8":
@@ -72,7 +74,7 @@ def read_entry(entry_dir: str, reader: str) -> dict[str, np.ndarray]:
     for field in sorted(manifest["arrays"]):
         codes, attrs = read_array(os.path.join(entry_dir, field), reader)
         scales = None
-        if attrs["role"] == "codes":
+        if "scales" in attrs:
             scales, _ = read_array(os.path.join(entry_dir, attrs["scales"]), reader)
         print(reader, field, codes.dtype, list(codes.shape), None if scales is None else list(scales.shape))
         out[field] = dequantize(codes, scales, attrs)

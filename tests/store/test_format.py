@@ -93,7 +93,8 @@ def entry(tmp_path, request):
     return store, layout, info, packed, codecs
 
 
-ENTRIES = [(CODECS, None), (RAW_CODECS, None), (CODEC_SETS["int4"], None), (CODECS, {"id": "zstd", "level": 3})]
+ENTRIES = [(CODECS, None), (RAW_CODECS, None), (CODEC_SETS["int4"], None), (CODECS, {"id": "zstd", "level": 3}),
+           ({"conv": "raw", "recurrent": "bf16", "latent": "fp8:24"}, None)]
 
 
 def expected_values(layout, info, packed) -> dict[str, np.ndarray]:
@@ -110,7 +111,7 @@ def expected_values(layout, info, packed) -> dict[str, np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("entry", ENTRIES, indirect=True, ids=["quant", "raw", "int4", "quant-zstd"])
+@pytest.mark.parametrize("entry", ENTRIES, indirect=True, ids=["quant", "raw", "int4", "quant-zstd", "bf16"])
 def test_standard_readers_without_anchorkv(entry, tmp_path):
     """In a process where `import anchorkv` fails, zarr-python and tensorstore open every array
     of the entry (raw values, codes, scales; real dtypes, bf16 as its bits) and numpy, following
