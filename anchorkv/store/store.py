@@ -80,6 +80,7 @@ class Store:
         self._arrays: dict[str, dict[str, ArrayLayout]] = {}
         self._fingerprints: dict[int, tuple[Any, str]] = {}
         self._checked: set[tuple] = set()
+        self._warned: set[str] = set()
         self.pins = eviction.Pins()
         self._touched: dict[str, float] = {}
         self._warned_semantic = False
@@ -268,9 +269,15 @@ class Store:
         return None
 
     def _try_info(self, entry_id: str) -> EntryInfo | None:
+        """The entry, or None if it is gone or unusable (a damaged one is logged once)."""
         try:
             return self.get(entry_id)
-        except (EntryNotFound, CorruptEntry):
+        except EntryNotFound:
+            return None
+        except CorruptEntry as e:
+            if entry_id not in self._warned:
+                self._warned.add(entry_id)
+                log.warning("anchorkv: skipping an unusable entry (recompute): %s", e)
             return None
 
     def get(self, entry: EntryInfo | str) -> EntryInfo:
