@@ -45,6 +45,7 @@ class _Tracked:
     table: list[list[int]] | None = None  # without vLLM's block state only: the worker's view
     loaded: int = 0  # tokens restored from the store (not saved again)
     prefill_saved: bool = False
+    boundary_saved: bool = False
 
 
 class SchedulerSide:
@@ -203,6 +204,8 @@ class SchedulerSide:
                         tracked.table[g].extend(ids)
                 table = tracked.table
             if table is not None:
+                if self.mode == "align" and req_id in offers:
+                    self._maybe_save_boundary(req_id, tracked, table, offers[req_id], meta)
                 self._maybe_save_prefill(req_id, tracked, computed, scheduled.get(req_id, 0), table,
                                          offers.get(req_id, ()), meta)
         if self.mode == "align":
@@ -258,6 +261,22 @@ class SchedulerSide:
         if n <= tracked.loaded or blocks is None:
             log.debug("anchorkv: request %s: no state to save after its prompt this step", req_id)
             return
+        meta.saves.append(SaveSpec(req_id, tracked.anchor, tracked.prompt[:n], n, blocks))
+
+    def _maybe_save_boundary(self, req_id: str, tracked: _Tracked, table, offers, meta: Metadata) -> None:
+        """Align mode: save the prompt's last block boundary *below* its length, from the state
+        blocks vLLM offers in the step that computes it. The same prompt sent again (a
+        prefill/decode split, a retry) can restore only an entry shorter than the prompt; an
+        entry at a block boundary restores at any tp (any entry length does)."""
+        if "prefill" not in self.config.save_points or tracked.boundary_saved:
+            return
+        target = (len(tracked.prompt) - 1) // self.block_size * self.block_size
+        if target <= tracked.loaded:
+            return
+        n, blocks = self._offered_boundary(table, [o for o in offers if int(o[2]) == target], target)
+        if blocks is None:
+            return
+        tracked.boundary_saved = True
         meta.saves.append(SaveSpec(req_id, tracked.anchor, tracked.prompt[:n], n, blocks))
 
     def _offered_boundary(self, table, offers, limit: int) -> tuple[int, tuple | None]:

@@ -158,15 +158,18 @@ def test_other_model_fingerprint_gets_nothing(model_dir, other_model_dir, tmp_pa
 
 def test_align_mode_saves_the_prompt_end_and_loads_past_a_local_hit(model_dir, tmp_path):
     """Align mode saves the state after the prompt and after prompt + output whatever their
-    length (the block of the last token holds it), and a load starts at vLLM's local hit."""
+    length (the block of the last token holds it), plus the prompt's last block boundary below
+    its length (offered by vLLM: what the same prompt sent again can restore); a load starts at
+    vLLM's local hit."""
     store = tmp_path / "store"
     eng = E.make_engine(model_dir, str(store), mode="align", num_blocks=16, extra=RAW)
     assert eng.block_size == 1920
     first_turn(eng, ALIGN_PROMPT, ANCHOR)
-    assert entries(store) == [2000, 2002]
+    assert entries(store) == [1920, 2000, 2002]
     prompt2 = ALIGN_PROMPT + GENERATED + EXTRA
     assert matched(eng, prompt2, ANCHOR) == (2002, True)
     assert matched(eng, prompt2, ANCHOR, num_computed=1920) == (82, True)  # beyond the local hit
+    assert matched(eng, ALIGN_PROMPT, ANCHOR) == (1920, True)  # the same prompt again
     assert matched(eng, ALIGN_PROMPT[:1920], ANCHOR) == (0, False)  # never the whole prompt
     spec, snaps = start_load(eng, "r2", prompt2, ANCHOR)
     assert spec is not None and (spec.start, spec.num_tokens) == (1920, 2002)  # vLLM's local hit

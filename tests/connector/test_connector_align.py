@@ -57,7 +57,7 @@ def store(model_dir, tmp_path_factory):
     eng.flush()
     for r in eng.ranks:
         r.connector.shutdown()
-    assert sorted(e.num_tokens for e in Store.open(path).list()) == [ENTRY]
+    assert sorted(e.num_tokens for e in Store.open(path).list()) == [2 * BS, ENTRY]
     return str(path)
 
 

@@ -68,6 +68,43 @@ def test_preempted_request_saves_from_its_replacement_blocks(model_dir, tmp_path
     _restore_and_check(eng, "r3", b_prompt + [9] * 40, "bob-b", 3000)
 
 
+def test_preemption_while_a_load_is_in_flight(model_dir, tmp_path, monkeypatch):
+    """R's async load is held until the scheduler has preempted B (and handed B's blocks
+    on): R still restores bit for bit, B still saves from its replacement blocks, and no
+    byte anyone reads is wrong."""
+    import threading
+
+    store = tmp_path / "store"
+    eng = E.make_engine(model_dir, str(store), mode="none", num_blocks=13, max_num_batched_tokens=BS, extra=RAW,
+                        reserve_full_isl=False)
+    r_prompt = list(range(20000, 20300))
+    eng.add("r0", r_prompt, anchor="carol-c", max_tokens=3)
+    _run_all(eng)
+    preempted = threading.Event()
+    eng.forward_hook = lambda e, out: preempted.set() if out.preempted_req_ids else None
+    worker = eng.ranks[0].connector.worker
+    read = worker._read
+
+    def held_read(spec):
+        if spec.req_id == "R":
+            preempted.wait(120)  # released by the step that preempts B (not a timing assertion)
+        return read(spec)
+
+    monkeypatch.setattr(worker, "_read", held_read)
+    eng.add("R", r_prompt + [1, 1] + [7] * 40, anchor="carol-c", max_tokens=3)
+    eng.add("A", list(range(1000, 1000 + BS - 5)), max_tokens=8)
+    b_prompt = list(range(5000, 8000))
+    eng.add("B", b_prompt, anchor="bob-b", max_tokens=3)
+    outs = _run_all(eng)
+    assert preempted.is_set()
+    loads = [s for o in outs for s in o.kv_connector_metadata.plan.loads if s.req_id == "R"]
+    assert len(loads) == 1 and loads[0].num_tokens == 302
+    assert len(eng.tokens["R"]) == 300 + 2 + 40 + 3
+    assert 3000 in entries(store)
+    eng.forward_hook = None
+    _restore_and_check(eng, "r3", b_prompt + [9] * 40, "bob-b", 3000)
+
+
 # ------------------------------------------------------------------ 2. align: chunks + admissions
 
 
@@ -87,7 +124,7 @@ def test_align_chunked_prefill_with_a_request_admitted_in_the_last_chunk_step(mo
     outs = _run_all(eng)
     assert any(o.num_scheduled_tokens.get("A") == 80 for o in outs)
     assert a_first & {b for g in eng.blocks["B"] for b in g}, "B never got a block A's table freed"
-    assert entries(store) == sorted([2000, 2002, BS - 80, BS - 78])
+    assert entries(store) == sorted([BS, 2000, 2002, BS - 80, BS - 78])
     _restore_and_check(eng, "ra", a_prompt + [9] * 40, "alice-a", 2000)
 
 
@@ -98,7 +135,7 @@ def test_two_requests_admitted_in_one_step_both_restore(model_dir, tmp_path):
     eng.add("A", p1, anchor="alice-a", max_tokens=3)
     eng.add("B", p2, anchor="bob-b", max_tokens=3)
     _run_all(eng)
-    assert entries(store) == [1500, 1502, 1700, 1702]
+    assert entries(store) == [1500, 1502, 1700, 1702]  # no block boundary below 1920
     eng.add("ra", p1 + [1, 1, 7, 7, 7], anchor="alice-a")
     eng.add("rb", p2 + [1, 1, 7, 7, 7], anchor="bob-b")
     out = eng.step()  # both admitted, both load in this step
@@ -128,6 +165,42 @@ def test_sync_load_completes_before_the_forward_reads_it(model_dir, tmp_path, mo
     assert out.has_sync_kv_loads and out.num_scheduled_tokens.get("r2", 0) > 0
     _run_all(eng)
     assert len(eng.tokens["r2"]) == len(prompt2) + 3
+    if mode == "align":
+        # the same prompt again: the 1920 boundary entry; the step computes tokens of the next
+        # block, whose state block preprocess_mamba fills (before the load) and the kernels read
+        assert matched(eng, prompt, "alice-a") == (BS, False)
+        eng.add("r3", prompt, anchor="alice-a")
+        out = eng.step()
+        (load,) = out.kv_connector_metadata.plan.loads
+        assert load.num_tokens == BS and all(len(load.blocks[g]) == 2 for g in (0, 1, 2))
+        _run_all(eng)
+
+
+def test_failed_sync_load_stops_the_step_and_writes_nothing(model_dir, tmp_path, monkeypatch):
+    """vLLM 0.33 recomputes failed loads of waiting requests only; a sync load feeds a running
+    one. The connector raises (naming the fix) instead of letting the forward read an
+    unrestored state, and writes no byte."""
+    from anchorkv.store.errors import CorruptEntry
+
+    store = tmp_path / "store"
+    eng = E.make_engine(model_dir, str(store), mode="none", num_blocks=8, extra={**RAW, "async_load": False})
+    prompt = list(range(1000, 1300))
+    eng.add("r1", prompt, anchor="alice-a", max_tokens=3)
+    _run_all(eng)
+    worker_store = eng.ranks[0].connector.worker.store
+
+    def corrupt(entry_id, *a, **k):
+        raise CorruptEntry(f"entry {entry_id}: crc32c mismatch (test)")
+
+    monkeypatch.setattr(worker_store, "load", corrupt)
+    before = C.snapshot(eng.ranks[0])
+    eng.add("r2", prompt + [1, 1, 7, 7], anchor="alice-a")
+    with pytest.raises(RuntimeError, match="'async_load': true"):
+        eng.step()
+    table = eng.scheduler.kv_cache_manager.get_block_ids("r2")
+    masks = C.zeroed_by_vllm(eng.ranks[0], [b for g in eng.ranks[0].connector.groups
+                                             if g.kind.value == "paged" for b in table[g.index]])
+    C.assert_only_touched(eng.ranks[0], before, masks)  # only vLLM's zeroing of new MLA blocks
 
 
 # ------------------------------------------------------------------ 4. MLA kernel block sizes
@@ -166,33 +239,83 @@ def test_rows_past_the_entry_end_are_zero_for_async_loads(model_dir, tmp_path):
 
 # ------------------------------------------------------------------ 6. cross-TP, align mode
 
+TP_BLOCK = {1: 1920, 2: 1024, 4: 512, 8: 256}  # Kimi-Linear's hybrid block size per tp
+TP_PROMPT = 2500
+
+
+def _tp_prompt(tp: int) -> list[int]:
+    return list(range(1000 + tp, 1000 + tp + TP_PROMPT))
+
 
 @pytest.fixture(scope="module")
 def tp_engines(model_dir, tmp_path_factory):
-    """One align-mode engine per tp in {1, 2, 4, 8} over one store; each saved a prompt of
-    2500 tokens (+2 generated) under its own anchor: no entry length is a multiple of any
-    tp's block size (1920, 1024, 512, 256)."""
+    """One align-mode engine per tp in {1, 2, 4, 8} over one store; each saved a 2500-token
+    prompt (+2 generated) under its own anchor: entries at its last block boundary below the
+    prompt (1920, 2048, 2048, 2304), at 2500 and at 2502, none a multiple of every block size."""
     store = tmp_path_factory.mktemp("tp") / "store"
     mp = pytest.MonkeyPatch()
     engines = {}
     try:
         for tp, blocks in ((1, 10), (2, 12), (4, 18), (8, 30)):
             eng = E.make_engine(model_dir, str(store), mode="align", tp=tp, num_blocks=blocks, extra=RAW, monkeypatch=mp)
-            eng.add("p", list(range(1000 + tp, 3500 + tp)), anchor=f"tp-{tp}", max_tokens=3)
+            eng.add("p", _tp_prompt(tp), anchor=f"tp-{tp}", max_tokens=3)
             _run_all(eng)
             engines[tp] = eng
     finally:
         mp.undo()
-    assert sorted({e.tp_size for e in Store.open(store).list()}) == [1, 2, 4, 8]
+    got = {}
+    for e in Store.open(store).list():
+        got.setdefault(e.tp_size, []).append(e.num_tokens)
+    boundary = {tp: (TP_PROMPT - 1) // bs * bs for tp, bs in TP_BLOCK.items()}
+    assert {tp: sorted(n) for tp, n in got.items()} == {tp: [boundary[tp], 2500, 2502] for tp in TP_BLOCK}
     return engines
 
 
-@pytest.mark.parametrize("producer", [1, 2, 4, 8])
-@pytest.mark.parametrize("consumer", [1, 2, 4, 8])
-def test_align_cross_tp_restore(tp_engines, producer, consumer):
+PAIRS = [(p, c) for p in (1, 2, 4, 8) for c in (1, 2, 4, 8) if p != c]
+
+
+@pytest.mark.parametrize("producer,consumer", PAIRS)
+def test_align_cross_tp_restore_of_the_same_prompt(tp_engines, producer, consumer):
+    """The prompt sent again at another tp (a prefill/decode split): the producer's last block
+    boundary below the prompt restores, wherever it falls in the consumer's blocks. (An
+    earlier consumer may have saved a longer boundary of its own since: the lookup takes the
+    longest entry below the prompt.)"""
     eng = tp_engines[consumer]
-    prompt = list(range(1000 + producer, 3500 + producer)) + [1, 1] + [7] * 30
-    _restore_and_check(eng, f"c{producer}", prompt, f"tp-{producer}", 2502)
+    prompt = _tp_prompt(producer)
+    n, _ = matched(eng, prompt, f"tp-{producer}")
+    assert (TP_PROMPT - 1) // TP_BLOCK[producer] * TP_BLOCK[producer] <= n < TP_PROMPT
+    _restore_and_check(eng, f"s{producer}", prompt, f"tp-{producer}", n)
+
+
+@pytest.mark.parametrize("producer,consumer", [(8, 1), (1, 8), (2, 4), (4, 2)])
+def test_align_cross_tp_restore_of_the_next_turn(tp_engines, producer, consumer):
+    """The next turn at another tp restores prompt + output (2502 tokens: inside a block at
+    every tp)."""
+    prompt = _tp_prompt(producer) + [1, 1] + [7] * 30
+    _restore_and_check(tp_engines[consumer], f"n{producer}", prompt, f"tp-{producer}", 2502)
+
+
+@pytest.fixture(scope="module")
+def tp_engines_none(model_dir, tmp_path_factory):
+    """None mode: one engine per tp, each saved a 300-token prompt (+2 generated)."""
+    store = tmp_path_factory.mktemp("tp_none") / "store"
+    mp = pytest.MonkeyPatch()
+    engines = {}
+    try:
+        for tp in (1, 2, 4, 8):
+            eng = E.make_engine(model_dir, str(store), mode="none", tp=tp, num_blocks=8, extra=RAW, monkeypatch=mp)
+            eng.add("p", list(range(1000 + tp, 1300 + tp)), anchor=f"tp-{tp}", max_tokens=3)
+            _run_all(eng)
+            engines[tp] = eng
+    finally:
+        mp.undo()
+    return engines
+
+
+@pytest.mark.parametrize("producer,consumer", PAIRS)
+def test_none_cross_tp_restore_of_the_next_turn(tp_engines_none, producer, consumer):
+    prompt = list(range(1000 + producer, 1300 + producer)) + [1, 1] + [7] * 20
+    _restore_and_check(tp_engines_none[consumer], f"n{producer}", prompt, f"tp-{producer}", 302)
 
 
 # ------------------------------------------------------------------ 7. bad longest entry
