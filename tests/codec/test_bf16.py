@@ -205,29 +205,13 @@ def test_pack_many_mixes_bf16_with_kernel_formats(kda):
     assert torch.equal(buf, expect)
 
 
-def test_bf16_runs_the_reference_on_every_device(kda, monkeypatch):
-    """Until the Triton kernels implement bf16, the codec must never reach them (on CUDA the
-    batched launchers would): its pack/unpack and pack_many go through the torch reference."""
-    from anchorkv import kernels
-
-    def boom(*a, **k):
-        raise AssertionError("bf16 reached the kernel dispatch")
-
-    def no_items(items):
-        assert not list(items), "bf16 reached the batched kernels"
-        return []
-
-    for name in ("pack", "unpack"):
-        monkeypatch.setattr(kernels, name, boom)
-    for name in ("pack_many", "unpack_many"):
-        monkeypatch.setattr(kernels, name, no_items)
+def test_bf16_is_a_kernel_format(kda):
+    """bf16 is a built-in format of the fused kernels (FMT 4; `tests/kernels/test_bf16.py` checks
+    the Triton kernels byte for byte against the reference): the codec API hands it to the
+    kernel dispatch like fp8/int8/int4, and the bytes are the reference's."""
     _, view = kda
     codec = get_codec("bf16")
-    assert isinstance(codec, registry.ReferenceFormatCodec) and not codec.lossless
+    assert isinstance(codec, registry.QuantCodec) and codec.fmt is Quant.BF16 and not codec.lossless
     packed = pack(view, "recurrent", [0], "bf16")
-    unpack(packed, view, "recurrent", [2])
-    (again,) = pack_many([(view, "recurrent", [0], "bf16")])
-    assert torch.equal(again.payload, packed.payload)
-    unpack_many([(again, view, "recurrent", [3])])
-    assert torch.equal(view.tensor("recurrent")[3], view.tensor("recurrent")[2])
-    assert reference.dequantize(packed.payload, packed.scales, "bf16", None, packed.shape, torch.float32).shape == packed.shape
+    want, scales = reference.quantize(view.tensor("recurrent")[[0]], "bf16", None)
+    assert torch.equal(packed.payload, want) and packed.scales.numel() == 0 == scales.numel()
