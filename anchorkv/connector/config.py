@@ -150,8 +150,13 @@ def lossy_codecs(codecs: Mapping[str, CodecSpec]) -> dict[str, str]:
         except KeyError:
             lossless = False
         if not lossless:
-            out[name] = str(spec)
+            out[name] = _show(spec)
     return out
+
+
+def _show(spec: CodecSpec) -> str:
+    """A spec as users write it: elementwise formats (raw, bf16) have no group to show."""
+    return spec.id if spec.id in ("raw", "bf16") else str(spec)
 
 
 def codec_banner(codecs: Mapping[str, CodecSpec]) -> tuple[int, str]:
@@ -159,7 +164,7 @@ def codec_banner(codecs: Mapping[str, CodecSpec]) -> tuple[int, str]:
     restored exactly, WARNING naming the lossy fields otherwise."""
     import logging
 
-    shown = {k: ("raw" if v.id == "raw" else str(v)) for k, v in codecs.items()}
+    shown = {k: _show(v) for k, v in codecs.items()}
     lossy = lossy_codecs(codecs)
     if not lossy:
         return logging.INFO, f"anchorkv: codecs {shown}: every field is restored bit-exact"
