@@ -168,6 +168,8 @@ def test_sync_load_completes_before_the_forward_reads_it(model_dir, tmp_path, mo
     if mode == "align":
         # the same prompt again: the 1920 boundary entry; the step computes tokens of the next
         # block, whose state block preprocess_mamba fills (before the load) and the kernels read
+        eng = E.make_engine(model_dir, str(store), mode=mode, num_blocks=16, extra=extra,
+                            max_num_batched_tokens=BS)  # another instance: no local prefix hit
         assert matched(eng, prompt, "alice-a") == (BS, False)
         eng.add("r3", prompt, anchor="alice-a")
         out = eng.step()
