@@ -190,14 +190,14 @@ class SchedulerSide:
         resumed = set(getattr(cached, "resumed_req_ids", None) or ())
         for i, req_id in enumerate(cached.req_ids):
             steps.append((req_id, cached.num_computed_tokens[i], cached.new_block_ids[i], req_id in resumed))
-        for req_id, computed, new_ids, replace in steps:
+        for req_id, computed, new_ids, replaces in steps:
             tracked = self._requests.get(req_id)
             if tracked is None:
                 continue
             if block_state is not None:
                 table = block_state.get_block_ids(req_id)
             else:  # vLLM without the block hand-off: keep the worker's view of the table
-                if replace or tracked.table is None:
+                if replaces or tracked.table is None:
                     tracked.table = [list(ids) for ids in new_ids] if new_ids is not None else None
                 elif new_ids is not None:
                     for g, ids in enumerate(new_ids):
