@@ -80,6 +80,9 @@ def explain(e: BaseException, url: str) -> str:
         return (f"{url}: no S3 credentials were found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
                 "pass storage_options {\"access_key_id\": ..., \"secret_access_key\": ...} (connector: "
                 "kv_connector_extra_config.storage_options)")
+    if type(e).__name__ == "UnknownConfigurationKeyError":
+        return (f"{url}: {first.rstrip('.')}; expected S3 storage_options such as endpoint, region, access_key_id, "
+                "secret_access_key, session_token, allow_http (fix the key's spelling)")
     if "nosuchbucket" in low:
         return f"{url}: the bucket does not exist; create it, or fix the bucket name in the URL"
     if "invalidaccesskeyid" in low or "signaturedoesnotmatch" in low:

@@ -75,6 +75,8 @@ def test_s3_cli_errors_are_one_or_two_lines(s3_endpoint, tmp_path):
     cases = [
         (f"s3://{bucket}/p?endpoint={s3_endpoint}&region=us-east-1", "storage_options"),
         (f"s3://no-such-bucket-here/p?endpoint={s3_endpoint}&region=us-east-1", None),
+        (f"s3://{bucket}/p?endpoint={s3_endpoint}&acess_key_id=x", "is not valid for store 'S3'; expected S3 "
+                                                                   "storage_options such as endpoint"),
     ]
     for url, expect in cases:
         env = NO_AWS if expect else {**NO_AWS, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
