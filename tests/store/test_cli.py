@@ -249,3 +249,30 @@ def test_installed_command_runs(filled):
                          capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
     assert a.id in res.stdout and "alice-software-tokyo" in res.stdout
+
+
+@pytest.mark.s3
+def test_cli_on_an_s3_store(s3_endpoint, capsys, monkeypatch):
+    """ls / inspect / verify / rm / gc through an s3:// URL (endpoint in the query, credentials
+    from the environment); ids as printed, entries with a write id suffix included."""
+    from tests.store.conftest import S3_OPTIONS, make_s3_bucket
+
+    bucket = make_s3_bucket(s3_endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    url = f"s3://{bucket}/cache?endpoint={s3_endpoint}&region=us-east-1"
+    layout = tiny_layout()
+    with Store.open(f"s3://{bucket}/cache", **{**S3_OPTIONS, "endpoint": s3_endpoint}) as store:
+        a = store.save(layout, CODECS, tokens(700), all_packed(layout, CODECS, 700), anchor="alice")
+    code, out, _ = run(capsys, "ls", "--store", url, "--json")
+    assert code == 0 and [e["id"] for e in json.loads(out)["entries"]] == [a.id] and "." in a.id.split("/")[1]
+    code, out, _ = run(capsys, "inspect", a.id, "--store", url, "--json")
+    assert code == 0 and json.loads(out)["manifest"]["num_tokens"] == 700
+    code, out, _ = run(capsys, "verify", "--store", url)
+    assert code == 0 and "1 of 1 entries ok" in out
+    code, out, _ = run(capsys, "gc", "--store", url, "--capacity", "0", "--dry-run", "--json")
+    assert code == 0 and json.loads(out)["evicted"] == 1
+    code, out, _ = run(capsys, "rm", a.id, "--store", url)
+    assert code == 0 and f"deleted {a.id}" in out
+    code, out, _ = run(capsys, "ls", "--store", url, "--json")
+    assert json.loads(out)["entries"] == []
