@@ -219,6 +219,22 @@ def check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:
     return problems
 
 
+@functools.lru_cache(maxsize=256)
+def _expected_slots(a: ArrayLayout) -> tuple:
+    """Per shard file of every part of `a`: (shard key, index bytes, the keys of its inner chunks
+    in the order their bytes lie in it (empty slots past the end left out), bytes of one
+    uncompressed inner chunk). Cached: the same geometry recurs in every entry of a model."""
+    from anchorkv.store.format import index_nbytes
+
+    out = []
+    for part in a.parts:
+        k = part.chunks_per_shard(a.chunks_per_shard)
+        for shard in a.all_shards():
+            keys = tuple(part.chunk_key(c) for c in a.shard_chunks(shard) if a.in_bounds(c))
+            out.append((part.shard_key(shard), index_nbytes(k), keys, part.chunk_nbytes()))
+    return tuple(out)
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -226,12 +242,7 @@ def _is_int(v: Any) -> bool:
 def _check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:
     import hashlib
 
-    from anchorkv.store.format import (
-        MAX_TP,
-        array_keys,
-        geometry,
-        index_nbytes,
-    )
+    from anchorkv.store.format import MAX_TP, array_keys, geometry
 
     out = []
     want = manifest_checksum(m)
@@ -310,34 +321,29 @@ def _check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:
         want_shards.update(skeys)
         logical += math.prod(a.shape) * a.codec._itemsize
         compressed = bool(m.get("compressor"))
-        for part in a.parts:
-            k = part.chunks_per_shard(a.chunks_per_shard)
-            for shard in a.all_shards():
-                skey = part.shard_key(shard)
-                offset = 0
-                for coords in a.shard_chunks(shard):
-                    if not a.in_bounds(coords):
-                        continue
-                    ckey = part.chunk_key(coords)
-                    c = sums.get(ckey)
-                    if c is None:
-                        continue
-                    if len(c) != 3 or not all(_is_int(v) and v >= 0 for v in c):
-                        out.append(f"checksum of {ckey} is {c!r}, expected [crc32c, nbytes, offset]")
-                        break
-                    if c[2] != offset:
-                        out.append(f"chunk {ckey} is at offset {c[2]} of its shard, expected {offset}")
-                    if not compressed and c[1] != part.chunk_nbytes():
-                        out.append(f"chunk {ckey} is {c[1]} bytes, its shape and dtype make {part.chunk_nbytes()}")
-                    offset += c[1]
-                sh = shards.get(skey)
-                if sh is not None:
-                    if len(sh) != 2 or not all(_is_int(v) and v >= 0 for v in sh):
-                        out.append(f"shard checksum of {skey} is {sh!r}, expected [crc32c, nbytes]")
-                    elif sh[1] != offset + index_nbytes(k):
-                        out.append(f"shard {skey} is {sh[1]} bytes, its chunks and index make {offset + index_nbytes(k)}")
-                    else:
-                        stored += sh[1]
+        for skey, index_size, ckeys, nbytes in _expected_slots(a):
+            offset = 0
+            for ckey in ckeys:
+                c = sums.get(ckey)
+                if c is None:
+                    continue
+                if (type(c) is not list or len(c) != 3 or not (type(c[0]) is int and type(c[1]) is int
+                                                               and type(c[2]) is int) or min(c) < 0):
+                    out.append(f"checksum of {ckey} is {c!r}, expected [crc32c, nbytes, offset]")
+                    break
+                if c[2] != offset:
+                    out.append(f"chunk {ckey} is at offset {c[2]} of its shard, expected {offset}")
+                if not compressed and c[1] != nbytes:
+                    out.append(f"chunk {ckey} is {c[1]} bytes, its shape and dtype make {nbytes}")
+                offset += c[1]
+            sh = shards.get(skey)
+            if sh is not None:
+                if type(sh) is not list or len(sh) != 2 or not all(_is_int(v) and v >= 0 for v in sh):
+                    out.append(f"shard checksum of {skey} is {sh!r}, expected [crc32c, nbytes]")
+                elif sh[1] != offset + index_size:
+                    out.append(f"shard {skey} is {sh[1]} bytes, its chunks and index make {offset + index_size}")
+                else:
+                    stored += sh[1]
     for what, have, want in (("chunk", set(sums), want_chunks), ("shard", set(shards), want_shards)):
         missing, extra = sorted(want - have), sorted(have - want)
         if missing:
