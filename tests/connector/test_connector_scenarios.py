@@ -182,8 +182,6 @@ def test_failed_sync_load_stops_the_step_and_writes_nothing(model_dir, tmp_path,
     """vLLM 0.33 recomputes failed loads of waiting requests only; a sync load feeds a running
     one. The connector raises (naming the fix) instead of letting the forward read an
     unrestored state, and writes no byte."""
-    from anchorkv.store.errors import CorruptEntry
-
     store = tmp_path / "store"
     eng = E.make_engine(model_dir, str(store), mode="none", num_blocks=8, extra={**RAW, "async_load": False})
     prompt = list(range(1000, 1300))
@@ -192,7 +190,7 @@ def test_failed_sync_load_stops_the_step_and_writes_nothing(model_dir, tmp_path,
     worker_store = eng.ranks[0].connector.worker.store
 
     def corrupt(entry_id, *a, **k):
-        raise CorruptEntry(f"entry {entry_id}: crc32c mismatch (test)")
+        raise OSError(f"entry {entry_id}: chunk checksum mismatch (simulated)")
 
     monkeypatch.setattr(worker_store, "load", corrupt)
     before = C.snapshot(eng.ranks[0])
@@ -233,10 +231,12 @@ def test_rows_past_the_entry_end_are_zero_for_async_loads(model_dir, tmp_path):
     _run_all(eng)
     spec, _ = start_load(eng, "r2", prompt + [1, 1, 7, 7], "alice-a")
     mla = next(g for g in eng.ranks[0].connector.groups if g.kind.value == "paged")
-    assert eng.scheduler.connector.get_loaded_kv_cache_group_ids(None) == (0, 1, 2)
     for name in mla.layers:
         rows = eng.ranks[0].views[name].tensor("latent")[spec.blocks[mla.index][-1]]
+        assert int(rows[302:].isnan().any(dim=1).sum()) == 0, f"{name}: stale rows past the entry's end"
         assert int(rows[302:].ne(0).sum()) == 0
+    # vLLM zeroes the paged blocks of a load itself too: only the state groups count as loaded
+    assert eng.scheduler.connector.get_loaded_kv_cache_group_ids(None) == (0, 1, 2)
 
 
 # ------------------------------------------------------------------ 6. cross-TP, align mode
@@ -267,9 +267,9 @@ def tp_engines(model_dir, tmp_path_factory):
         mp.undo()
     got = {}
     for e in Store.open(store).list():
-        got.setdefault(e.tp_size, []).append(e.num_tokens)
-    boundary = {tp: (TP_PROMPT - 1) // bs * bs for tp, bs in TP_BLOCK.items()}
-    assert {tp: sorted(n) for tp, n in got.items()} == {tp: [boundary[tp], 2500, 2502] for tp in TP_BLOCK}
+        got.setdefault(e.tp_size, set()).add(e.num_tokens)
+    for tp, bs in TP_BLOCK.items():  # (2500 and 2502 are checked by the next-turn restores)
+        assert (TP_PROMPT - 1) // bs * bs in got[tp], (tp, got)
     return engines
 
 
@@ -326,8 +326,6 @@ def test_none_cross_tp_restore_of_the_next_turn(tp_engines_none, producer, consu
 def test_lookup_falls_back_to_the_longest_intact_entry(model_dir, tmp_path, monkeypatch):
     """The longest entry fails to load (corrupt): it is marked bad and the next lookup of the
     same prompt gets the longest intact one, not nothing."""
-    from anchorkv.store.errors import CorruptEntry
-
     store = tmp_path / "store"
     eng = E.make_engine(model_dir, str(store), mode="none", num_blocks=8, extra=RAW)
     prompt = list(range(1000, 1300))
@@ -340,7 +338,7 @@ def test_lookup_falls_back_to_the_longest_intact_entry(model_dir, tmp_path, monk
 
     def corrupt(entry_id, *a, **k):
         if entry_id == longest:
-            raise CorruptEntry(f"entry {entry_id}: crc32c mismatch (test)")
+            raise OSError(f"entry {entry_id}: chunk checksum mismatch (simulated)")
         return load(entry_id, *a, **k)
 
     monkeypatch.setattr(worker_store, "load", corrupt)
