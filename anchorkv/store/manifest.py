@@ -198,6 +198,9 @@ def parse_group(entry_id: str, data: bytes) -> EntryInfo:
         version = manifest["format_version"]
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptEntry(entry_id, f"its zarr.json holds no anchorkv manifest ({e!r})") from None
+    if doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
+        raise CorruptEntry(entry_id, f"its zarr.json is not a Zarr v3 group (zarr_format {doc.get('zarr_format')!r}, "
+                                     f"node_type {doc.get('node_type')!r}); delete the entry (anchorkv rm)")
     if version not in READABLE_VERSIONS:
         raise OtherFormat(entry_id, version)
     problems = check_manifest(entry_id, manifest)
