@@ -45,6 +45,7 @@ from anchorkv.store.format import (
 from anchorkv.store.keys import PrefixHasher, TOKEN_BLOCK, anchor_key, check_key, normalize_anchor, token_key
 from anchorkv.store.manifest import (
     ENTRIES,
+    array_json,
     EntryInfo,
     arrays_to_manifest,
     group_json,
@@ -475,9 +476,19 @@ class Store:
             return [str(e)]
         problems = []
         for array in info.arrays().values():
+            expected = array_json(array, info.manifest.get("compressor"))
             for part in array.parts:
-                if not self.backend.exists(f"{info.path}/{part.name}/zarr.json"):
+                try:
+                    doc = json.loads(self.backend.read(f"{info.path}/{part.name}/zarr.json"))
+                    want = json.loads(expected[part.name])
+                    wrong = [k for k in _ARRAY_KEYS if doc.get(k) != want.get(k)]
+                    if wrong:
+                        problems.append(f"entry {info.id}: array {part.name!r}: its zarr.json disagrees with the "
+                                        f"manifest in {wrong} (other Zarr readers would misread it)")
+                except FileNotFoundError:
                     problems.append(f"entry {info.id}: array {part.name!r} has no zarr.json")
+                except ValueError as e:
+                    problems.append(f"entry {info.id}: array {part.name!r}: its zarr.json is not JSON ({e})")
                 for shard in array.all_shards():
                     problems += verify_shard(self.backend, info, array, part, shard)
                     if progress:
@@ -548,6 +559,9 @@ class Store:
 
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+#: What a Zarr reader takes from an array's zarr.json (`verify` compares them with the manifest's).
+_ARRAY_KEYS = ("zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
+               "fill_value", "codecs")
 
 
 @dataclass(frozen=True)

@@ -144,3 +144,16 @@ def test_other_format_versions(saved):
         report = Store.open(root).gc(dry_run=True)
         assert report["old_format"] == (1 if version == 2 else 0)
     assert np.array_equal(np.frombuffer(meta.read_bytes()[:1], np.uint8), np.frombuffer(b"{", np.uint8))
+
+
+def test_verify_checks_the_arrays_zarr_json(saved):
+    """What other Zarr readers rely on (an array's shape, data type, codecs) must agree with
+    the manifest: a changed digit in an array's zarr.json is named by `verify`."""
+    root, info, meta, text = saved
+    path = meta.parent / "latent" / "zarr.json"
+    doc = json.loads(path.read_text())
+    doc["shape"][1] += 1
+    path.write_text(json.dumps(doc))
+    problems = Store.open(root, create=False).verify(info.id)
+    assert problems == [f"entry {info.id}: array 'latent': its zarr.json disagrees with the manifest in ['shape'] "
+                        "(other Zarr readers would misread it)"], problems
