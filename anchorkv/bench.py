@@ -11,6 +11,7 @@ benchmarks.fidelity`); the results go to `<out>/<machine>.json`, a markdown tabl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -336,6 +337,16 @@ def write_report(res: dict, out: Path) -> dict[str, Path]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "json", False):  # progress to stderr, one JSON summary to stdout
+        summary: dict = {}
+        with contextlib.redirect_stdout(sys.stderr):
+            status = _main(args, summary)
+        print(json.dumps({"ok": status == 0, **summary}, indent=1, default=str))
+        return status
+    return _main(args, {})
+
+
+def _main(args: argparse.Namespace, summary: dict) -> int:
     root = find_checkout()
     machine, device = machine_name()
     t0 = time.perf_counter()
@@ -359,6 +370,10 @@ def main(args: argparse.Namespace) -> int:
     paths = write_report(res, out)
     for p in paths.values():
         print(f"  wrote {p}")
+    summary.update(machine=machine, mode=mode, report={k: str(v) for k, v in paths.items()},
+                   suites={n: s["status"] for n, s in suites.items()},
+                   fidelity=None if fidelity is None else
+                   ("failed" if fidelity.get("returncode") else "ok"))
     missing = [n for n, s in suites.items() if s["status"] == "missing"]
     failed = [n for n, s in suites.items() if s["status"] == "failed"]
     if fidelity is not None and fidelity.get("returncode"):
@@ -381,4 +396,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-k", help="pytest -k expression selecting benchmarks")
     p.add_argument("--no-fidelity", action="store_true", help="skip the fidelity study")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: seconds
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON summary (report paths, suite status) on stdout")
     p.set_defaults(func=main)

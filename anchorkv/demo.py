@@ -11,8 +11,11 @@ that no other byte changed, and prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import math
 import os
+import sys
 import time
 
 import torch
@@ -203,7 +206,18 @@ def _print_cycle(rows: list[dict], store: str | None) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "json", False):  # tables and progress to stderr, one JSON object to stdout
+        result: dict = {}
+        with contextlib.redirect_stdout(sys.stderr):
+            status = _main(args, result)
+        print(json.dumps({"ok": status == 0, **result}, indent=1, default=str))
+        return status
+    return _main(args, {})
+
+
+def _main(args: argparse.Namespace, result: dict) -> int:
     rows = run(tp_size=args.tp, seed=args.seed)
+    result["fields"] = rows
     _print(rows, args.tp)
     bad = [r for r in rows if not r["ok"]]
     if bad:
@@ -211,6 +225,7 @@ def main(args: argparse.Namespace) -> int:
         return 1
     print("all fields restored into other blocks and verified; no other byte changed")
     cycle_rows = store_cycle(args.store, args.seed)
+    result["store_cycle"] = cycle_rows
     _print_cycle(cycle_rows, args.store)
     bad = [r for r in cycle_rows if not r["ok"]]
     if bad:
@@ -226,4 +241,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--store", default=None,
                    help="store directory for the save/restore cycle (default: a temporary one)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (every row, ok) on stdout; tables go to stderr")
     p.set_defaults(func=main)

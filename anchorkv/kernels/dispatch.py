@@ -8,6 +8,7 @@ kernels produce the reference's bytes without a GPU.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -28,5 +29,16 @@ def backend_for(device: torch.device) -> str:
                 f"ANCHORKV_BACKEND=triton with {device.type} tensors needs TRITON_INTERPRET=1 "
                 "(the Triton interpreter) or CUDA tensors"
             )
-        return "triton"
-    return "triton" if device.type == "cuda" else "reference"
+        return _triton_available()
+    return _triton_available() if device.type == "cuda" else "reference"
+
+
+def _triton_available() -> str:
+    """`"triton"`, or a one-line error naming the fix when the [gpu] extra is missing."""
+    if importlib.util.find_spec("triton") is None:
+        raise ImportError(
+            "CUDA tensors run anchorkv's Triton kernels, but triton is not installed; install "
+            "it with pip install 'anchorkv[gpu]' (or set ANCHORKV_BACKEND=reference to use the "
+            "slower torch path)"
+        )
+    return "triton"

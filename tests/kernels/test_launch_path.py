@@ -107,3 +107,14 @@ def test_launch_path_never_synchronizes(tp):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_cuda_without_triton_names_the_extra(monkeypatch):
+    from anchorkv.kernels import dispatch
+
+    monkeypatch.setattr(dispatch.importlib.util, "find_spec",
+                        lambda name: None if name == "triton" else object())
+    monkeypatch.delenv("ANCHORKV_BACKEND", raising=False)
+    with pytest.raises(ImportError, match=r"anchorkv\[gpu\]"):
+        dispatch.backend_for(torch.device("cuda"))
+    assert dispatch.backend_for(torch.device("cpu")) == "reference"
