@@ -67,7 +67,7 @@ def fill_realistic(view: CacheView, block_ids: list[int], g: torch.Generator) ->
         elif f.name == "latent":  # 512 latent + 64 rope, rope larger, outlier channels
             x[..., 512:] *= 4.0
             x[..., 7] *= 30.0
-        t[block_ids] = x.to(f.dtype)
+        t[block_ids] = x.to(device=t.device, dtype=f.dtype)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -35,11 +35,11 @@ DST = {"state": (6, 7, 8), "paged": (3, 1)}  # the restoring request's, in a fre
 SQNR_FLOOR = {"fp8": 28.0, "int8": 38.0, "int4": 14.0}
 
 
-def _setup(store: str, codec: dict[str, str]):
+def _setup(store: str, codec: dict[str, str], device: str = "cpu"):
     layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=1)
     from anchorkv.demo import hma_regions
 
-    views = hma_regions(layout, NUM_BLOCKS)
+    views = hma_regions(layout, NUM_BLOCKS, device)
     state = [l.name for l in layout.of_kind(LayerKind.STATE)]
     paged = [l.name for l in layout.of_kind(LayerKind.PAGED)]
     groups = [GroupInfo(g, GroupKind.STATE, layout.block_size, tuple(state[g::3])) for g in range(3)]
@@ -71,8 +71,8 @@ def _tokens(seed: int) -> tuple[int, ...]:
     return tuple(torch.randint(0, 163840, (NUM_TOKENS + 17,), generator=g).tolist())
 
 
-def save(store: str, codec: dict[str, str], seed: int) -> dict:
-    layout, views, groups, es, worker = _setup(store, codec)
+def save(store: str, codec: dict[str, str], seed: int, device: str = "cpu") -> dict:
+    layout, views, groups, es, worker = _setup(store, codec, device)
     _source(views, groups, seed)
     spec = SaveSpec("demo-1", ANCHOR, _tokens(seed)[:NUM_TOKENS], NUM_TOKENS, _blocks(SRC))
     t0 = time.perf_counter()
@@ -85,11 +85,11 @@ def save(store: str, codec: dict[str, str], seed: int) -> dict:
             "save_s": dt, "codecs": info.codecs}
 
 
-def restore(store: str, codec: dict[str, str], seed: int) -> dict:
-    """In a fresh process: look up, load into other blocks, verify."""
+def restore(store: str, codec: dict[str, str], seed: int, device: str = "cpu") -> dict:
+    """In a fresh process (or a fresh worker): look up, load into other blocks, verify."""
     from anchorkv.demo import sqnr_db
 
-    layout, views, groups, es, worker = _setup(store, codec)
+    layout, views, groups, es, worker = _setup(store, codec, device)
     tokens = list(_tokens(seed))
     t0 = time.perf_counter()
     ref = es.lookup(anchor=ANCHOR, token_ids=tokens, max_tokens=len(tokens) - 1, multiple_of=1, mode="exact")
@@ -103,7 +103,7 @@ def restore(store: str, codec: dict[str, str], seed: int) -> dict:
     if failed or recving != {"demo-2"}:
         return {"ok": False, "error": f"load reported finished {recving}, failed {failed}"}
     # the expected values: the same source, regenerated in a scratch allocation
-    _, expect, *_ = _setup(store, codec)
+    _, expect, *_ = _setup(store, codec, device)
     _source(expect, groups, seed)
     src, dst = _blocks(SRC), _blocks(DST)
     worst: dict[str, float] = {}
