@@ -6,10 +6,12 @@ with `anchorkv.codec.pack`: 20 KDA layers x (conv `[3, 3, 4096]` bf16 + recurren
 
 Providers (all in the same process, on the same filesystem, none calls fsync):
     store-raw     `Store.save` / `Store.load` with the raw codec: the same bytes as `plain`,
-                  as 47 zarr shard files (format version 2; 376 inner chunks, each with its
+                  as 47 zarr shard files (format version 3; 376 inner chunks, each with its
                   crc32c, and a shard index), manifest, staged commit and rename
     store-quant   the same with conv int8:128, recurrent int8:128, latent fp8:64 (the packing
-                  is done before timing: the kernels have their own benchmark)
+                  is done before timing: the kernels have their own benchmark); format 3
+                  keeps each quantized field as two arrays (codes, scales), so twice the
+                  shard files of store-raw
     plain         the same raw bytes as one file per (layer, field): open, write, close /
                   open, read (the baseline of the 0.8x target)
     safetensors   one safetensors file per layer (`save_file` / `load_file`), as vLLM's
