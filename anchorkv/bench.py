@@ -11,7 +11,6 @@ benchmarks.fidelity`); the results go to `<out>/<machine>.json`, a markdown tabl
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import json
 import math
@@ -337,13 +336,9 @@ def write_report(res: dict, out: Path) -> dict[str, Path]:
 
 
 def main(args: argparse.Namespace) -> int:
-    if getattr(args, "json", False):  # progress to stderr, one JSON summary to stdout
-        summary: dict = {}
-        with contextlib.redirect_stdout(sys.stderr):
-            status = _main(args, summary)
-        print(json.dumps({"ok": status == 0, **summary}, indent=1, default=str))
-        return status
-    return _main(args, {})
+    from anchorkv.cli import with_json
+
+    return with_json(_main, args)
 
 
 def _main(args: argparse.Namespace, summary: dict) -> int:

@@ -13,7 +13,9 @@ stderr and exit status 2, never a traceback; an unexpected internal error prints
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import json
 import os
 import sys
 
@@ -27,6 +29,18 @@ _COMMANDS = {
     "rm": ("anchorkv.store.cli", "delete entries"),
     "gc": ("anchorkv.store.cli", "remove garbage and damaged entries; evict to --capacity (--dry-run)"),
 }
+
+
+def with_json(run, args: argparse.Namespace) -> int:
+    """`run(args, result)` -> exit status; with `--json`, its tables and progress go to stderr
+    and `{"ok": ..., **result}` is printed as one JSON object on stdout (for `demo`, `bench`)."""
+    if not getattr(args, "json", False):
+        return run(args, {})
+    result: dict = {}
+    with contextlib.redirect_stdout(sys.stderr):
+        status = run(args, result)
+    print(json.dumps({"ok": status == 0, **result}, indent=1, default=str))
+    return status
 
 
 def build_parser(command: str | None = "*") -> argparse.ArgumentParser:

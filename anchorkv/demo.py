@@ -11,11 +11,8 @@ that no other byte changed, and prints a table.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import math
 import os
-import sys
 import time
 
 import torch
@@ -206,13 +203,9 @@ def _print_cycle(rows: list[dict], store: str | None) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if getattr(args, "json", False):  # tables and progress to stderr, one JSON object to stdout
-        result: dict = {}
-        with contextlib.redirect_stdout(sys.stderr):
-            status = _main(args, result)
-        print(json.dumps({"ok": status == 0, **result}, indent=1, default=str))
-        return status
-    return _main(args, {})
+    from anchorkv.cli import with_json
+
+    return with_json(_main, args)
 
 
 def _main(args: argparse.Namespace, result: dict) -> int:

@@ -30,6 +30,38 @@ _INT4_LEVELS = tl.constexpr(INT4_LEVELS)
 _POISON = tl.constexpr(POISON_SCALE_BITS)
 
 
+@triton.jit
+def field_tile(cache, b_block, i_t, GROUPS, GPR, S1, S2, T0, T1, T2, TD, G: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, CONTIG: tl.constexpr,
+               ALIGN: tl.constexpr):
+    """Tile `i_t` of one block of a field, shared by the pack and unpack kernels.
+
+    `b_block` is the block's first element (from `cache`). Returns the tile's group indices
+    `[BLOCK_R]`, their mask, the element pointers `[BLOCK_R, BLOCK_G]` into `cache` (row-major
+    groups of G elements of the last axis, rows unravelled over `[S0, S1, S2]`) and their mask.
+    """
+    o_grp = i_t * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    m_grp = o_grp < GROUPS
+    o_rowi = o_grp // GPR
+    o_j = o_grp % GPR
+    o_i2 = o_rowi % S2
+    o_rest = o_rowi // S2
+    o_row = (o_rest // S1) * T0 + (o_rest % S1) * T1 + o_i2 * T2 + o_j * (G * TD)
+    # the block's start (a runtime value) is added last, so the sum the alignment claim is
+    # attached to is never folded away (a claim on a folded `x + 0` is lost)
+    o_start = tl.multiple_of(b_block + o_row, ALIGN)
+    o_col = tl.arange(0, BLOCK_G).to(tl.int64)
+    if CONTIG:
+        p = cache + o_start[:, None] + o_col[None, :]
+    else:
+        p = cache + o_start[:, None] + o_col[None, :] * TD
+    if BLOCK_G == G:
+        m = m_grp[:, None] & (o_col >= 0)[None, :]
+    else:
+        m = m_grp[:, None] & (o_col < G)[None, :]
+    return o_grp, m_grp, p, m
+
+
 @triton.jit(do_not_specialize=["N", "TAB_W"])
 def _pack_kernel(
     src,  # integer alias of the first item's storage (the anchor of every source offset)
@@ -64,27 +96,11 @@ def _pack_kernel(
     b_bstride = tl.load(p_tab + 1)
     b_bid = tl.load(p_tab + 2 + i_n)
 
-    o_grp = i_t * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    m_grp = o_grp < GROUPS
-    o_rowi = o_grp // GPR
-    o_j = o_grp % GPR
-    o_i2 = o_rowi % S2
-    o_rest = o_rowi // S2
-    o_row = (o_rest // S1) * T0 + (o_rest % S1) * T1 + o_i2 * T2 + o_j * (G * TD)
-    # the block's start (runtime values from the table) is added last, so the sum the alignment
-    # claim is attached to is never folded away (a claim on a folded `x + 0` is lost)
-    o_src = tl.multiple_of((b_base + b_bid * b_bstride) + o_row, ALIGN)
+    o_grp, m_grp, p_src, m = field_tile(src, b_base + b_bid * b_bstride, i_t, GROUPS, GPR, S1,
+                                        S2, T0, T1, T2, TD, G, BLOCK_R, BLOCK_G, CONTIG, ALIGN)
     o_col = tl.arange(0, BLOCK_G).to(tl.int64)
     o_out = i_b * NUMEL + o_grp * G  # first element of each group in the packed [N, *F] order
     o_scale = i_b * GROUPS + o_grp
-    if CONTIG:
-        p_src = src + o_src[:, None] + o_col[None, :]
-    else:
-        p_src = src + o_src[:, None] + o_col[None, :] * TD
-    if BLOCK_G == G:
-        m = m_grp[:, None] & (o_col >= 0)[None, :]
-    else:
-        m = m_grp[:, None] & (o_col < G)[None, :]
 
     if FMT == 3:
         x = widen(tl.load(p_src, mask=m, other=0), SRC)

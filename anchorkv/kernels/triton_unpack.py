@@ -21,7 +21,7 @@ from anchorkv.kernels import batch as B
 from anchorkv.kernels.bits import fp8_decode, narrow, widen
 from anchorkv.kernels.formats import Quant
 from anchorkv.kernels.geometry import StridedField
-from anchorkv.kernels.triton_pack import launch_config
+from anchorkv.kernels.triton_pack import field_tile, launch_config
 
 
 @triton.jit(do_not_specialize=["N", "TAB_W"])
@@ -62,27 +62,11 @@ def _unpack_kernel(
     b_sc = tl.load(p_tab + 3)
     b_bid = tl.load(p_tab + 4 + i_n)
 
-    o_grp = i_t * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    m_grp = o_grp < GROUPS
-    o_rowi = o_grp // GPR
-    o_j = o_grp % GPR
-    o_i2 = o_rowi % S2
-    o_rest = o_rowi // S2
-    o_row = (o_rest // S1) * T0 + (o_rest % S1) * T1 + o_i2 * T2 + o_j * (G * TD)
-    # the block's start (runtime values from the table) is added last, so the sum the alignment
-    # claim is attached to is never folded away (a claim on a folded `x + 0` is lost)
-    o_dst = tl.multiple_of((b_base + b_bid * b_bstride) + o_row, ALIGN)
+    o_grp, m_grp, p_dst, m = field_tile(dst, b_base + b_bid * b_bstride, i_t, GROUPS, GPR, S1,
+                                        S2, T0, T1, T2, TD, G, BLOCK_R, BLOCK_G, CONTIG, ALIGN)
     o_col = tl.arange(0, BLOCK_G).to(tl.int64)
     o_in = i_n * NUMEL + o_grp * G  # first element of each group in the item's [N, *F] order
     o_scale = i_n * GROUPS + o_grp
-    if CONTIG:
-        p_dst = dst + o_dst[:, None] + o_col[None, :]
-    else:
-        p_dst = dst + o_dst[:, None] + o_col[None, :] * TD
-    if BLOCK_G == G:
-        m = m_grp[:, None] & (o_col >= 0)[None, :]
-    else:
-        m = m_grp[:, None] & (o_col < G)[None, :]
 
     if FMT == 3:
         o_half = tl.arange(0, BLOCK_G // 2).to(tl.int64)

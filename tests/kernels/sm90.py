@@ -250,6 +250,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--limit", type=int, default=0, help="compile only the first N (debugging)")
+    ap.add_argument("--match", default="", help="only specializations whose label contains this")
     ap.add_argument("--variants", action="store_true",
                     help="only count the distinct specializations over a stream of requests")
     args = ap.parse_args(argv)
@@ -258,7 +259,7 @@ def main(argv=None) -> int:
         one = specializations(request_stream(count=1))
         print(json.dumps({"stream": len(stream), "one_request": len(one)}))
         return 0
-    specs = specializations()
+    specs = specializations(x for x in _items() if args.match in x[0])
     if args.limit:
         specs = specs[: args.limit]
     work = [(s["op"], *s.pop("_compile")) for s in specs]
