@@ -94,6 +94,14 @@ def environment() -> tuple[str, dict, list[str]]:
 # ----------------------------------------------------------------------------- steps
 
 
+def _default_sigint() -> None:
+    """In the child: SIGINT back to its default disposition. Why: a shell without job control
+    starts background commands with SIGINT ignored, the child inherits that, and Python then
+    never turns SIGINT into KeyboardInterrupt, so a step over its limit could only be killed,
+    losing the reports pytest writes when interrupted (seen in a CI run started with `&`)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_step(name: str, cmd: list[str], limit: float, log: Path, env: dict) -> tuple[dict, str]:
     """Run `cmd` with its output appended to `log`; SIGINT at `limit` s, SIGKILL `GRACE_S` later.
     Returns the step's record (with the output's tail) and its whole output."""
@@ -103,7 +111,7 @@ def run_step(name: str, cmd: list[str], limit: float, log: Path, env: dict) -> t
         f.flush()
         start = f.tell()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_default_sigint)
         timed_out = False
         try:
             rc = proc.wait(timeout=limit)

@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -99,9 +98,7 @@ def test_a_step_over_its_limit_is_interrupted_and_keeps_its_output(tmp_path):
     """SIGINT at the limit (pytest then still writes its reports), not a silent kill."""
     code = ("import time\nprint('started', flush=True)\ntry:\n    time.sleep(60)\n"
             "except KeyboardInterrupt:\n    print('interrupted: reports written')\n    raise SystemExit(2)\n")
-    t0 = time.perf_counter()
-    res, text = gpu_validate.run_step("sleeper", [sys.executable, "-c", code], 2, tmp_path / "log",
+    res, text = gpu_validate.run_step("sleeper", [sys.executable, "-c", code], 8, tmp_path / "log",
                                       dict(os.environ))
-    assert time.perf_counter() - t0 < 15
-    assert res["timed_out"] and res["returncode"] == 2
+    assert res["timed_out"] and res["returncode"] == 2  # interrupted, not killed (that is -9)
     assert "interrupted: reports written" in text and "===== sleeper" in (tmp_path / "log").read_text()
