@@ -66,7 +66,7 @@ def field_tile(cache, b_block, i_t, GROUPS, GPR, S1, S2, T0, T1, T2, TD, G: tl.c
 def _pack_kernel(
     src,  # integer alias of the first item's storage (the anchor of every source offset)
     tab,  # int64 [items, 2 + N]: field origin (elements from src), block stride, N block ids
-    payload,  # uint8 codes, or the source-width integer type for raw
+    payload,  # uint8 codes; raw: the source-width integer type; bf16: int16 bits
     scales,  # int32 bits of the fp32 scales [items * N * GROUPS, C]
     N,
     GROUPS,
