@@ -29,7 +29,7 @@ def _unpack_kernel(
     dst,  # integer alias of the first item's region storage (anchor of target offsets)
     tab,  # int64 [items, 4 + N]: field origin, block stride (elements of dst), payload offset
     #       (elements of payload), scales offset (int32 elements of scales), N block ids
-    payload,  # alias of the first item's payload storage: uint8; raw: source-width ints; bf16: int16
+    payload,  # first item's payload storage as uint8 (raw: source-width ints; bf16: int16)
     scales,  # int32 alias of the first item's scales storage
     N,
     GROUPS,
