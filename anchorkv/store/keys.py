@@ -11,6 +11,11 @@ Without an anchor the key is the chain hash of the prompt's first `TOKEN_BLOCK` 
 plain persistent prefix cache); entries under one key differ by prefix length and by
 `prefix_hash`, the chain hash over all `TOKEN_BLOCK`-token blocks of the prefix (the last one
 may be partial). Hashes never depend on vLLM's block size, which changes with tp.
+
+An optional *scope* (the connector passes a digest of vLLM's ``cache_salt`` and LoRA adapter)
+is folded into every key and prefix hash: entries of one scope live under other keys (other
+directories) than those of another scope or of none, so a lookup never lists or opens them.
+Without a scope every hash is what it was before scopes existed.
 """
 
 from __future__ import annotations
@@ -30,6 +35,16 @@ _TAG = re.compile(r"^<\s*([^<>/]*?)\s*/\s*>$")
 TOKEN_BLOCK = 256
 _KEY_DOMAIN = b"anchorkv/key/v1\0"
 _PREFIX_DOMAIN = b"anchorkv/prefix/v1\0"
+_SCOPE_DOMAIN = b"anchorkv/scope/v1\0"
+
+
+def _scope_bytes(scope: str | None) -> bytes:
+    """What a scope adds to a hash's input: nothing without one (unscoped hashes unchanged)."""
+    if scope is None or scope == "":
+        return b""
+    if not isinstance(scope, str):
+        raise TypeError(f"a scope must be a str, found {type(scope).__name__}")
+    return b"\0scope\0" + blake3.blake3(_SCOPE_DOMAIN + scope.encode()).digest()
 
 
 def normalize_anchor(anchor: str) -> str:
@@ -72,23 +87,24 @@ def _token_bytes(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr.astype("<i8", copy=False)
 
 
-def anchor_key(anchor: str, fingerprint_hash: str) -> str:
-    """The key of `anchor` for a model: 64 hex digits."""
+def anchor_key(anchor: str, fingerprint_hash: str, scope: str | None = None) -> str:
+    """The key of `anchor` for a model (and a scope, e.g. a tenant's salt): 64 hex digits."""
     h = blake3.blake3(_KEY_DOMAIN)
     h.update(normalize_anchor(anchor).encode())
     h.update(b"\0")
     h.update(fingerprint_hash.encode())
+    h.update(_scope_bytes(scope))
     return h.hexdigest()
 
 
-def token_key(tokens: Sequence[int] | np.ndarray, fingerprint_hash: str) -> str:
+def token_key(tokens: Sequence[int] | np.ndarray, fingerprint_hash: str, scope: str | None = None) -> str:
     """The key of an anchorless prompt: the chain hash of its first `TOKEN_BLOCK` tokens."""
     arr = _token_bytes(tokens)
     if arr.size < TOKEN_BLOCK:
         raise ValueError(
             f"an anchorless entry needs at least {TOKEN_BLOCK} prompt tokens, found {arr.size}"
         )
-    return PrefixHasher(arr, fingerprint_hash).hash(TOKEN_BLOCK)
+    return PrefixHasher(arr, fingerprint_hash, scope).hash(TOKEN_BLOCK)
 
 
 class PrefixHasher:
@@ -98,9 +114,9 @@ class PrefixHasher:
     stored prefix length of a key against one request cheaply.
     """
 
-    def __init__(self, tokens: Sequence[int] | np.ndarray, fingerprint_hash: str) -> None:
+    def __init__(self, tokens: Sequence[int] | np.ndarray, fingerprint_hash: str, scope: str | None = None) -> None:
         self.tokens = _token_bytes(tokens)
-        self._chain = [blake3.blake3(_PREFIX_DOMAIN + fingerprint_hash.encode()).digest()]
+        self._chain = [blake3.blake3(_PREFIX_DOMAIN + fingerprint_hash.encode() + _scope_bytes(scope)).digest()]
 
     def __len__(self) -> int:
         return int(self.tokens.size)
@@ -122,9 +138,9 @@ class PrefixHasher:
         return blake3.blake3(digest + n.to_bytes(8, "little")).hexdigest()
 
 
-def prefix_hash(tokens: Sequence[int] | np.ndarray, n: int, fingerprint_hash: str) -> str:
+def prefix_hash(tokens: Sequence[int] | np.ndarray, n: int, fingerprint_hash: str, scope: str | None = None) -> str:
     """Hash of the first `n` of `tokens` (see `PrefixHasher`)."""
-    return PrefixHasher(tokens, fingerprint_hash).hash(n)
+    return PrefixHasher(tokens, fingerprint_hash, scope).hash(n)
 
 
 _HEX = re.compile(r"^[0-9a-f]{64}$")

@@ -140,18 +140,19 @@ class Store:
         return hit[1]
 
     @staticmethod
-    def key_for(fingerprint_hash: str, *, anchor: str | None = None, tokens=None) -> str:
-        """The key of an anchor (or, without one, of the prompt's first token block)."""
+    def key_for(fingerprint_hash: str, *, anchor: str | None = None, tokens=None, scope: str | None = None) -> str:
+        """The key of an anchor (or, without one, of the prompt's first token block), within
+        `scope` (an opaque isolation scope, e.g. a digest of a tenant's salt; None: unscoped)."""
         if anchor is not None:
-            return anchor_key(anchor, fingerprint_hash)
+            return anchor_key(anchor, fingerprint_hash, scope)
         if tokens is None:
             raise ValueError("a key needs an anchor or the prompt's tokens")
-        return token_key(tokens, fingerprint_hash)
+        return token_key(tokens, fingerprint_hash, scope)
 
     # ------------------------------------------------------------------ writing
     def begin_entry(self, layout, codecs: Mapping[str, CodecSpec | str], tokens: Sequence[int] | np.ndarray, *,
                     num_tokens: int | None = None, anchor: str | None = None, write_id: str | None = None,
-                    compressor: dict[str, Any] | None = None) -> EntryWriter:
+                    compressor: dict[str, Any] | None = None, scope: str | None = None) -> EntryWriter:
         """Start writing this rank's part of the entry for the first `num_tokens` of `tokens`.
 
         layout: this rank's `ModelLayout` (its tp_size/tp_rank say which slice it writes);
@@ -159,17 +160,18 @@ class Store:
         "fp8:whole"}``); tokens: the prompt's token ids (hashed, never stored); anchor: the
         anchor or None for a token-keyed entry; write_id: the same string on every rank of one
         save (default: a fresh one, enough when tp_size == 1); compressor: an optional lossless
-        stage, ``{"id": "zstd", "level": 3}``.
+        stage, ``{"id": "zstd", "level": 3}``; scope: an isolation scope folded into the key and
+        prefix hash (never stored in clear; a lookup must pass the same scope to see the entry).
         """
         fp = self._fingerprint(layout)
-        hasher = PrefixHasher(tokens, fp)
+        hasher = PrefixHasher(tokens, fp, scope)
         n = len(hasher) if num_tokens is None else int(num_tokens)
         if not 0 < n <= len(hasher):
             raise ValueError(f"num_tokens {n} must lie in [1, {len(hasher)}] (the tokens given)")
         if anchor is None and n < TOKEN_BLOCK:
             raise ValueError(f"an entry without an anchor needs >= {TOKEN_BLOCK} tokens, found {n}")
         norm = None if anchor is None else normalize_anchor(anchor)
-        key = self.key_for(fp, anchor=norm, tokens=hasher.tokens[:n])
+        key = self.key_for(fp, anchor=norm, tokens=hasher.tokens[:n], scope=scope)
         phash = hasher.hash(n)
         numcodecs_compressor(compressor)  # validates
         arrays = array_layouts(layout, dict(codecs), n)
@@ -225,7 +227,7 @@ class Store:
     # ------------------------------------------------------------------ lookup
     def lookup(self, *, fingerprint_hash: str, tokens=None, anchor: str | None = None,
                mode: Mode = "exact", max_tokens: int | None = None,
-               multiple_of: int = 1) -> EntryInfo | None:
+               multiple_of: int = 1, scope: str | None = None) -> EntryInfo | None:
         """The best committed entry for a request, or None. No side effects.
 
         exact (default): the longest entry under the key whose prefix hash equals the hash of
@@ -233,7 +235,9 @@ class Store:
         longest entry of the anchor whatever its tokens; LOSSY, the anchor is trusted to
         summarize the context. Either way only entries of at most `max_tokens` tokens (default:
         no bound) and a multiple of `multiple_of` count (a caller that can restore only some
-        boundaries, e.g. block-aligned ones, gets the longest it can use).
+        boundaries, e.g. block-aligned ones, gets the longest it can use). `scope`: only
+        entries written with the same scope (see `begin_entry`); others live under other keys,
+        so they are neither listed nor read.
         """
         if mode not in ("exact", "semantic"):
             raise ValueError(f"mode must be 'exact' or 'semantic', found {mode!r}")
@@ -247,12 +251,12 @@ class Store:
                 self._warned_semantic = True
         hasher = None
         if tokens is not None:
-            hasher = PrefixHasher(tokens, fingerprint_hash)
+            hasher = PrefixHasher(tokens, fingerprint_hash, scope)
         elif mode == "exact":
             raise ValueError("exact lookup needs the request's tokens")
         if anchor is None and len(hasher) < TOKEN_BLOCK:
             return None
-        key = self.key_for(fingerprint_hash, anchor=anchor, tokens=None if anchor else hasher.tokens)
+        key = self.key_for(fingerprint_hash, anchor=anchor, tokens=None if anchor else hasher.tokens, scope=scope)
         names = [(parse_entry_name(n), n) for n in self.backend.list_dir(f"{ENTRIES}/{key}")]
         cands = sorted(((p[0], p[1], n) for p, n in names if p), key=lambda c: -c[0])
         for n, h16, name in cands:
