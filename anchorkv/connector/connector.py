@@ -80,6 +80,16 @@ def tp_rank() -> int:
         return 0
 
 
+def capacity_warning(config: ConnectorConfig) -> str | None:
+    """The start-up warning for a store without a capacity bound (None when one is set)."""
+    if config.capacity is not None:
+        return None
+    return (f"anchorkv: NO CAPACITY SET: the store {config.store} grows without bound (nothing is "
+            "evicted; a Kimi-Linear raw entry is about 41 MiB + 7.9 KiB per token, see the README's "
+            "sizing); set kv_connector_extra_config 'capacity' "
+            "(e.g. \"200GB\") or run `anchorkv gc --capacity SIZE` periodically")
+
+
 class AnchorKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -107,6 +117,9 @@ class AnchorKVConnector(KVConnectorBase_V1, SupportsHMA):
                  role.name.lower(), self.config.store,
                  {k: str(v) for k, v in self.config.codec.items()}, self.config.lookup, self.mode)
         log.log(*codec_banner(self.config.codec))  # a WARNING when any field's codec is lossy
+        warning = capacity_warning(self.config)
+        if warning and role == KVConnectorRole.SCHEDULER:  # once per engine, not per rank
+            log.warning(warning)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -61,6 +61,7 @@ class SaveSpec:
     num_tokens: int
     blocks: tuple[tuple[int, ...], ...]  # per group: state groups (block,), paged groups the blocks of [0, num_tokens)
     release_blocks: bool = False  # a finishing request: report it in finished_sending once read
+    scope: str | None = None  # the request's isolation scope (see scheduler.scope_of); None: unscoped
 
 
 @dataclass

@@ -7,6 +7,7 @@ Runs in vLLM's scheduler process, on its hot loop: lookups read only the store's
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+import hashlib
 import logging
 import time
 from typing import Any
@@ -35,6 +36,39 @@ def anchor_of(request: Any) -> str | None:
     return anchor if anchor else None
 
 
+def scope_of(request: Any) -> str | None:
+    """The request's isolation scope: a digest of what vLLM 0.33 folds into its block hashes to
+    keep requests apart (`v1/core/kv_cache_utils.generate_block_hash_extra_keys`): the
+    `cache_salt` and the LoRA adapter (name, path). None when it has neither (unscoped: the
+    entries every unsalted request shares). Only a digest travels on: the salt never appears
+    in a store path or manifest (the store hashes the scope again into keys and prefix hashes).
+    Multimodal inputs and prompt embeddings, vLLM's other extra keys, are not in the scope:
+    `cacheable` keeps such requests away from the store."""
+    parts = []
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(("cache_salt", str(salt)))
+    lora = getattr(request, "lora_request", None)
+    if lora:
+        parts.append(("lora", str(getattr(lora, "lora_name", "")), str(getattr(lora, "lora_path", ""))))
+    if not parts:
+        return None
+    h = hashlib.sha256(b"anchorkv/request-scope/v1\0")
+    for part in parts:
+        for s in part:
+            h.update(s.encode())
+            h.update(b"\0")
+        h.update(b"\1")
+    return h.hexdigest()
+
+
+def cacheable(request: Any) -> bool:
+    """False for requests whose state depends on more than their tokens, scope and anchor:
+    multimodal inputs or prompt embeddings (vLLM hashes those into its block hashes; anchorkv
+    keys by token ids, so it neither restores nor saves such requests)."""
+    return not (getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None)
+
+
 @dataclass
 class _Tracked:
     """What the scheduler side remembers of a live request (never its block ids: vLLM hands
@@ -42,6 +76,8 @@ class _Tracked:
 
     anchor: str | None
     prompt: tuple[int, ...]
+    scope: str | None = None
+    cacheable: bool = True
     table: list[list[int]] | None = None  # without vLLM's block state only: the worker's view
     loaded: int = 0  # tokens restored from the store (not saved again)
     prefill_saved: bool = False
@@ -67,13 +103,16 @@ class SchedulerSide:
         self._bad_entries: dict[str, float] = {}  # entry id -> when its load failed
 
     def on_new_request(self, request: Any) -> None:
-        self._requests[request.request_id] = _Tracked(anchor_of(request), tuple(request.prompt_token_ids or ()))
+        self._requests[request.request_id] = _Tracked(anchor_of(request), tuple(request.prompt_token_ids or ()),
+                                                      scope_of(request), cacheable(request))
 
     # -------------------------------------------------------------------- lookup / load
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if request.request_id in self._failed:
             return 0, False  # its load failed once: recompute, do not retry
+        if not cacheable(request):
+            return 0, False
         if num_computed_tokens % self.block_size:
             # A load writes whole paged rows from a block boundary on. vLLM 0.33 floors the
             # local hit it presents to a block; should it not, load nothing rather than
@@ -96,12 +135,13 @@ class SchedulerSide:
         the prompt's length (vLLM must compute one token to sample from)."""
         prompt = list(request.prompt_token_ids or [])
         limit = len(prompt) - 1
+        scope = scope_of(request)
         for _ in range(64):  # each round excludes one bad entry; a bound, not a retry count
             if limit < 1:
                 return None
             try:
                 ref = self.store.lookup(anchor=anchor_of(request), token_ids=prompt, max_tokens=limit,
-                                        multiple_of=1, mode=self.config.lookup)
+                                        multiple_of=1, mode=self.config.lookup, scope=scope)
             except Exception as e:  # a store outage is a cache miss, never a failed request
                 log.warning("anchorkv: lookup for request %s failed (%s); computing it", request.request_id, e)
                 return None
@@ -249,7 +289,7 @@ class SchedulerSide:
         boundary state vLLM offers in this step (`boundary_state_offloads`, exact blocks)."""
         prompt_len = len(tracked.prompt)
         end = computed + scheduled
-        if ("prefill" not in self.config.save_points or tracked.prefill_saved
+        if ("prefill" not in self.config.save_points or tracked.prefill_saved or not tracked.cacheable
                 or not computed < prompt_len <= end):
             return
         tracked.prefill_saved = True
@@ -261,14 +301,14 @@ class SchedulerSide:
         if n <= tracked.loaded or blocks is None:
             log.debug("anchorkv: request %s: no state to save after its prompt this step", req_id)
             return
-        meta.saves.append(SaveSpec(req_id, tracked.anchor, tracked.prompt[:n], n, blocks))
+        meta.saves.append(SaveSpec(req_id, tracked.anchor, tracked.prompt[:n], n, blocks, scope=tracked.scope))
 
     def _maybe_save_boundary(self, req_id: str, tracked: _Tracked, table, offers, meta: Metadata) -> None:
         """Align mode: save the prompt's last block boundary *below* its length, from the state
         blocks vLLM offers in the step that computes it. The same prompt sent again (a
         prefill/decode split, a retry) can restore only an entry shorter than the prompt; an
         entry at a block boundary restores at any tp (any entry length does)."""
-        if "prefill" not in self.config.save_points or tracked.boundary_saved:
+        if "prefill" not in self.config.save_points or tracked.boundary_saved or not tracked.cacheable:
             return
         target = (len(tracked.prompt) - 1) // self.block_size * self.block_size
         if target <= tracked.loaded:
@@ -277,7 +317,7 @@ class SchedulerSide:
         if blocks is None:
             return
         tracked.boundary_saved = True
-        meta.saves.append(SaveSpec(req_id, tracked.anchor, tracked.prompt[:n], n, blocks))
+        meta.saves.append(SaveSpec(req_id, tracked.anchor, tracked.prompt[:n], n, blocks, scope=tracked.scope))
 
     def _offered_boundary(self, table, offers, limit: int) -> tuple[int, tuple | None]:
         """The longest boundary <= limit that vLLM offers for every state group this step,
@@ -311,7 +351,8 @@ class SchedulerSide:
         loading = self._loading.pop(req_id, None) is not None
         self._failed.discard(req_id)
         n = request.num_computed_tokens
-        if "finish" not in self.config.save_points or n < 1 or (tracked and n <= tracked.loaded):
+        if ("finish" not in self.config.save_points or n < 1 or (tracked and n <= tracked.loaded)
+                or not cacheable(request)):
             return False, None
         if loading:
             return False, None  # finished (aborted) while its load runs: nothing computed to save
@@ -320,5 +361,6 @@ class SchedulerSide:
             log.debug("anchorkv: request %s: no blocks hold the state after %d tokens; not saved", req_id, n)
             return False, None
         tokens = tuple(request.all_token_ids[:n])
-        self._pending_saves.append(SaveSpec(req_id, anchor_of(request), tokens, n, blocks, release_blocks=True))
+        self._pending_saves.append(SaveSpec(req_id, anchor_of(request), tokens, n, blocks, release_blocks=True,
+                                            scope=scope_of(request)))
         return True, None

@@ -111,7 +111,8 @@ def resolve_codecs(config: ConnectorConfig, model: ModelLayout) -> dict[str, Cod
 def write_id_of(spec: SaveSpec, fingerprint_hash: str) -> str:
     """The id every rank uses for one save: the same inputs on every rank, nothing random."""
     h = hashlib.sha256()
-    for part in (spec.req_id, str(spec.num_tokens), spec.anchor or "", fingerprint_hash):
+    scope = (spec.scope,) if spec.scope else ()
+    for part in (spec.req_id, str(spec.num_tokens), spec.anchor or "", fingerprint_hash, *scope):
         h.update(part.encode())
         h.update(b"\0")
     h.update(np.asarray(spec.token_ids[: spec.num_tokens], dtype="<i8").tobytes())
@@ -154,13 +155,13 @@ class ZarrEntryStore:
     # ------------------------------------------------------------------ lookup
 
     def lookup(self, *, anchor: str | None, token_ids: list[int], max_tokens: int, multiple_of: int,
-               mode: str) -> EntryRef | None:
+               mode: str, scope: str | None = None) -> EntryRef | None:
         """The longest usable committed entry (see `EntryStore.lookup`); reads manifests only."""
         info = self.store.lookup(
             fingerprint_hash=self.fingerprint_hash, tokens=token_ids,
             anchor=anchor,
             mode="semantic" if mode == "semantic" and anchor is not None else "exact",
-            max_tokens=max_tokens, multiple_of=multiple_of)
+            max_tokens=max_tokens, multiple_of=multiple_of, scope=scope)
         return None if info is None else EntryRef(info.id, info.num_tokens)
 
     # ------------------------------------------------------------------ load
@@ -199,7 +200,7 @@ class ZarrEntryStore:
         layout = self.layout(tp_size, tp_rank)
         wid = write_id_of(spec, self.fingerprint_hash)
         writer = self.store.begin_entry(layout, self.codecs, spec.token_ids, num_tokens=n,
-                                        anchor=spec.anchor, write_id=wid)
+                                        anchor=spec.anchor, write_id=wid, scope=spec.scope)
         written = 0
         try:
             for (layer, fname), p in parts.items():
@@ -219,7 +220,7 @@ class ZarrEntryStore:
 
     def _committed(self, spec: SaveSpec) -> EntryInfo | None:
         info = self.store.lookup(fingerprint_hash=self.fingerprint_hash, tokens=spec.token_ids[: spec.num_tokens],
-                                 anchor=spec.anchor, mode="exact")
+                                 anchor=spec.anchor, mode="exact", scope=spec.scope)
         return info if info is not None and info.num_tokens == spec.num_tokens else None
 
     def _try_commit(self, spec: SaveSpec, wid: str) -> EntryInfo | None:

@@ -97,10 +97,11 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def add(self, req_id: str, prompt: list[int], *, anchor: str | None = None, max_tokens: int = 3):
+    def add(self, req_id: str, prompt: list[int], *, anchor: str | None = None, max_tokens: int = 3,
+            cache_salt: str | None = None):
         params = {"anchor": anchor} if anchor else None
         req = H.make_request(req_id, prompt, max_tokens=max_tokens, kv_transfer_params=params,
-                             block_hasher=H.request_block_hasher(self.cfg, self.kv))
+                             block_hasher=H.request_block_hasher(self.cfg, self.kv), cache_salt=cache_salt)
         self.tokens[req_id] = list(prompt)
         H.add_request(self.scheduler, req)
         return req

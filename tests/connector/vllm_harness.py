@@ -356,8 +356,10 @@ def make_request(
     max_tokens: int = 4,
     kv_transfer_params: dict[str, Any] | None = None,
     block_hasher=None,
+    cache_salt: str | None = None,
 ):
-    """A v1 ``Request``; ``kv_transfer_params`` travels as the API does (extra_args)."""
+    """A v1 ``Request``; ``kv_transfer_params`` travels as the API does (extra_args);
+    ``cache_salt`` as the OpenAI server passes the request's ``cache_salt`` field."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
@@ -369,6 +371,7 @@ def make_request(
         sampling_params=params,
         pooling_params=None,
         block_hasher=block_hasher,
+        cache_salt=cache_salt,
     )
 
 
