@@ -69,45 +69,8 @@ class QuantCodec:
         return f"QuantCodec({self.id!r})"
 
 
-class ReferenceFormatCodec:
-    """A built-in format the Triton kernels do not implement yet: the torch reference packs and
-    unpacks it on every device (CUDA tensors included; slower, same bytes by definition).
-
-    Why a separate class: `pack_many` hands every `QuantCodec` to the batched kernels, which
-    dispatch CUDA tensors to Triton. Once `kernels/triton_pack.py` and `triton_unpack.py` know
-    a format, it moves to `QuantCodec` (drop it from `_REFERENCE_ONLY`).
-    """
-
-    lossless = False
-
-    def __init__(self, fmt: Quant) -> None:
-        self.fmt = Quant(fmt)
-        self.id = self.fmt.value
-
-    def encode(self, values, spec):
-        return reference.quantize(values, self.fmt, spec.group)
-
-    def decode(self, payload, scales, spec, shape, dtype):
-        return reference.dequantize(payload, scales, self.fmt, spec.group, shape, dtype)
-
-    def pack(self, buffer, field: StridedField, block_ids, num_blocks, spec):
-        return reference.pack(buffer, field, block_ids, num_blocks, self.fmt, spec.group)
-
-    def unpack(self, buffer, field: StridedField, block_ids, num_blocks, payload, scales, spec):
-        reference.unpack(buffer, field, block_ids, num_blocks, payload, scales, self.fmt, spec.group)
-
-    def __repr__(self) -> str:
-        return f"ReferenceFormatCodec({self.id!r})"
-
-
-#: Built-in formats without a Triton kernel yet (see `ReferenceFormatCodec`); every built-in
-#: format has one now (bf16 since the kernels' FMT 4).
-_REFERENCE_ONLY: frozenset[Quant] = frozenset()
-
 _lock = threading.Lock()
-_codecs: dict[str, Codec] = {
-    fmt.value: ReferenceFormatCodec(fmt) if fmt in _REFERENCE_ONLY else QuantCodec(fmt) for fmt in Quant
-}
+_codecs: dict[str, Codec] = {fmt.value: QuantCodec(fmt) for fmt in Quant}
 _entry_points_loaded = False
 
 
