@@ -1,20 +1,23 @@
 """Codecs by id: the built-in formats (raw, fp8, int8, int4, bf16) plus any plug-in from the `anchorkv.codecs` group.
 
-A plug-in is a class or object with `id`, `encode(values, spec) -> (payload uint8, scales
-fp32 [groups, C])` and `decode(payload, scales, spec, shape, dtype) -> Tensor`, registered
-with `register_codec` or advertised as an entry point::
+A plug-in is a class (built without arguments) or an object with `id`, `encode` and `decode`
+(see `Codec`), registered with `register_codec` or advertised as an entry point whose name is
+its id::
 
     [project.entry-points."anchorkv.codecs"]
-    learned-proj = "mypkg.codecs:LearnedProjection"
+    lowrank = "lowrank_codec:LowRankCodec"
 
-Entry points are read once, the first time an id is not found; nothing happens at import.
+Entry points are read once, the first time an id is not found; nothing happens at import. A
+plug-in that fails to load is reported (logged once, and named by `get_codec`'s error for its
+id), never fatal to the others. `examples/lowrank_codec` is a complete plug-in.
 """
 
 from __future__ import annotations
 
 from importlib.metadata import entry_points
+import logging
 import threading
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -25,10 +28,56 @@ from anchorkv.kernels.formats import Quant
 from anchorkv.kernels.geometry import StridedField
 
 ENTRY_POINT_GROUP = "anchorkv.codecs"
+log = logging.getLogger("anchorkv.codec")
+
+
+class EncodedRow(NamedTuple):
+    """What a plug-in makes of one row (the last axis) of a field: what the store needs to cut
+    its output into chunks and lay it out as standard Zarr arrays.
+
+    payload_bytes: payload bytes per row (a multiple of the itemsize of `payload_dtype`);
+    payload_dtype: the Zarr v3 data type the payload bytes are stored as (``uint8``, ``int8``,
+    ``float16``, ``float32``, ...: little-endian values other readers can open);
+    scale_groups, scale_columns: fp32 scales per row, `[scale_groups, scale_columns]` (0, 0: none).
+    """
+
+    payload_bytes: int
+    payload_dtype: str = "uint8"
+    scale_groups: int = 0
+    scale_columns: int = 0
 
 
 @runtime_checkable
 class Codec(Protocol):
+    """A codec plug-in.
+
+    Required (enough for `anchorkv.codec.pack` / `unpack`):
+
+    * ``id``: its name (what specs, manifests and the entry point use);
+    * ``encode(values, spec) -> (payload, scales)``: `values` `[*outer, W]` in the field's dtype
+      (on the cache's device) to a uint8 payload of ``prod(outer) * payload_bytes`` bytes, row
+      after row, and fp32 scales `[prod(outer) * scale_groups, scale_columns]` (`torch.empty(0,
+      0)` without scales);
+    * ``decode(payload, scales, spec, shape, dtype) -> values``: the inverse, `shape` `[*outer, W]`.
+
+    For the store (saving entries, the connector), also:
+
+    * ``encoded_row(width, dtype, spec) -> EncodedRow``: the bytes one row of `width` values
+      of `dtype` encodes to; it must depend only on these (never on the values), and rows must
+      be encoded independently: encoding any subset of rows gives exactly those rows' bytes
+      (the store re-cuts rows into chunks and a load reads any token range);
+
+    Optional:
+
+    * ``configure(spec, width, dtype) -> CodecSpec``: the spec as entries record it, called once
+      per field when a store resolves its codecs: validate options, fill defaults, load fitted
+      parameters (e.g. from a file named in an option) into the options, so an entry carries
+      everything its decode needs. Default: the spec as given;
+    * ``describe(spec) -> str``: how to decode the stored arrays without the plug-in (stored in
+      the arrays' attributes for other Zarr readers);
+    * ``lossless = True`` if decode(encode(x)) == x bit for bit (default: lossy).
+    """
+
     id: str
 
     def encode(self, values: torch.Tensor, spec: CodecSpec) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -72,6 +121,8 @@ class QuantCodec:
 _lock = threading.Lock()
 _codecs: dict[str, Codec] = {fmt.value: QuantCodec(fmt) for fmt in Quant}
 _entry_points_loaded = False
+#: Entry points of the group that failed to load: name -> why (one line).
+_broken: dict[str, str] = {}
 
 
 def register_codec(codec: Codec | type, *, replace: bool = False) -> Codec:
@@ -94,13 +145,26 @@ def register_codec(codec: Codec | type, *, replace: bool = False) -> Codec:
 
 
 def _load_entry_points() -> None:
+    """Register every plug-in of the entry-point group; one that fails is recorded in `_broken`
+    (and logged) instead of breaking the lookup of every other codec."""
     global _entry_points_loaded
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name not in _codecs:
-            register_codec(ep.load())
+        if ep.name in _codecs:
+            continue
+        try:
+            loaded = ep.load()
+            instance = loaded() if isinstance(loaded, type) else loaded
+            if getattr(instance, "id", None) != ep.name:
+                raise ValueError(f"its codec's id is {getattr(instance, 'id', None)!r}, the entry point "
+                                 f"is named {ep.name!r}; they must be equal")
+            register_codec(instance)
+        except Exception as e:  # a broken plug-in must not break the others
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            _broken[ep.name] = f"entry point {ep.name} = {getattr(ep, 'value', '?')} failed to load ({why})"
+            log.warning("anchorkv: codec plug-in %s", _broken[ep.name])
 
 
 def get_codec(codec_id: str) -> Codec:
@@ -109,10 +173,24 @@ def get_codec(codec_id: str) -> Codec:
     try:
         return _codecs[codec_id]
     except KeyError:
-        raise KeyError(
-            f"no codec {codec_id!r}; known: {sorted(_codecs)} (plug-ins register with "
-            f"anchorkv.codec.register_codec or the {ENTRY_POINT_GROUP!r} entry-point group)"
-        ) from None
+        raise KeyError(missing_codec_reason(codec_id)) from None
+
+
+def missing_codec_reason(codec_id: str) -> str:
+    """Why `codec_id` is not available, in one line (what was expected, what was found, the fix)."""
+    if codec_id in _broken:
+        return (f"codec plug-in {codec_id!r} is installed but its {_broken[codec_id]}; fix or reinstall "
+                "the package that provides it")
+    return (f"no codec {codec_id!r}; known: {sorted(_codecs)} (plug-ins register with "
+            f"anchorkv.codec.register_codec or the {ENTRY_POINT_GROUP!r} entry-point group: install "
+            "the package that provides it)")
+
+
+def has_codec(codec_id: str) -> bool:
+    """Whether `get_codec(codec_id)` would succeed (loads the entry points once)."""
+    if codec_id not in _codecs:
+        _load_entry_points()
+    return codec_id in _codecs
 
 
 def available_codecs() -> list[str]:

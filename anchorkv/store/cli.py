@@ -49,8 +49,11 @@ def human_age(seconds: float) -> str:
 
 
 def codec_text(array) -> str:
-    """``raw``, ``int8:16``, ``fp8:whole`` (a group of the whole last axis)."""
+    """``raw``, ``int8:16``, ``fp8:whole`` (a group of the whole last axis); a plug-in's id marked
+    ``lowrank(plug-in)``, or ``lowrank(plug-in MISSING)`` when it is not installed here."""
     c = array.codec
+    if c.plugin:
+        return f"{c.id}(plug-in{'' if c.installed else ' MISSING'})"
     if c.group is None:
         return c.format.value
     return f"{c.format.value}:{'whole' if c.group == array.shape[-1] else c.group}"
@@ -59,6 +62,18 @@ def codec_text(array) -> str:
 def codecs_text(info) -> str:
     """``conv=int8:8 latent=fp8:whole recurrent=int8:16``."""
     return " ".join(f"{f}={codec_text(a)}" for f, a in sorted(info.arrays().items()))
+
+
+def _escape(text: str) -> str:
+    """`text` with rich markup escaped (a plug-in's options may hold brackets)."""
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def missing_plugins(info) -> list[str]:
+    """The codec plug-ins an entry needs that are not installed here (sorted ids)."""
+    return sorted({a.codec.id for a in info.arrays().values() if a.codec.plugin and not a.codec.installed})
 
 
 def _default_store() -> str:
@@ -129,7 +144,8 @@ def _summary(e, t: float) -> dict:
         return {**out, "problem": e.problem}
     i = e.info
     return {**out, "anchor": i.anchor, "tokens": i.num_tokens, "logical_bytes": i.logical_bytes,
-            "codecs": {f: codec_text(a) for f, a in sorted(i.arrays().items())}, "tp": i.tp_size}
+            "codecs": {f: codec_text(a) for f, a in sorted(i.arrays().items())}, "tp": i.tp_size,
+            "missing_plugins": missing_plugins(i)}
 
 
 def _print_json(obj) -> None:
@@ -149,8 +165,12 @@ def cmd_ls(args) -> int:
     from rich.table import Table
 
     bad = sum(e.state != "ok" for e in entries)
+    missing = {e.id: missing_plugins(e.info) for e in entries if e.info is not None}
+    needy = {m for ids in missing.values() for m in ids}
     title = (f"{store.url}: {len(entries)} entries, {human_bytes(sum(e.stored_bytes for e in entries))} stored"
-             + (f" ({bad} not loadable: `anchorkv gc` removes damaged and old-format ones)" if bad else ""))
+             + (f" ({bad} not loadable: `anchorkv gc` removes damaged and old-format ones)" if bad else "")
+             + (f" ({sum(bool(v) for v in missing.values())} need codec plug-ins not installed here: "
+                f"{', '.join(sorted(needy))}; their loads fail until installed)" if needy else ""))
     table = Table(title=title)
     for col, just in (("entry", "left"), ("state", "left"), ("anchor", "left"), ("tokens", "right"),
                       ("stored", "right"), ("logical", "right"), ("ratio", "right"), ("codecs", "left"),
@@ -162,7 +182,8 @@ def cmd_ls(args) -> int:
                           human_age(t - e.created))
             continue
         i = e.info
-        table.add_row(e.id, e.state, i.anchor or "-", f"{i.num_tokens:,}", human_bytes(i.stored_bytes),
+        table.add_row(e.id, e.state + (" (plug-in missing)" if missing[e.id] else ""), i.anchor or "-",
+                      f"{i.num_tokens:,}", human_bytes(i.stored_bytes),
                       human_bytes(i.logical_bytes), f"{i.stored_bytes / max(1, i.logical_bytes):.2f}",
                       codecs_text(i), str(i.tp_size), human_age(t - i.created))
     _console().print(table)
@@ -181,7 +202,8 @@ def cmd_inspect(args) -> int:
         return 0
     info = e.info
     if args.json:
-        _print_json({"id": info.id, "state": e.state, "manifest": info.manifest})
+        _print_json({"id": info.id, "state": e.state, "missing_plugins": missing_plugins(info),
+                     "manifest": info.manifest})
         return 0
     m, t = info.manifest, time.time()
     last = store.backend.last_use(info.path)
@@ -194,6 +216,10 @@ def cmd_inspect(args) -> int:
         ("size", f"{human_bytes(info.stored_bytes)} stored, {human_bytes(info.logical_bytes)} logical (the state "
                  f"uncompressed; ratio {info.stored_bytes / max(1, info.logical_bytes):.3f})"),
         ("codecs", codecs_text(info) + (f" + {m['compressor']['id']}" if m.get("compressor") else "")),
+        *[("plug-in", f"{f}: {_escape(str(a.codec.spec))} "
+                      + ("(installed)" if a.codec.installed else "NOT INSTALLED here: loading this entry fails (vLLM "
+                         "recomputes) until the package providing it is installed (entry-point group anchorkv.codecs)"))
+          for f, a in sorted(info.arrays().items()) if a.codec.plugin],
         ("created", f"{created} ({human_age(t - info.created)} ago)"),
         ("last use", "-" if last is None else f"{human_age(t - last)} ago"),
         ("format", f"version {m['format_version']}, {len(m['shards'])} shards of {len(m['checksums'])} chunks "

@@ -45,6 +45,19 @@ little-endian ``(offset, nbytes)`` per inner chunk, C order over the shard's chu
 by its crc32c (``index_codecs: [bytes little, crc32c]``), byte for byte what zarr-python's
 ``ShardingCodec`` writes for the same values and metadata.
 
+**Codec plug-ins** (format version 4; an entry whose arrays all use built-in formats is still
+written as version 3, byte for byte as before). A field may use any codec registered in the
+``anchorkv.codecs`` entry-point group that says what one row (the field's last axis, always
+whole in a chunk: plug-ins are refused for fields split along their last axis) encodes to
+(`anchorkv.codec.registry.EncodedRow`): ``payload_bytes`` per row stored as a standard array
+of ``payload_dtype`` (``<field>`` `[..., payload_bytes / itemsize]`), and optionally
+``scale_groups`` x ``scale_columns`` fp32 scales per row (``<field>_scales``). A chunk's
+bytes are the plug-in's `encode` of the chunk's rows; padding rows past an entry's end are
+zero bytes (never restored). The manifest records the plug-in's id, its options as
+`configure` resolved them (fitted parameters included) and the row geometry, so an entry is
+listed, verified and its bytes read without the plug-in; only decoding needs it, and a load
+of a field whose plug-in is not installed fails with `MissingCodec` before reading a byte.
+
 Group sizes are always stored resolved (a number, never "whole"), and for a field sharded along
 its last axis "whole" means the chunk's last axis (`logical / MAX_TP`): any other choice would
 make the groups depend on the tp the entry was written at.
@@ -55,6 +68,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import functools
 from functools import cached_property
+import json
 import math
 from typing import Any
 
@@ -62,14 +76,19 @@ import numpy as np
 import torch
 
 from anchorkv.codec.packed import dtype_from_name, dtype_name
-from anchorkv.codec.spec import CodecSpec
+from anchorkv.codec.spec import CodecSpec, canonical_json
 from anchorkv.kernels import reference
 from anchorkv.kernels.formats import BF16_ITEMSIZE, ELEMENTWISE, SCALE_COLUMNS, Quant
-from anchorkv.store.errors import FormatError
+from anchorkv.store.errors import FormatError, StoreError
 
+#: The format version of an entry whose arrays all use built-in formats.
 FORMAT_VERSION = 3
+#: The format version of an entry with at least one array encoded by a codec plug-in (version 3
+#: plus plug-in arrays; an older anchorkv lists such an entry as ``newer-format`` and leaves it
+#: alone instead of calling it damaged).
+PLUGIN_FORMAT_VERSION = 4
 #: Format versions this anchorkv can read (older ones are listed as ``old-format``, never loaded).
-READABLE_VERSIONS = (3,)
+READABLE_VERSIONS = (3, 4)
 #: The largest tensor-parallel size whose rank slices are whole chunks.
 MAX_TP = 8
 #: Tokens per chunk of a paged field.
@@ -83,8 +102,62 @@ SCALES_SUFFIX = "_scales"
 SOURCE_DTYPES = ("bfloat16", "float16", "float32")
 
 
+class MissingCodec(StoreError):
+    """An entry's field is encoded by a codec plug-in that is not installed (or failed to load)."""
+
+    def __init__(self, entry: str, field: str, codec_id: str, reason: str) -> None:
+        super().__init__(f"entry {entry}: field {field!r} is encoded by the codec plug-in {codec_id!r}, which "
+                         f"is not available here ({reason}); it cannot be restored until that plug-in is "
+                         "installed (the connector recomputes)")
+        self.entry, self.field, self.codec_id = entry, field, codec_id
+
+
+def entry_format_version(arrays: dict[str, "ArrayLayout"]) -> int:
+    """The version an entry of these arrays is written as: the lowest that can represent them."""
+    return PLUGIN_FORMAT_VERSION if any(a.codec.plugin for a in arrays.values()) else FORMAT_VERSION
+
+
+class _ChunkGeometry:
+    """What built-in and plug-in chunk codecs share: a block's byte sizes and its views, from
+    `row_bytes`, `groups` and `columns`."""
+
+    source_dtype: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.source_dtype)
+
+    @cached_property
+    def _itemsize(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    def nbytes(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """(payload bytes, scale bytes) of a block of `shape`."""
+        outer = math.prod(shape[:-1])
+        return outer * self.row_bytes(shape[-1]), outer * self.groups(shape[-1]) * self.columns * 4
+
+    def views(self, payload: np.ndarray, scales: np.ndarray, shape: tuple[int, ...]) -> "Encoded":
+        """`payload`/`scales` of a block of `shape` as arrays indexable by its axes."""
+        pn, sn = self.nbytes(shape)
+        if payload.size != pn or scales.size * 4 != sn:
+            raise FormatError(f"a {list(shape)} block of {self.spec} {self.source_dtype} is {pn} payload bytes "
+                              f"and {sn // 4} scales, found {payload.size} and {scales.size}")
+        p = payload.reshape(*shape[:-1], self.row_bytes(shape[-1]))
+        s = scales.reshape(*shape[:-1], self.groups(shape[-1]), self.columns) if self.columns else np.empty((*shape[:-1], 0, 0), np.float32)
+        return Encoded(self, p, s)
+
+    def split(self, data: bytes | bytearray | memoryview | np.ndarray, shape: tuple[int, ...]) -> "Encoded":
+        """The payload and scales of one encoded chunk (views, no copy)."""
+        buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.view(np.uint8).reshape(-1)
+        pn, sn = self.nbytes(shape)
+        if buf.size != pn + sn:
+            raise ValueError(f"a {list(shape)} chunk of {self.spec} {self.source_dtype} is {pn + sn} bytes, found {buf.size}")
+        scales = buf[pn:].view(np.float32) if sn else np.empty(0, np.float32)
+        return self.views(buf[:pn], scales, shape)
+
+
 @dataclass(frozen=True)
-class ChunkCodec:
+class ChunkCodec(_ChunkGeometry):
     """How the values of one chunk become bytes: a built-in format, its group, the source dtype.
 
     `group` is the resolved group size (None only for raw). Values are given and returned as
@@ -114,23 +187,27 @@ class ChunkCodec:
         return {"format": self.format.value, "group": self.group, "source_dtype": self.source_dtype}
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "ChunkCodec":
+    def from_config(cls, config: dict[str, Any]) -> "ChunkCodec | PluginChunkCodec":
+        """A manifest's codec entry: a built-in format's, or a plug-in's (`PluginChunkCodec`)."""
+        if "plugin" in config:
+            return PluginChunkCodec.from_config(config)
         unknown = set(config) - {"format", "group", "source_dtype"}
         if unknown:
             raise FormatError(f"unknown codec options {sorted(unknown)}; expected format, group, source_dtype")
         return cls(Quant(config["format"]), config.get("group"), config["source_dtype"])
 
     @classmethod
-    def for_field(cls, spec: CodecSpec | str, dtype: torch.dtype, chunk_last: int, *, where: str) -> "ChunkCodec":
-        """Resolve a codec spec for chunks whose last axis has `chunk_last` elements."""
+    def for_field(cls, spec: CodecSpec | str, dtype: torch.dtype, chunk_last: int, *, where: str,
+                  field_last: int | None = None) -> "ChunkCodec | PluginChunkCodec":
+        """Resolve a codec spec for chunks whose last axis has `chunk_last` elements (of a field
+        whose last axis has `field_last`, default the same); a plug-in's id gives a
+        `PluginChunkCodec`."""
         spec = CodecSpec.parse(spec)
         try:
             fmt = Quant(spec.id)
         except ValueError:
-            raise FormatError(
-                f"{where}: the store keeps the built-in formats {[q.value for q in Quant]}; "
-                f"codec {spec.id!r} has no chunk format yet"
-            ) from None
+            return PluginChunkCodec.for_field(spec, dtype, chunk_last, where=where,
+                                              field_last=chunk_last if field_last is None else field_last)
         group = None if fmt in ELEMENTWISE else (chunk_last if spec.group is None else spec.group)
         if group is not None and chunk_last % group:
             raise FormatError(
@@ -139,21 +216,21 @@ class ChunkCodec:
             )
         return cls(fmt, group, dtype_name(dtype))
 
+    #: a built-in format (`PluginChunkCodec` says True)
+    plugin = False
+
+    @property
+    def id(self) -> str:
+        return self.format.value
+
     @property
     def spec(self) -> CodecSpec:
         return CodecSpec(self.format.value, self.group)
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return dtype_from_name(self.source_dtype)
-
-    @property
     def columns(self) -> int:
         return SCALE_COLUMNS[self.format]
 
-    @cached_property
-    def _itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
 
     # -- geometry
     def row_bytes(self, width: int) -> int:
@@ -169,25 +246,6 @@ class ChunkCodec:
     def groups(self, width: int) -> int:
         return 0 if self.format in ELEMENTWISE else width // self.group
 
-    def nbytes(self, shape: tuple[int, ...]) -> tuple[int, int]:
-        """(payload bytes, scale bytes) of a block of `shape`."""
-        outer = math.prod(shape[:-1])
-        return outer * self.row_bytes(shape[-1]), outer * self.groups(shape[-1]) * self.columns * 4
-
-    def views(self, payload: np.ndarray, scales: np.ndarray, shape: tuple[int, ...]) -> "Encoded":
-        """`payload`/`scales` of a block of `shape` as arrays indexable by its axes."""
-        p = payload.reshape(*shape[:-1], self.row_bytes(shape[-1]))
-        s = scales.reshape(*shape[:-1], self.groups(shape[-1]), self.columns) if self.columns else np.empty((*shape[:-1], 0, 0), np.float32)
-        return Encoded(self, p, s)
-
-    def split(self, data: bytes | bytearray | memoryview | np.ndarray, shape: tuple[int, ...]) -> "Encoded":
-        """The payload and scales of one encoded chunk (views, no copy)."""
-        buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.view(np.uint8).reshape(-1)
-        pn, sn = self.nbytes(shape)
-        if buf.size != pn + sn:
-            raise ValueError(f"a {list(shape)} chunk of {self.spec} {self.source_dtype} is {pn + sn} bytes, found {buf.size}")
-        scales = buf[pn:].view(np.float32) if sn else np.empty(0, np.float32)
-        return self.views(buf[:pn], scales, shape)
 
     # -- values
     def encode(self, values: np.ndarray) -> bytes:
@@ -207,6 +265,168 @@ class ChunkCodec:
     def zeros(self, shape: tuple[int, ...]) -> "Encoded":
         """The encoding of a zero block (zarr's fill value): what padding rows hold."""
         return self.split(self.encode(np.zeros(shape, np.float32)), shape)
+
+
+#: Zarr v3 data types a plug-in's payload may be stored as (little-endian; numpy names).
+PAYLOAD_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "float16", "float32", "float64")
+
+
+@dataclass(frozen=True)
+class PluginChunkCodec(_ChunkGeometry):
+    """How the values of one chunk become bytes through a codec plug-in (see the module
+    docstring): its id, its options as canonical JSON (`config`), the source dtype, the row
+    width it was resolved for and what one row encodes to. Everything but encoding and
+    decoding works without the plug-in installed."""
+
+    id: str
+    config: str  # canonical JSON of the options (`CodecSpec.params`), fitted parameters included
+    source_dtype: str
+    width: int
+    payload_bytes: int
+    payload_dtype: str = "uint8"
+    scale_groups: int = 0
+    scale_columns: int = 0
+    decode_text: str = ""  # the plug-in's `describe(spec)`: how other readers decode the arrays
+
+    plugin = True
+    group = None  # plug-ins have no group of the store's own
+
+    def __post_init__(self) -> None:
+        where = f"codec plug-in {self.id!r}"
+        if self.source_dtype not in SOURCE_DTYPES:
+            raise FormatError(f"source dtype {self.source_dtype!r} cannot be stored; expected one of {SOURCE_DTYPES}")
+        if self.payload_dtype not in PAYLOAD_DTYPES:
+            raise FormatError(f"{where}: payload dtype {self.payload_dtype!r} is not one of {PAYLOAD_DTYPES}")
+        ints = (self.width, self.payload_bytes, self.scale_groups, self.scale_columns)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints):
+            raise FormatError(f"{where}: row geometry must be integers, found {ints}")
+        item = np.dtype(self.payload_dtype).itemsize
+        if self.width <= 0 or self.payload_bytes <= 0 or self.payload_bytes % item:
+            raise FormatError(f"{where}: a row of {self.width} values encodes to {self.payload_bytes} payload bytes; "
+                              f"expected a positive multiple of {item} (the itemsize of {self.payload_dtype})")
+        if min(self.scale_groups, self.scale_columns) < 0 or (self.scale_groups == 0) != (self.scale_columns == 0):
+            raise FormatError(f"{where}: scales per row [{self.scale_groups}, {self.scale_columns}]; expected both "
+                              "positive, or both 0 (no scales)")
+
+    # -- resolution (needs the plug-in)
+    @classmethod
+    def for_field(cls, spec: CodecSpec, dtype: torch.dtype, chunk_last: int, *, where: str,
+                  field_last: int) -> "PluginChunkCodec":
+        from anchorkv.codec.registry import get_codec
+
+        try:
+            impl = get_codec(spec.id)
+        except KeyError as e:
+            raise FormatError(f"{where}: {e.args[0]}") from None
+        if chunk_last != field_last:
+            raise FormatError(
+                f"{where}: codec plug-in {spec.id!r} encodes whole rows of the last axis, but this field is split "
+                f"along its last axis ({field_last} values in chunks of {chunk_last}, so a rank's rows depend on "
+                "tp); use a built-in codec for it"
+            )
+        if not callable(getattr(impl, "encoded_row", None)):
+            raise FormatError(
+                f"{where}: codec plug-in {spec.id!r} has no encoded_row(width, dtype, spec) method, so the store "
+                "cannot size its chunks; add one (see anchorkv.codec.registry.Codec) or use it with pack/unpack only"
+            )
+        configure = getattr(impl, "configure", None)
+        try:
+            if callable(configure):
+                spec = CodecSpec.parse(configure(spec, chunk_last, dtype))
+            row = impl.encoded_row(chunk_last, dtype, spec)
+            payload_bytes, payload_dtype, groups, columns = (tuple(row) + ("uint8", 0, 0))[:4]
+            describe = getattr(impl, "describe", None)
+            text = str(describe(spec)) if callable(describe) else ""
+        except (ValueError, TypeError, KeyError, OSError) as e:
+            raise FormatError(f"{where}: codec plug-in {spec.id!r} refused {spec} for rows of {chunk_last} "
+                              f"{dtype_name(dtype)} values: {e}") from None
+        default = (f"decoded by the anchorkv codec plug-in {spec.id!r} (entry-point group anchorkv.codecs) from "
+                   "these codes (and scales) with the options in 'config'")
+        return cls(spec.id, canonical_json(spec.options), dtype_name(dtype), chunk_last, int(payload_bytes),
+                   str(payload_dtype), int(groups), int(columns), text or default)
+
+    def impl(self, entry: str = "?", field: str = "?"):
+        """The installed plug-in; `MissingCodec` (one line, naming it) when it is not."""
+        from anchorkv.codec.registry import get_codec, has_codec, missing_codec_reason
+
+        if not has_codec(self.id):
+            raise MissingCodec(entry, field, self.id, missing_codec_reason(self.id))
+        return get_codec(self.id)
+
+    @property
+    def installed(self) -> bool:
+        from anchorkv.codec.registry import has_codec
+
+        return has_codec(self.id)
+
+    # -- serialization
+    def to_config(self) -> dict[str, Any]:
+        return {"plugin": self.id, "config": self.options, "source_dtype": self.source_dtype,
+                "row": {"width": self.width, "payload_bytes": self.payload_bytes, "payload_dtype": self.payload_dtype,
+                        "scale_groups": self.scale_groups, "scale_columns": self.scale_columns},
+                "decode": self.decode_text}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "PluginChunkCodec":
+        unknown = set(config) - {"plugin", "config", "source_dtype", "row", "decode"}
+        row = config.get("row")
+        if unknown or not isinstance(row, dict) or not isinstance(config.get("config"), dict):
+            raise FormatError(f"a plug-in codec entry needs plugin, config (object), source_dtype, row (object), "
+                              f"decode; found {sorted(config)}")
+        extra = set(row) - {"width", "payload_bytes", "payload_dtype", "scale_groups", "scale_columns"}
+        if extra:
+            raise FormatError(f"unknown row geometry keys {sorted(extra)}")
+        CodecSpec(config["plugin"], None, tuple(config["config"].items()))  # validates id and options
+        return cls(config["plugin"], canonical_json(config["config"]), config["source_dtype"], row["width"],
+                   row["payload_bytes"], row.get("payload_dtype", "uint8"), row.get("scale_groups", 0),
+                   row.get("scale_columns", 0), str(config.get("decode", "")))
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return json.loads(self.config)
+
+    @property
+    def spec(self) -> CodecSpec:
+        return CodecSpec(self.id, None, tuple(self.options.items()))
+
+    @property
+    def columns(self) -> int:
+        return self.scale_columns
+
+    # -- geometry: rows are whole (a region of a block never cuts the last axis)
+    def _whole(self, width: int, per_row: int) -> int:
+        if width == 0:
+            return 0
+        if width != self.width:
+            raise FormatError(f"codec plug-in {self.id!r} encodes rows of {self.width} values, asked for {width}")
+        return per_row
+
+    def row_bytes(self, width: int) -> int:
+        return self._whole(width, self.payload_bytes)
+
+    def groups(self, width: int) -> int:
+        return self._whole(width, self.scale_groups)
+
+    # -- values (need the plug-in)
+    def encode(self, values: np.ndarray) -> bytes:
+        """Encode logical float32 `values` (one chunk) with the plug-in."""
+        x = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(self.torch_dtype)
+        payload, scales = self.impl().encode(x, self.spec)
+        pn, sn = self.nbytes(tuple(values.shape))
+        if payload.numel() != pn or scales.numel() * 4 != sn:
+            raise FormatError(f"codec plug-in {self.id!r} encoded a {list(values.shape)} block to {payload.numel()} "
+                              f"payload bytes and {scales.numel()} scales; its encoded_row says {pn} and {sn // 4}")
+        return (payload.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                + scales.cpu().contiguous().to(torch.float32).numpy().astype("<f4", copy=False).tobytes())
+
+    def decode(self, data, shape: tuple[int, ...]) -> np.ndarray:
+        """The logical float32 values of one encoded chunk of `shape` (with the plug-in)."""
+        enc = self.split(data, shape)
+        payload = torch.from_numpy(np.require(enc.payload, requirements=["C", "W"]).reshape(-1))
+        scales = (torch.from_numpy(np.require(enc.scales, requirements=["C", "W"]).reshape(-1, self.columns))
+                  if self.columns else torch.empty(0, 0))
+        values = self.impl().decode(payload, scales, self.spec, tuple(shape), self.torch_dtype)
+        return values.to(torch.float32).numpy()
 
 
 @functools.lru_cache(maxsize=64)
@@ -302,8 +522,14 @@ class Part:
 def part_attrs(array: "ArrayLayout", part: Part) -> dict[str, Any]:
     """The ``anchorkv`` attributes of one stored array: what it holds and how to read values."""
     c = array.codec
-    out: dict[str, Any] = {**array.to_attrs(), "role": part.role, "codec": c.format.value,
+    out: dict[str, Any] = {**array.to_attrs(), "role": part.role, "codec": c.id,
                            "source_dtype": c.source_dtype}
+    if c.plugin:
+        out.update(plugin=c.id, config=c.options, row=c.to_config()["row"], codes=array.field,
+                   decode=c.decode_text)
+        if c.columns:
+            out["scales"] = array.field + SCALES_SUFFIX
+        return out
     if part.role == "values":
         if c.source_dtype == "bfloat16":
             out["bits"] = ("bfloat16 bits: view as ml_dtypes.bfloat16, or shift left by 16 and view "
@@ -330,7 +556,7 @@ class ArrayLayout:
     shape: tuple[int, ...]
     chunks: tuple[int, ...]
     shard_axis: int | None  # axis of `shape` split by tp (None: replicated)
-    codec: ChunkCodec
+    codec: "ChunkCodec | PluginChunkCodec"
     shards: tuple[int, ...]  # shard shape (a multiple of `chunks` on every axis)
 
     def __post_init__(self) -> None:
@@ -368,12 +594,16 @@ class ArrayLayout:
         *outer, last = self.shape
         *couter, clast = self.chunks
         *souter, slast = self.shards
-        dtype = _CODE_DTYPES[c.source_dtype if c.format is Quant.RAW else c.format.value]
+        raw = not c.plugin and c.format is Quant.RAW
+        if c.plugin:
+            dtype = c.payload_dtype
+        else:
+            dtype = _CODE_DTYPES[c.source_dtype if raw else c.format.value]
         item = np.dtype(dtype).itemsize
-        code = Part(self.field, "values" if c.format is Quant.RAW else "codes", dtype,
+        code = Part(self.field, "values" if raw else "codes", dtype,
                     (*outer, c.row_bytes(last) // item), (*couter, c.row_bytes(clast) // item),
                     (*souter, c.row_bytes(slast) // item), False)
-        if c.format is Quant.RAW or not c.columns:  # raw values, or bf16 codes: no scales
+        if raw or not c.columns:  # raw values, bf16 codes, a plug-in without scales
             return (code,)
         cols = c.columns
         scales = Part(self.field + SCALES_SUFFIX, "scales", "float32", (*outer, c.groups(last), cols),
@@ -598,7 +828,7 @@ def array_layouts(layout, codecs: dict[str, CodecSpec | str], num_tokens: int) -
         shape, chunks, shards = geometry(name, kind.value, len(layers), logical, axis, num_tokens, layout.tp_size)
         if name not in codecs:
             raise FormatError(f"no codec given for field {name!r}; codecs were given for {sorted(codecs)}")
-        codec = ChunkCodec.for_field(codecs[name], dtype, chunks[-1], where=f"field {name!r}")
+        codec = ChunkCodec.for_field(codecs[name], dtype, chunks[-1], where=f"field {name!r}", field_last=shape[-1])
         out[name] = ArrayLayout(name, kind.value, tuple(layers), shape, tuple(chunks), axis, codec, tuple(shards))
     unknown = set(codecs) - set(out)
     if unknown:

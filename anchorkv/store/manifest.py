@@ -8,7 +8,7 @@ On disk (paths relative to the store root)::
     entries/<key>/<name>/zarr.json     group: the entry; attributes["anchorkv"] = manifest
     entries/<key>/<name>/<field>/zarr.json, .../<field>/c.<layer>.<i>...   arrays and shards
 
-Format version 3: each field is one or two standard Zarr v3 arrays (values, or codes and
+Format version 3 (4: the same with codec plug-in arrays, `anchorkv.store.format`): each field is one or two standard Zarr v3 arrays (values, or codes and
 ``<field>_scales``; see `anchorkv.store.format`), each sharded (zarr's ``sharding_indexed``); the
 files ``<array>/c.<...>`` are shards, keyed by their coordinates in the shard grid. The manifest
 keeps ``checksums``: per *inner* chunk of every array (named by its coordinates in the chunk
@@ -33,7 +33,14 @@ import time
 from typing import Any
 
 from anchorkv.store.errors import CorruptEntry, OtherFormat
-from anchorkv.store.format import FORMAT_VERSION, READABLE_VERSIONS, ArrayLayout, ChunkCodec, part_attrs
+from anchorkv.store.format import (
+    FORMAT_VERSION,
+    READABLE_VERSIONS,
+    ArrayLayout,
+    ChunkCodec,
+    entry_format_version,
+    part_attrs,
+)
 
 ENTRIES = "entries"
 ATTR = "anchorkv"
@@ -289,6 +296,10 @@ def _check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:
         arrays = arrays_from_manifest(m)
     except Exception as e:  # FormatError, bad types: the layout cannot even be built
         return out + [f"arrays cannot be read ({e})"]
+    version = entry_format_version(arrays)
+    if m["format_version"] != version:
+        out.append(f"format_version is {m['format_version']}, its arrays' codecs make {version} (version "
+                   f"{version} {'has' if version > FORMAT_VERSION else 'has no'} codec plug-in arrays)")
     sums, shards = m["checksums"], m["shards"]
     want_chunks, want_shards, logical, stored = set(), set(), 0, 0
     for fname, a in arrays.items():
@@ -315,6 +326,10 @@ def _check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:
         if (a.shape, a.chunks, a.shards) != geo:
             out.append(f"{where}: shape/chunks/shards {list(a.shape)}/{list(a.chunks)}/{list(a.shards)}, the format "
                        f"makes {[list(g) for g in geo]} for {n} tokens at tp {tp}")
+            continue
+        if a.codec.plugin and not a.codec.width == a.chunks[-1] == a.shape[-1]:
+            out.append(f"{where}: codec plug-in {a.codec.id!r} encodes rows of {a.codec.width}, the array's last "
+                       f"axis is {a.shape[-1]} in chunks of {a.chunks[-1]}")
             continue
         if a.codec.group is not None and a.chunks[-1] % a.codec.group:
             out.append(f"{where}: group {a.codec.group} does not divide the chunk's last axis {a.chunks[-1]}")

@@ -25,7 +25,10 @@ def read_chunks(backend, info: EntryInfo, array: ArrayLayout, shard: tuple[int, 
     scales), each chunk checked against its crc32c and size.
 
     A chunk covered whole, uncompressed, whose place in `out` is contiguous is read straight
-    into it (no intermediate bytes); the others go through buffers of their own."""
+    into it (no intermediate bytes); the others go through buffers of their own. A field encoded
+    by a codec plug-in that is not installed raises `MissingCodec` before anything is read."""
+    if array.codec.plugin:  # no byte is read for a field nobody here can decode
+        array.codec.impl(info.id, array.field)  # MissingCodec, one line naming the plug-in
     parts = array.parts
     comp = numcodecs_compressor(info.manifest.get("compressor"))
     sums = info.manifest["checksums"]

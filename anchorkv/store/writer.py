@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from anchorkv.codec.packed import Packed
+from anchorkv.codec.spec import canonical_json
 from anchorkv.kernels.formats import ELEMENTWISE, Quant
 from anchorkv.store.errors import FormatError, IncompleteEntry
 from anchorkv.store.format import (
@@ -38,6 +39,7 @@ from anchorkv.store.format import (
     Encoded,
     array_keys,
     crc32c,
+    entry_format_version,
     crc32c_combine,
     crc32c_combine_fixed,
     shard_index,
@@ -173,9 +175,11 @@ class EntryWriter:
                  arrays: dict[str, ArrayLayout]) -> None:
         self.store = store
         self.layout = layout
-        self.header = header
+        # the lowest version that represents these arrays: 3 for built-in formats, byte for
+        # byte as before; 4 when a codec plug-in encodes a field
+        self.header = {**header, "format_version": entry_format_version(arrays)}
         self.arrays = arrays
-        self.write_id: str = header["write_id"]
+        self.write_id: str = self.header["write_id"]
         self.final = f"{ENTRIES}/{header['key']}/{header['name']}"
         self.data = store.backend.data_prefix(self.final, self.write_id)
         self.checksums: dict[str, list[int]] = {}  # inner chunk -> [crc32c, nbytes, offset]
@@ -247,6 +251,14 @@ class EntryWriter:
                 f"for {self.header['num_tokens']} tokens), found {packed.dtype} {list(packed.shape)}"
             )
         c = array.codec
+        if c.plugin:
+            if packed.codec.id != c.id or canonical_json(packed.codec.options) != c.config:
+                raise FormatError(
+                    f"{where}: the entry stores codec plug-in {c.id!r} with the options it recorded at "
+                    f"begin_entry ({c.spec}), but the Packed is {packed.codec}; pack with the store's "
+                    "resolved spec (ChunkCodec.spec, ZarrEntryStore.codecs)"
+                )
+            return
         group = packed.codec.group if packed.codec.group is not None else packed.shape[-1]
         if packed.codec.id != c.format.value or (c.format not in ELEMENTWISE and group != c.group):
             raise FormatError(

@@ -276,8 +276,10 @@ def test_group_for_last_axis_shard_is_fixed(tmp_path):
 
 
 def test_unknown_codec_is_refused(tmp_path):
+    """An id that is neither built in nor an installed plug-in (tests/store/test_plugin_store.py
+    covers plug-ins)."""
     store = Store.open(tmp_path)
-    with pytest.raises(FormatError, match="built-in formats"):
+    with pytest.raises(FormatError, match=r"field 'latent': no codec 'learned-proj'.*install the package"):
         store.begin_entry(tiny_layout(), {**CODECS, "latent": "learned-proj"}, tokens(300))
 
 
