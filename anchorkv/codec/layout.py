@@ -33,7 +33,9 @@ class Field:
     shape/strides: the rank-local shape in logical axis order and its element strides within
     the page; offset: bytes from the page start. logical_shape: the TP-independent shape
     (default: `shape`); shard_axis: the axis of `logical_shape` that `tp_size` ranks split
-    evenly (None: replicated on every rank).
+    evenly (None: replicated on every rank). role: what the field holds (`Role`, e.g.
+    ``"conv_state"``, ``"ssm_state"``, ``"k"``, ``"v"``, ``"latent"``); it keys the codec
+    config and is not part of what an entry must agree with.
     """
 
     name: str
@@ -45,6 +47,7 @@ class Field:
     shard_axis: int | None = None
     tp_size: int = 1
     tp_rank: int = 0
+    role: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
@@ -139,6 +142,40 @@ def _check_no_self_overlap(where: str, shape: tuple[int, ...], strides: tuple[in
         span = max(span, s * (n - 1) + 1) if n > 1 else span
 
 
+def _byte_runs(f: Field) -> list[tuple[int, int]]:
+    """The [start, end) byte runs of one page that field `f` covers: its innermost axes that
+    are contiguous fold into one run, the others enumerate run starts."""
+    axes = sorted((stride, n) for stride, n in zip(f.strides, f.shape) if n > 1)
+    length, k = f.itemsize, 0
+    while k < len(axes) and axes[k][0] * f.itemsize == length:
+        length *= axes[k][1]
+        k += 1
+    starts = [f.offset]
+    for stride, n in axes[k:]:
+        starts = [s + i * stride * f.itemsize for s in starts for i in range(n)]
+        if len(starts) > 1 << 20:
+            raise ValueError(f"field {f.name!r}: too many separate byte runs to check for overlap")
+    return [(s, s + length) for s in starts]
+
+
+def _check_fields_disjoint(fields: tuple[Field, ...]) -> None:
+    """No byte of the page belongs to two fields. Fields may interleave (the segments of a
+    convolution state's channel axis are separate fields whose rows alternate), so fields
+    whose spans overlap are compared run by run, not by span."""
+    for i, a in enumerate(fields):
+        for b in fields[i + 1:]:
+            if a.offset >= b.extent or b.offset >= a.extent:
+                continue  # disjoint spans: the common case
+            runs = sorted([(s, e, a.name) for s, e in _byte_runs(a)] + [(s, e, b.name) for s, e in _byte_runs(b)])
+            end, owner = -1, None
+            for s, e, name in runs:
+                if s < end and name != owner:
+                    raise ValueError(f"fields {a.name!r} and {b.name!r} overlap in the page (both "
+                                     f"cover byte {s})")
+                if e > end:
+                    end, owner = e, name
+
+
 def dense_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     out, acc = [], 1
     for n in reversed(shape):
@@ -159,19 +196,13 @@ class PageLayout:
         names = [f.name for f in self.fields]
         if len(set(names)) != len(names):
             raise ValueError(f"page fields must have distinct names, found {names}")
-        spans = sorted((f.offset, f.extent, f.name) for f in self.fields)
         for f in self.fields:
             if f.extent > self.page_bytes:
                 raise ValueError(
                     f"field {f.name!r} ends at byte {f.extent} of the page, beyond the page "
                     f"size {self.page_bytes}"
                 )
-        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
-            if start < end:
-                raise ValueError(
-                    f"fields {a!r} and {b!r} overlap in the page ({a} ends at byte {end}, "
-                    f"{b} starts at {start})"
-                )
+        _check_fields_disjoint(self.fields)
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -31,6 +31,25 @@ class LayerKind(str, Enum):
         return self.value
 
 
+class Role(str, Enum):
+    """What a field holds, whatever a model calls it: the codec config is keyed by role (a
+    field name works too), so one setting covers every model that has such a field."""
+
+    CONV_STATE = "conv_state"  # causal-conv window of a linear-attention / Mamba layer
+    SSM_STATE = "ssm_state"  # recurrent state (KDA, Gated DeltaNet, Mamba2 SSM)
+    K = "k"  # attention keys
+    V = "v"  # attention values
+    LATENT = "latent"  # MLA compressed latent (+ rope) rows
+    STATE = "state"  # a state tensor of a model without a description
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Names users wrote before roles existed: they keep selecting the same fields.
+ROLE_ALIASES = {"conv": Role.CONV_STATE, "recurrent": Role.SSM_STATE}
+
+
 class ConvLayout(str, Enum):
     """vLLM's `VLLM_SSM_CONV_STATE_LAYOUT`: SD = `[state_len, dim]` (default), DS = `[dim, state_len]`."""
 
@@ -196,16 +215,17 @@ def kimi_linear_layout(
             f"{d['conv_channels']} conv channels"
         )
     taps, ch = d["conv_taps"], d["conv_channels"] // tp_size
-    conv_strides = (3 * ch, ch, 1) if conv_layout is ConvLayout.SD else (1, 3 * ch, 3)
+    conv_strides = (3 * ch, ch, 1) if conv_layout is ConvLayout.SD else (1, ch * taps, taps)
     tp = {"tp_size": tp_size, "tp_rank": tp_rank}
     conv = Field(
         "conv", dtype, (taps, 3, ch), conv_strides, 0,
-        logical_shape=(taps, 3, d["conv_channels"]), shard_axis=2, **tp,
+        logical_shape=(taps, 3, d["conv_channels"]), shard_axis=2, role=Role.CONV_STATE.value, **tp,
     )
     rec_shape = (d["heads"] // tp_size, d["head_dim"], d["head_dim"])
     recurrent = Field(
         "recurrent", state_dtype, rec_shape, dense_strides(rec_shape), conv.extent,
-        logical_shape=(d["heads"], d["head_dim"], d["head_dim"]), shard_axis=0, **tp,
+        logical_shape=(d["heads"], d["head_dim"], d["head_dim"]), shard_axis=0,
+        role=Role.SSM_STATE.value, **tp,
     )
     state_bytes = recurrent.extent
     token_bytes = d["latent"] * torch.empty((), dtype=dtype).element_size()
@@ -220,7 +240,7 @@ def kimi_linear_layout(
             f"{-(-state_bytes // token_bytes)} tokens"
         )
     latent_shape = (block_size, d["latent"])
-    latent = Field("latent", dtype, latent_shape, dense_strides(latent_shape), 0, **tp)
+    latent = Field("latent", dtype, latent_shape, dense_strides(latent_shape), 0, role=Role.LATENT.value, **tp)
     kda_page = PageLayout((conv, recurrent), page_bytes)
     mla_page = PageLayout((latent,), page_bytes)
 

@@ -26,7 +26,8 @@ from anchorkv.store.settings import DEFAULT_STORE, parse_size
 #: users turn on never changes their model's answers unless they ask for a lossy codec (the
 #: fidelity study, `python -m benchmarks.fidelity`, shows where each lossy codec breaks).
 #: A field kind not listed here is `raw` too (`ConnectorConfig.codec_for`).
-DEFAULT_CODECS: dict[str, str] = {"conv": "raw", "recurrent": "raw", "latent": "raw"}
+#: Keys are roles (`anchorkv.codec.models.Role`) or field names.
+DEFAULT_CODECS: dict[str, str] = {"conv_state": "raw", "ssm_state": "raw", "k": "raw", "v": "raw", "latent": "raw"}
 
 #: Named codec presets, accepted as ``"codec": "<name>"``. Chosen by the rule in
 #: `benchmarks.fidelity.presets` over the fidelity study, judged on the worst case across all of
@@ -43,8 +44,8 @@ DEFAULT_CODECS: dict[str, str] = {"conv": "raw", "recurrent": "raw", "latent": "
 #: `tests/test_bench.py` checks these equal the rule's choice on the recorded study.
 PRESETS: dict[str, dict[str, str]] = {
     "exact": dict(DEFAULT_CODECS),
-    "compact": {"conv": "raw", "recurrent": "bf16", "latent": "raw"},
-    "smallest": {"conv": "raw", "recurrent": "bf16", "latent": "raw"},
+    "compact": {**DEFAULT_CODECS, "ssm_state": "bf16"},
+    "smallest": {**DEFAULT_CODECS, "ssm_state": "bf16"},
 }
 
 SAVE_POINTS = ("prefill", "finish")
@@ -116,13 +117,20 @@ class ConnectorConfig:
 
 
 def _parse_codecs(value: Any) -> dict[str, CodecSpec]:
-    """A preset name, or a map of field kinds to codecs over the exact (raw) defaults."""
+    """A preset name, or a map of field kinds to codecs over the exact (raw) defaults.
+
+    A codec is a string (``"int8:64"``, a plug-in's ``"lowrank:projection_file=/p.npy"``) or
+    a dict (``{"id": "lowrank", "projection_file": "/p.npy"}``: every key but ``id`` and
+    ``group`` is a plug-in option). Whether a plug-in is installed and accepts its options is
+    checked when the store resolves the codecs (`storage_zarr.resolve_codecs`), at start-up.
+    """
     if isinstance(value, str) and value.strip() in PRESETS:
         return {k: CodecSpec.parse(v) for k, v in PRESETS[value.strip()].items()}
     if not isinstance(value, dict):
         raise ValueError(
             f"anchorkv: 'codec' must be a preset name ({', '.join(repr(p) for p in PRESETS)}) or map "
-            f"field kinds to codecs, e.g. {{\"recurrent\": \"bf16\"}}; found {value!r}"
+            f"field kinds to codecs, e.g. {{\"recurrent\": \"bf16\"}} or, for a codec plug-in, "
+            f"{{\"latent\": {{\"id\": \"lowrank\", \"projection_file\": \"/p.npy\"}}}}; found {value!r}"
         )
     out = {k: CodecSpec.parse(v) for k, v in DEFAULT_CODECS.items()}
     for kind, spec in value.items():

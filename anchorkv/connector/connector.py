@@ -25,8 +25,8 @@ Worker side (one per tensor-parallel rank):
     wait_for_save               pack planned saves (GPU, side stream), write them in the background
     get_transfer_results        finished / failed async loads and released blocks
 
-`save_kv_layer` and `wait_for_layer_load` are never called for Kimi-Linear by vLLM 0.33; they
-are no-ops here.
+`save_kv_layer` and `wait_for_layer_load` are no-ops: saves and loads work on whole requests
+(`wait_for_save`, `start_load_kv`), which vLLM calls for every model.
 """
 
 from __future__ import annotations
@@ -42,12 +42,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from anchorkv.codec import kimi_linear_layout
 from anchorkv.connector.config import ConnectorConfig, codec_banner
-from anchorkv.connector.plan import GroupInfo, GroupKind, Metadata
+from anchorkv.connector.plan import Metadata
 from anchorkv.connector.scheduler import SchedulerSide
 from anchorkv.connector.storage_zarr import ZarrEntryStore
-from anchorkv.connector.vllm_layout import build_views, config_dict
+from anchorkv.connector.vllm_layout import attention_backends, build_views, config_dict, groups_of, model_layout
 from anchorkv.connector.worker import WorkerSide
 
 log = logging.getLogger("anchorkv.connector")
@@ -56,19 +55,6 @@ log = logging.getLogger("anchorkv.connector")
 class AnchorKVMetadata(KVConnectorMetadata):
     def __init__(self, plan: Metadata) -> None:
         self.plan = plan
-
-
-def groups_of(kv_cache_config: Any) -> list[GroupInfo]:
-    """The KV-cache groups as anchorkv sees them: state (Mamba-type) or paged (attention)."""
-    from vllm.v1.kv_cache_interface import MambaSpec
-
-    out = []
-    for i, g in enumerate(kv_cache_config.kv_cache_groups):
-        kind = GroupKind.STATE if isinstance(g.kv_cache_spec, MambaSpec) else GroupKind.PAGED
-        out.append(GroupInfo(i, kind, int(g.kv_cache_spec.block_size), tuple(g.layer_names)))
-    if not any(g.kind is GroupKind.PAGED for g in out):
-        raise ValueError("anchorkv: the model has no attention (paged) KV-cache group")
-    return out
 
 
 def tp_rank() -> int:
@@ -80,13 +66,35 @@ def tp_rank() -> int:
         return 0
 
 
-def capacity_warning(config: ConnectorConfig) -> str | None:
+def raw_entry_size(layout: Any) -> tuple[int, int]:
+    """(fixed bytes, bytes per token) of one raw entry of `layout`'s model (every rank's part):
+    the state layers' logical states, and the paged layers' logical rows."""
+    from anchorkv.codec import LayerKind
+
+    fixed = per_token = 0
+    for layer in layout.layers:
+        for f in layer.page.fields:
+            n = f.itemsize
+            for d in (f.logical_shape if layer.kind is LayerKind.STATE else f.logical_shape[1:]):
+                n *= d
+            if layer.kind is LayerKind.STATE:
+                fixed += n
+            else:
+                per_token += n
+    return fixed, per_token
+
+
+def capacity_warning(config: ConnectorConfig, layout: Any = None) -> str | None:
     """The start-up warning for a store without a capacity bound (None when one is set)."""
     if config.capacity is not None:
         return None
+    size = ""
+    if layout is not None:
+        fixed, per_token = raw_entry_size(layout)
+        size = (f"; a raw entry of this model is about {fixed / 2**20:.1f} MiB + {per_token / 1024:.1f} KiB "
+                "per token, saved up to 3 times per request, see the README's sizing")
     return (f"anchorkv: NO CAPACITY SET: the store {config.store} grows without bound (nothing is "
-            "evicted; a Kimi-Linear raw entry is about 41 MiB + 7.9 KiB per token, see the README's "
-            "sizing); set kv_connector_extra_config 'capacity' "
+            f"evicted{size}); set kv_connector_extra_config 'capacity' "
             "(e.g. \"200GB\") or run `anchorkv gc --capacity SIZE` periodically")
 
 
@@ -96,12 +104,14 @@ class AnchorKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = ConnectorConfig.from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config)
         hf_config = config_dict(vllm_config.model_config.hf_config)
+        self._kv_config = kv_cache_config
+        self._vllm_config_ = vllm_config
         self.groups = groups_of(kv_cache_config)
-        self.mode = vllm_config.cache_config.mamba_cache_mode or "none"
+        self.mode = getattr(vllm_config.cache_config, "mamba_cache_mode", None) or "none"
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        # the model at this tp (its fingerprint, what entries must agree with, is TP-independent)
-        self.model_layout = kimi_linear_layout(hf_config, tp_size=self.tp_size, block_size=max(
-            g.block_size for g in self.groups if g.kind is GroupKind.PAGED))
+        # the model at this tp, from vLLM's KV-cache specs and the model's description (its
+        # fingerprint, what entries must agree with, is TP-independent for described models)
+        self.model_layout = model_layout(kv_cache_config, hf_config, tp_size=self.tp_size, tp_rank=tp_rank())
         self.store = ZarrEntryStore(self.config, self.model_layout)
         self.config = self.store.config  # codec groups resolved as the entries store them
         self._hf_config = hf_config
@@ -117,7 +127,7 @@ class AnchorKVConnector(KVConnectorBase_V1, SupportsHMA):
                  role.name.lower(), self.config.store,
                  {k: str(v) for k, v in self.config.codec.items()}, self.config.lookup, self.mode)
         log.log(*codec_banner(self.config.codec))  # a WARNING when any field's codec is lossy
-        warning = capacity_warning(self.config)
+        warning = capacity_warning(self.config, self.model_layout)
         if warning and role == KVConnectorRole.SCHEDULER:  # once per engine, not per rank
             log.warning(warning)
 
@@ -156,9 +166,12 @@ class AnchorKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         # block ids count the scheduler's blocks, whatever kernel block the backend views
-        block_size = max(g.block_size for g in self.groups if g.kind is GroupKind.PAGED)
-        layout, views = build_views(kv_caches, self._hf_config, tp_size=self.tp_size,
-                                    tp_rank=self.worker.tp_rank, block_size=block_size)
+        layout, views = build_views(kv_caches, self._kv_config, self._hf_config, tp_size=self.tp_size,
+                                    tp_rank=self.worker.tp_rank,
+                                    backends=attention_backends(self._vllm_config_, kv_caches))
+        if layout.fingerprint_hash() != self.model_layout.fingerprint_hash():
+            raise RuntimeError("anchorkv: the registered caches do not match vLLM's KV-cache specs "
+                               f"({layout.fingerprint()} vs {self.model_layout.fingerprint()}); this is a bug")
         self.worker.register(layout, views)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:

@@ -28,6 +28,7 @@ from typing import Mapping
 import numpy as np
 
 from anchorkv.codec import CodecSpec, Field, LayerKind, LayerLayout, ModelLayout, Packed, PageLayout
+from anchorkv.codec.models import ROLE_ALIASES, Role
 from anchorkv.codec.layout import dense_strides
 from anchorkv.connector.config import ConnectorConfig
 from anchorkv.connector.plan import SaveSpec
@@ -69,12 +70,41 @@ def store_layout(model: ModelLayout, tp_size: int, tp_rank: int) -> ModelLayout:
                     shape[f.shard_axis] //= tp_size  # Field checks that tp divides it
                 offset = -(-offset // f.itemsize) * f.itemsize
                 nf = Field(f.name, f.dtype, tuple(shape), dense_strides(tuple(shape)), offset,
-                           logical_shape=logical, shard_axis=f.shard_axis, tp_size=tp_size, tp_rank=tp_rank)
+                           logical_shape=logical, shard_axis=f.shard_axis, tp_size=tp_size, tp_rank=tp_rank,
+                           role=f.role)
                 fields.append(nf)
                 offset = nf.extent
             page = pages[id(layer.page)] = PageLayout(tuple(fields), offset)
         layers.append(LayerLayout(layer.name, layer.index, layer.kind, page))
     return ModelLayout(model.architecture, tuple(layers), 1, tp_size, tp_rank)
+
+
+def wanted_codecs(config: ConnectorConfig, model: ModelLayout) -> dict[str, CodecSpec]:
+    """The codec config applied to the model's fields: a key names a field or a role (see
+    `Role`; ``conv`` and ``recurrent``, the names of Kimi-Linear's fields, also select the
+    conv_state and ssm_state roles); a field's own name wins over its role; `raw` otherwise.
+
+    Raises a `ValueError` for a key that is neither a role nor a field of this model."""
+    fields = model.field_kinds()
+    roles = {r.value for r in Role}
+    unknown = sorted(k for k in config.codec if k not in fields and k not in roles and k not in ROLE_ALIASES)
+    if unknown:
+        raise ValueError(
+            f"anchorkv: kv_connector_extra_config 'codec' names {unknown}, neither roles "
+            f"({sorted(roles)}) nor fields of this model ({sorted(fields)})"
+        )
+    by_role = {k: v for k, v in config.codec.items() if k in roles}
+    # an alias is only ever written by a user (the defaults and presets use roles): it wins
+    by_role.update({ROLE_ALIASES[k].value: v for k, v in config.codec.items() if k in ROLE_ALIASES})
+    out = {}
+    for name, f in fields.items():
+        if name in config.codec:
+            out[name] = config.codec[name]
+        elif f.role in by_role:
+            out[name] = by_role[f.role]
+        else:
+            out[name] = CodecSpec("raw", None)
+    return out
 
 
 def resolve_codecs(config: ConnectorConfig, model: ModelLayout) -> dict[str, CodecSpec]:
@@ -83,14 +113,7 @@ def resolve_codecs(config: ConnectorConfig, model: ModelLayout) -> dict[str, Cod
     Raises a `ValueError` naming the field, the codec and a working choice when the store
     cannot keep it (an unknown codec id, a group that does not divide the chunk's last axis).
     """
-    fields = model.field_kinds()
-    wanted = {name: config.codec_for(name) for name in fields}
-    unknown = sorted(set(config.codec) - set(fields) - {"conv", "recurrent", "latent"})
-    if unknown:
-        raise ValueError(
-            f"anchorkv: kv_connector_extra_config 'codec' names field kinds {unknown} that this "
-            f"model does not have; its fields are {sorted(fields)}"
-        )
+    wanted = wanted_codecs(config, model)
     try:
         arrays = array_layouts(model, wanted, 1)
     except FormatError as e:
@@ -129,7 +152,7 @@ class ZarrEntryStore:
     def __init__(self, config: ConnectorConfig, model_layout: ModelLayout, *, store: Store | None = None) -> None:
         self.model_layout = model_layout
         self.codecs = resolve_codecs(config, model_layout)
-        self.config = dataclasses.replace(config, codec={**config.codec, **self.codecs})
+        self.config = dataclasses.replace(config, codec=dict(self.codecs))  # per field, resolved
         self.fingerprint_hash = model_layout.fingerprint_hash()
         if store is None:
             try:

@@ -1,29 +1,47 @@
-"""Build the layout model from what vLLM registers, and refuse what it does not understand.
+"""The layout model from what vLLM gives the connector: its KV-cache groups and their specs,
+the registered per-layer views, and the model's config.
 
-vLLM 0.33 hands `register_kv_caches` one tensor per layer: MLA layers as bf16
-`[num_blocks, 1, block_size, 576]`, KDA layers as int8 `[num_blocks, 1, 1, state_bytes]`
-whose block stride is the padded page. An attention backend with its own kernel block size
-(FlashMLA 64, FlashInfer-MLA 32 or 64, CUTLASS-MLA 128) makes vLLM split each scheduler block
-into dense kernel blocks (`prepare_kernel_block_sizes`): the MLA view is then
-`[num_blocks * k, 1, block_size / k, 576]`. Block ids and the layout count scheduler blocks
-(tokens per block id); `scheduler_block_view` regroups a split view into those. Layers of different KV-cache groups alias the same
-bytes; each view keeps its own strides (`Region.from_view`), so one view's stride is never
-used for another's data (the bug vLLM PR #44848 fixed for NIXL).
+vLLM (0.32 and 0.33) allocates one backing buffer and hands `register_kv_caches` a view per
+layer in the standard `[B, H, N, C]` form (blocks, heads, states per block, content):
+
+* a state layer (`MambaSpec`: KDA, Gated DeltaNet, Mamba2) is int8 `[B, 1, 1, page bytes]`;
+  its state tensors (`spec.shapes`, `spec.dtypes`, e.g. conv window then recurrent state)
+  lie back to back from byte 0 of the page;
+* an attention layer (`FullAttentionSpec`) is `[B, H, N, head_size + head_size_v]` in the
+  cache dtype: K then V in each (head, token) cell, strides set by the KV-cache layout;
+* an MLA layer (`MLAAttentionSpec`) is `[B, 1, N, kv_lora_rank + rope]`.
+
+An attention backend with its own kernel block size makes vLLM split each scheduler block into
+dense kernel blocks (`[B * k, H, N / k, C]`); `scheduler_block_view` regroups them, since block
+ids count scheduler blocks. Layers of different groups alias the same bytes; each view keeps
+its own strides (`Region.from_view`), so one view's stride is never used for another's data.
+
+What the fields are called, which axis tensor parallelism splits and what role each plays
+comes from the model's description (`anchorkv.architectures`); without one, every tensor is
+kept per rank (restores at the same tp only), and that is logged once.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Mapping
 
 import torch
 
-from anchorkv.codec import CacheView, ConvLayout, LayerKind, ModelLayout, Region, kimi_linear_layout
-from anchorkv.codec.models import KIMI_ARCHITECTURE
+from anchorkv.architectures import Attention, DescriptionMismatch, architecture_of, describe
+from anchorkv.architectures.base import attention_page, latent_page, layer_number, state_page
+from anchorkv.codec import CacheView, ConvLayout, LayerKind, LayerLayout, ModelLayout, PageLayout, Region
+from anchorkv.codec.layout import Field, dense_strides
+from anchorkv.codec.models import Role
+from anchorkv.connector.plan import GroupInfo, GroupKind
+
+log = logging.getLogger("anchorkv.connector")
+_warned: set[str] = set()
 
 
 class UnsupportedModelError(ValueError):
-    """The registered caches do not match any layout anchorkv knows how to save."""
+    """The model's caches are of a kind anchorkv cannot save (a one-line reason)."""
 
 
 def config_dict(hf_config: Any) -> dict:
@@ -36,7 +54,14 @@ def config_dict(hf_config: Any) -> dict:
 
 
 def conv_layout_from_env() -> ConvLayout:
-    value = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "SD").upper()
+    """The conv state layout vLLM allocates with: its own answer where it has one (vLLM caches
+    it for the process), `VLLM_SSM_CONV_STATE_LAYOUT` otherwise."""
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+        value = str(get_conv_state_layout()).upper()
+    except ImportError:
+        value = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "SD").upper()
     try:
         return ConvLayout(value)
     except ValueError:
@@ -45,63 +70,244 @@ def conv_layout_from_env() -> ConvLayout:
         ) from None
 
 
-def build_views(
-    kv_caches: Mapping[str, torch.Tensor],
-    hf_config: Any,
-    *,
-    tp_size: int,
-    tp_rank: int,
-    conv_layout: ConvLayout | str | None = None,
-    block_size: int | None = None,
-) -> tuple[ModelLayout, dict[str, CacheView]]:
-    """The model layout for this rank and one `CacheView` per registered layer.
+# ----------------------------------------------------------------------------- specs
 
-    `block_size` is the scheduler's block size of the attention group (tokens per block id);
-    None takes the registered view's (no kernel split)."""
+
+def _kind_of(spec: Any) -> str:
+    """'state', 'kv' or 'latent' for the specs anchorkv saves; an error for the others."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+
+    if isinstance(spec, MambaSpec):
+        return "state"
+    if isinstance(spec, MLAAttentionSpec):
+        return "latent"
+    if type(spec) is FullAttentionSpec:  # subclasses change what a page holds
+        if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
+            raise UnsupportedModelError(
+                f"anchorkv cannot save sliding-window or chunked-local attention layers yet (found "
+                f"{type(spec).__name__} with sliding_window={spec.sliding_window}); run without the connector")
+        if getattr(spec, "kv_quant_mode", 0) or getattr(spec, "state_content_bytes", None) is not None:
+            raise UnsupportedModelError(
+                f"anchorkv saves unquantized K/V pages; this model's attention cache is packed "
+                f"({type(spec).__name__}, kv_quant_mode={spec.kv_quant_mode}); use kv_cache_dtype 'auto'")
+        return "kv"
+    raise UnsupportedModelError(
+        f"anchorkv cannot save {type(spec).__name__} cache layers yet (it saves Mamba-type state, full "
+        "attention and MLA); run without the connector")
+
+
+def _group_specs(g: Any) -> list[tuple[str, Any]]:
+    """(layer name, spec) of one group (`UniformTypeKVCacheSpecs` holds one spec per layer)."""
+    per_layer = getattr(g.kv_cache_spec, "kv_cache_specs", None)
+    return [(n, per_layer[n] if per_layer else g.kv_cache_spec) for n in g.layer_names]
+
+
+def layer_specs(kv_cache_config: Any) -> dict[str, tuple[int, Any]]:
+    """Layer name -> (group index, spec) over every KV-cache group."""
+    return {name: (i, spec) for i, g in enumerate(kv_cache_config.kv_cache_groups)
+            for name, spec in _group_specs(g)}
+
+
+def groups_of(kv_cache_config: Any) -> list[GroupInfo]:
+    """The KV-cache groups as anchorkv sees them: state (Mamba-type) or paged (attention)."""
+    out = []
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        if not g.layer_names:
+            continue
+        kinds = {_kind_of(spec) for _, spec in _group_specs(g)}
+        kind = GroupKind.STATE if kinds == {"state"} else GroupKind.PAGED
+        out.append(GroupInfo(i, kind, int(g.kv_cache_spec.block_size), tuple(g.layer_names)))
+    if not any(g.kind is GroupKind.PAGED for g in out):
+        raise UnsupportedModelError("anchorkv needs an attention (paged) KV-cache group; this model has "
+                                    "only state layers")
+    return out
+
+
+def paged_block_size(kv_cache_config: Any) -> int:
+    """Tokens per block id of the attention groups (the scheduler's block, not a kernel's)."""
+    return max(g.block_size for g in groups_of(kv_cache_config) if g.kind is GroupKind.PAGED)
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+#: Attention backends that keep a head's K and V as two planes of `[N, head_size]` rows (K in
+#: rows 0..N-1, V in rows N..2N-1 of the cells' bytes) instead of splitting each cell.
+PLANAR_KV_BACKENDS = frozenset({"CPU_ATTN"})
+
+
+def attention_backends(vllm_config: Any, names: Any) -> dict[str, str]:
+    """Layer name -> the name of the attention backend vLLM runs it with (where it can tell)."""
+    ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    out = {}
+    for name in names:
+        layer = ctx.get(name)
+        try:
+            out[name] = layer.get_attn_backend().get_name()
+        except Exception:  # not an attention layer, or no backend chosen (tests)
+            continue
+    return out
+
+
+def model_layout(kv_cache_config: Any, hf_config: Any, *, tp_size: int, tp_rank: int = 0,
+                 conv_layout: ConvLayout | str | None = None,
+                 views: Mapping[str, torch.Tensor] | None = None,
+                 backends: Mapping[str, str] | None = None) -> ModelLayout:
+    """The layout of every cached layer on rank `tp_rank` of `tp_size`.
+
+    Without `views` (the scheduler side), attention fields get dense `[N, H, C]` strides:
+    only their logical shapes, dtypes and shard axes matter there (what the store and the
+    fingerprint need). With `views` (scheduler-block views, see `scheduler_block_view`), the
+    fields carry the registered strides; both give the same fingerprint.
+    """
     config = config_dict(hf_config)
-    archs = config.get("architectures") or []
-    if KIMI_ARCHITECTURE not in archs:
+    conv_layout = ConvLayout(conv_layout) if conv_layout is not None else conv_layout_from_env()
+    block_size = paged_block_size(kv_cache_config)
+    desc = describe(config)
+    arch = desc.architecture if desc is not None else (architecture_of(config) or "unknown")
+    specs = layer_specs(kv_cache_config)
+    pages: dict[Any, PageLayout] = {}
+    layers, undescribed = [], set()
+    for order, name in enumerate(sorted(specs, key=lambda n: (layer_number(n), n))):
+        _, spec = specs[name]
+        kind = _kind_of(spec)
+        view = None if views is None else views.get(name)
+        if views is not None and view is None:
+            continue  # vLLM registers no tensor for this layer (e.g. a padding layer)
+        planar = (backends or {}).get(name) in PLANAR_KV_BACKENDS
+        key = (kind, spec, planar,
+               None if view is None else (tuple(view.shape[1:]), tuple(view.stride()), view.dtype))
+        page = pages.get(key)
+        if page is None:
+            page = pages[key] = _page(kind, spec, desc, view, block_size, tp_size, tp_rank, conv_layout,
+                                      undescribed, name, planar)
+        layers.append(LayerLayout(name, layer_number(name) if layer_number(name) >= 0 else order,
+                                  LayerKind.STATE if kind == "state" else LayerKind.PAGED, page))
+    if undescribed and arch not in _warned:
+        _warned.add(arch)
+        log.warning("anchorkv: %s has no description for its %s cache (anchorkv.architectures); it is "
+                    "saved per rank and restores only at tensor-parallel size %d (cross-TP restore off)",
+                    arch, ", ".join(sorted(undescribed)), tp_size)
+    return ModelLayout(arch, tuple(layers), block_size, tp_size, tp_rank)
+
+
+def _page(kind: str, spec: Any, desc: Any, view: torch.Tensor | None, block_size: int, tp_size: int,
+          tp_rank: int, conv_layout: ConvLayout, undescribed: set[str], name: str, planar: bool) -> PageLayout:
+    if kind == "state":
+        shapes, dtypes = [tuple(s) for s in spec.shapes], list(spec.dtypes)
+        page_bytes = spec.page_size_bytes
+        if getattr(spec, "tp_replicated", False):  # every rank holds the whole state: no split
+            fields, off = [], 0
+            for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+                fields.append(Field(f"state{i}", dtype, shape, dense_strides(shape), off, role=Role.STATE.value,
+                                    tp_size=tp_size, tp_rank=tp_rank))
+                off += fields[-1].nbytes
+            return PageLayout(tuple(fields), page_bytes)
+        states = desc.state if desc is not None and desc.state else None
+        try:
+            page, described = state_page(states, shapes, dtypes, page_bytes, conv_layout=conv_layout,
+                                         tp_size=tp_size, tp_rank=tp_rank)
+        except DescriptionMismatch as e:
+            log.warning("anchorkv: layer %s: %s; its state is kept per rank", name, e)
+            page, described = state_page(None, shapes, dtypes, page_bytes, conv_layout=conv_layout,
+                                         tp_size=tp_size, tp_rank=tp_rank)
+        if not described:
+            undescribed.add("state")
+        return page
+    dtype = spec.dtype
+    isz = _itemsize(dtype)
+    heads = spec.num_heads
+    cell = spec.state_content_size_bytes // isz
+    if view is not None:
+        _check_paged_view(name, kind, view, dtype, heads, block_size, cell)
+        head_stride, token_stride = view.stride(1), view.stride(2)
+        page_bytes = view.stride(0) * isz
+    else:
+        head_stride, token_stride = cell, heads * cell
+        page_bytes = block_size * heads * cell * isz
+    if kind == "latent":
+        return latent_page(width=cell, dtype=dtype, block_size=block_size, token_stride=token_stride,
+                           page_bytes=page_bytes, tp_size=tp_size, tp_rank=tp_rank)
+    attn = desc.paged if desc is not None and isinstance(desc.paged, Attention) else None
+    try:
+        page, described = attention_page(attn, heads=heads, head_size=spec.head_size,
+                                         head_size_v=spec.head_size_v, dtype=dtype, block_size=block_size,
+                                         head_stride=head_stride, token_stride=token_stride,
+                                         page_bytes=page_bytes, tp_size=tp_size, tp_rank=tp_rank, planar=planar)
+    except DescriptionMismatch as e:
+        raise UnsupportedModelError(f"layer {name!r}: {e}") from None
+    if not described:
+        undescribed.add("attention")
+    return page
+
+
+def _check_paged_view(name: str, kind: str, t: torch.Tensor, dtype: torch.dtype, heads: int, block_size: int,
+                      cell: int) -> None:
+    ok = (t.dtype == dtype and t.dim() == 4 and tuple(t.shape[1:]) == (heads, block_size, cell)
+          and t.stride(3) == 1)
+    if not ok:
         raise UnsupportedModelError(
-            f"anchorkv's vLLM connector knows {KIMI_ARCHITECTURE}; this model is {archs or 'unnamed'}. "
-            "Other hybrid models need a layout builder (anchorkv.codec.custom_layout)."
-        )
-    mla_views = [t for t in kv_caches.values() if t.dtype == torch.bfloat16 and t.dim() == 4]
-    if not mla_views:
+            f"layer {name!r}: expected a {dtype} view [num_blocks, {heads}, {block_size}, {cell}] with a "
+            f"contiguous last axis ({kind}), found {t.dtype} {list(t.shape)} strides {list(t.stride())}")
+
+
+def _check_state_view(name: str, t: torch.Tensor, page: PageLayout) -> None:
+    need = max(f.extent for f in page.fields)
+    ok = t.dtype in (torch.int8, torch.uint8) and t.dim() == 4 and t.shape[-1] >= need and t.stride(-1) == 1
+    if not ok or t.stride(0) * t.element_size() < need:
         raise UnsupportedModelError(
-            "no MLA cache view (bf16 [num_blocks, 1, block_size, 576]) among the registered layers; "
-            f"found {_describe(kv_caches)}"
-        )
-    if block_size is None:
-        block_size = mla_views[0].shape[2]
-    kv_caches = {name: scheduler_block_view(name, t, block_size) if t.dtype == torch.bfloat16 and t.dim() == 4
-                 else t for name, t in kv_caches.items()}
-    layout = kimi_linear_layout(
-        config, tp_size=tp_size, tp_rank=tp_rank, block_size=block_size,
-        conv_layout=conv_layout or conv_layout_from_env(),
-    )
-    missing = [l.name for l in layout.layers if l.name not in kv_caches]
-    extra = [n for n in kv_caches if n not in {l.name for l in layout.layers}]
-    if missing or extra:
-        raise UnsupportedModelError(
-            f"registered layers do not match Kimi-Linear's {len(layout.layers)} cached layers: "
-            f"missing {missing[:4]}{'...' if len(missing) > 4 else ''}, unexpected {extra[:4]}"
-        )
+            f"layer {name!r}: expected an int8 state view [num_blocks, 1, 1, >= {need} bytes] whose blocks "
+            f"are at least {need} bytes apart, found {t.dtype} {list(t.shape)} strides {list(t.stride())}")
+
+
+def build_views(kv_caches: Mapping[str, torch.Tensor], kv_cache_config: Any, hf_config: Any, *,
+                tp_size: int, tp_rank: int, conv_layout: ConvLayout | str | None = None,
+                backends: Mapping[str, str] | None = None) -> tuple[ModelLayout, dict[str, CacheView]]:
+    """The model layout for this rank and one `CacheView` per registered layer (`backends`:
+    each attention layer's backend name, see `attention_backends`)."""
+    block_size = paged_block_size(kv_cache_config)
+    specs = layer_specs(kv_cache_config)
+    unknown = sorted(set(kv_caches) - set(specs))
+    if unknown:
+        raise UnsupportedModelError(f"registered layers {unknown[:4]} belong to no KV-cache group")
+    views_in = {}
+    for name, t in kv_caches.items():
+        if not isinstance(t, torch.Tensor):
+            raise UnsupportedModelError(f"layer {name!r}: expected one tensor per layer, found {type(t).__name__}")
+        kind = _kind_of(specs[name][1])
+        if kind == "kv" and (backends or {}).get(name) in PLANAR_KV_BACKENDS and t.shape[2] != block_size:
+            raise UnsupportedModelError(f"layer {name!r}: a {backends[name]} page split into kernel blocks "
+                                        f"of {t.shape[2]} tokens cannot be regrouped into {block_size}-token blocks")
+        views_in[name] = t if kind == "state" else scheduler_block_view(name, t, block_size)
+    layout = model_layout(kv_cache_config, hf_config, tp_size=tp_size, tp_rank=tp_rank,
+                          conv_layout=conv_layout, views=views_in, backends=backends)
     views = {}
     for layer in layout.layers:
-        t = kv_caches[layer.name]
-        _check_view(layer.name, layer.kind, t, layout)
+        t = views_in[layer.name]
+        if layer.kind is LayerKind.STATE:
+            _check_state_view(layer.name, t, layer.page)
         views[layer.name] = CacheView(Region.from_view(t), layer.page, layer.name)
     return layout, views
 
 
 def scheduler_block_view(name: str, t: torch.Tensor, block_size: int) -> torch.Tensor:
-    """An attention view `[blocks * k, 1, kernel_block, row]` regrouped as
-    `[blocks, 1, block_size, row]` (the same bytes), `k = block_size / kernel_block`."""
+    """An attention view `[blocks * k, H, kernel_block, C]` regrouped as
+    `[blocks, H, block_size, C]` (the same bytes), `k = block_size / kernel_block`. The kernel
+    blocks of a scheduler block must follow each other densely with tokens outside heads
+    (H = 1, or a token-major layout such as LBNHC)."""
+    if t.dim() != 4:
+        raise UnsupportedModelError(f"layer {name!r}: expected a [blocks, heads, tokens, content] view, "
+                                    f"found {t.dtype} {list(t.shape)}")
     kernel_block = t.shape[2]
     if kernel_block == block_size:
         return t
     k, rest = divmod(block_size, kernel_block)
-    dense = t.stride(0) == kernel_block * t.stride(2) and t.stride(3) == 1
+    token_major = t.shape[1] == 1 or t.stride(1) * t.shape[1] <= t.stride(2)
+    dense = t.stride(0) == kernel_block * t.stride(2) and t.stride(3) == 1 and token_major
     if rest or t.shape[0] % k or not dense:
         raise UnsupportedModelError(
             f"layer {name!r}: expected kernel blocks that tile the scheduler block of {block_size} "
@@ -110,34 +316,3 @@ def scheduler_block_view(name: str, t: torch.Tensor, block_size: int) -> torch.T
         )
     return t.as_strided((t.shape[0] // k, t.shape[1], block_size, t.shape[3]),
                         (t.stride(0) * k, t.stride(1), t.stride(2), t.stride(3)), t.storage_offset())
-
-
-def _check_view(name: str, kind: LayerKind, t: torch.Tensor, layout: ModelLayout) -> None:
-    page = layout.layer(name).page
-    if kind is LayerKind.PAGED:
-        row = page.field("latent").shape[-1]
-        expected = ("bf16", (1, layout.block_size, row))
-        ok = t.dtype == torch.bfloat16 and t.dim() == 4 and tuple(t.shape[1:]) == (1, layout.block_size, row)
-        ok = ok and t.stride()[2:] == (row, 1)  # axis 1 has size 1: its stride is arbitrary
-    else:
-        state = page.field("recurrent").extent
-        expected = ("int8", (1, 1, state))
-        ok = t.dtype in (torch.int8, torch.uint8) and t.dim() == 4 and tuple(t.shape[1:]) == (1, 1, state)
-        ok = ok and t.stride(-1) == 1
-    if not ok:
-        raise UnsupportedModelError(
-            f"layer {name!r}: expected a {expected[0]} view [num_blocks, {', '.join(map(str, expected[1]))}] "
-            f"(tp={layout.tp_size}, block_size={layout.block_size}), found {t.dtype} {list(t.shape)} "
-            f"strides {list(t.stride())}"
-        )
-    block_stride = t.stride(0) * t.element_size()
-    if block_stride < page.page_bytes and kind is LayerKind.STATE:
-        raise UnsupportedModelError(
-            f"layer {name!r}: block stride {block_stride} bytes is smaller than the KDA page "
-            f"{page.page_bytes} bytes"
-        )
-
-
-def _describe(kv_caches: Mapping[str, torch.Tensor]) -> str:
-    kinds = {(str(t.dtype), tuple(t.shape[1:])) for t in kv_caches.values()}
-    return ", ".join(f"{d} [*, {', '.join(map(str, s))}]" for d, s in sorted(kinds)) or "nothing"

@@ -15,16 +15,16 @@ from anchorkv.connector.config import PRESETS, ConnectorConfig, codec_banner, lo
 def test_defaults():
     c = ConnectorConfig.from_extra_config({})
     assert c.lookup == "exact" and c.save_points == ("prefill", "finish") and c.async_load
-    assert set(c.codec) == {"conv", "recurrent", "latent"}
+    assert set(c.codec) == {"conv_state", "ssm_state", "k", "v", "latent"}  # roles
 
 
 def test_default_codecs_are_exact():
     """Restores are bit-exact unless the user opts in: every field, and any unlisted one, is raw."""
     c = ConnectorConfig.from_extra_config({})
-    assert {k: v.id for k, v in c.codec.items()} == {"conv": "raw", "recurrent": "raw", "latent": "raw"}
+    assert {v.id for v in c.codec.values()} == {"raw"}
     assert c.codec_for("some_other_field").id == "raw"
     partial = ConnectorConfig.from_extra_config({"codec": {"recurrent": "bf16"}})
-    assert {k: v.id for k, v in partial.codec.items()} == {"conv": "raw", "recurrent": "bf16", "latent": "raw"}
+    assert {k: v.id for k, v in partial.codec.items() if v.id != "raw"} == {"recurrent": "bf16"}
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -41,8 +41,11 @@ def test_presets_resolve_for_the_store(tmp_path, name):
     from anchorkv.connector.storage_zarr import ZarrEntryStore
 
     config = ConnectorConfig.from_extra_config({"store": str(tmp_path / "store"), "codec": name})
-    es = ZarrEntryStore(config, kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=2))
-    assert {k: v.id for k, v in es.codecs.items()} == {k: CodecSpec.parse(v).id for k, v in PRESETS[name].items()}
+    layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=2)
+    es = ZarrEntryStore(config, layout)
+    # presets are keyed by role: Kimi-Linear's conv, recurrent and latent fields take theirs
+    expected = {f.name: CodecSpec.parse(PRESETS[name][f.role]).id for f in layout.field_kinds().values()}
+    assert {k: v.id for k, v in es.codecs.items()} == expected
 
 
 def test_compact_preset_save_restore_cycle(tmp_path):

@@ -246,9 +246,13 @@ def kimi_linear_layer_specs(vllm_config) -> dict:
         mamba_block_size = cache.block_size if cache.mamba_cache_mode == "align" else (
             vllm_config.model_config.max_model_len
         )
+    # which layers are KDA comes from the model's config, as vLLM's model class decides it
+    hf = vllm_config.model_config.hf_config
+    lin = getattr(hf, "linear_attn_config", None) or {}
+    kda_layers = {i - 1 for i in lin.get("kda_layers", [j + 1 for j in KDA_LAYERS])}
     specs: dict = {}
     for i in range(NUM_LAYERS):
-        if i in KDA_LAYERS:
+        if i in kda_layers:
             specs[layer_name(i)] = MambaSpec(
                 block_size=mamba_block_size,
                 shapes=shapes,
@@ -273,12 +277,13 @@ def kimi_linear_kv_cache_groups(vllm_config) -> list:
     2,6,..,22) and 1 MLA group (3,7,..,23,26), built by hand so that any block size works."""
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     specs = kimi_linear_layer_specs(vllm_config)
-    groups = [
-        KVCacheGroupSpec([layer_name(i) for i in KDA_LAYERS if i % 4 == j], specs[layer_name(j)])
-        for j in range(3)
-    ]
-    groups.append(KVCacheGroupSpec([layer_name(i) for i in MLA_LAYERS], specs[layer_name(3)]))
+    kda = [i for i in range(NUM_LAYERS) if isinstance(specs[layer_name(i)], MambaSpec)]
+    mla = [i for i in range(NUM_LAYERS) if i not in kda]
+    groups = [KVCacheGroupSpec([layer_name(i) for i in kda[j::3]], specs[layer_name(kda[j])]) for j in range(3)]
+    groups.append(KVCacheGroupSpec([layer_name(i) for i in mla], specs[layer_name(mla[0])]))
     return groups
 
 
