@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from anchorkv.connector.config import ConnectorConfig
+from anchorkv.connector.counters import Counters, Miss
 from anchorkv.connector.plan import (
     GroupInfo,
     GroupKind,
@@ -23,6 +24,7 @@ from anchorkv.connector.plan import (
     select_blocks,
 )
 from anchorkv.connector.storage import EntryRef, EntryStore
+from anchorkv.store.keys import TOKEN_BLOCK
 
 log = logging.getLogger("anchorkv.connector")
 
@@ -101,6 +103,8 @@ class SchedulerSide:
         self._loading: dict[str, str] = {}  # req id -> entry id of a planned async load
         self._failed: set[str] = set()  # requests whose load failed: vLLM computes them
         self._bad_entries: dict[str, float] = {}  # entry id -> when its load failed
+        self.stats = Counters()
+        self._outcome: dict[str, Miss | None] = {}  # req id -> its last lookup's miss (None: found)
 
     def on_new_request(self, request: Any) -> None:
         self._requests[request.request_id] = _Tracked(anchor_of(request), tuple(request.prompt_token_ids or ()),
@@ -110,8 +114,9 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if request.request_id in self._failed:
-            return 0, False  # its load failed once: recompute, do not retry
+            return 0, False  # its load failed once (counted then): recompute, do not retry
         if not cacheable(request):
+            self._outcome[request.request_id] = Miss.UNCACHEABLE
             return 0, False
         if num_computed_tokens % self.block_size:
             # A load writes whole paged rows from a block boundary on. vLLM 0.33 floors the
@@ -120,39 +125,51 @@ class SchedulerSide:
             log.debug("anchorkv: request %s: local hit of %d tokens is not block-aligned; no load",
                       request.request_id, num_computed_tokens)
             self._found.pop(request.request_id, None)
+            self._outcome[request.request_id] = Miss.UNALIGNED
             return 0, False
-        ref = self._lookup(request)
-        if ref is None or ref.num_tokens <= num_computed_tokens:
+        ref, miss = self._lookup(request)
+        if ref is not None and ref.num_tokens <= num_computed_tokens:
+            ref, miss = None, Miss.COVERED_LOCALLY
+        self._outcome[request.request_id] = miss
+        if ref is None:
             self._found.pop(request.request_id, None)
             return 0, False
         self._found[request.request_id] = (ref, num_computed_tokens)
         return ref.num_tokens - num_computed_tokens, self.config.async_load
 
-    def _lookup(self, request: Any) -> EntryRef | None:
+    def _lookup(self, request: Any) -> tuple[EntryRef | None, Miss | None]:
         """The longest entry this engine can restore for `request` that has not failed to load
         recently: any length in both mamba modes (align mode reads the state of a request
         that starts with n computed tokens from the block of token n - 1, whatever n), below
-        the prompt's length (vLLM must compute one token to sample from)."""
+        the prompt's length (vLLM must compute one token to sample from). With it, why there
+        is none (None when an entry was found)."""
         prompt = list(request.prompt_token_ids or [])
         limit = len(prompt) - 1
         scope = scope_of(request)
+        anchor = anchor_of(request)
+        if limit < 1 or (anchor is None and len(prompt) < TOKEN_BLOCK):  # the store keys neither
+            return None, Miss.TOO_SHORT
+        miss = Miss.NO_ENTRY
         for _ in range(64):  # each round excludes one bad entry; a bound, not a retry count
             if limit < 1:
-                return None
+                return None, miss
             try:
-                ref = self.store.lookup(anchor=anchor_of(request), token_ids=prompt, max_tokens=limit,
+                ref = self.store.lookup(anchor=anchor, token_ids=prompt, max_tokens=limit,
                                         multiple_of=1, mode=self.config.lookup, scope=scope)
             except Exception as e:  # a store outage is a cache miss, never a failed request
                 log.warning("anchorkv: lookup for request %s failed (%s); computing it", request.request_id, e)
-                return None
-            if ref is None or not self._is_bad(ref.entry_id):
-                return ref
+                return None, Miss.STORE_ERROR
+            if ref is None:
+                return None, miss
+            if not self._is_bad(ref.entry_id):
+                return ref, None
             log.debug("anchorkv: entry %s failed to load recently; trying shorter entries", ref.entry_id)
-            limit = ref.num_tokens - 1
-        return None
+            limit, miss = ref.num_tokens - 1, Miss.BAD_ENTRY
+        return None, miss
 
     def update_state_after_alloc(self, request: Any, block_ids: tuple[list[int], ...],
                                  num_external_tokens: int) -> None:
+        self._count_lookup(request, num_external_tokens)
         if num_external_tokens <= 0:
             return
         found = self._found.pop(request.request_id, None)
@@ -182,6 +199,18 @@ class SchedulerSide:
         tracked = self._requests.get(request.request_id)
         if tracked is not None:
             tracked.loaded = ref.num_tokens
+
+    def _count_lookup(self, request: Any, num_external_tokens: int) -> None:
+        """Count the lookup of a request vLLM admits now, once per admission (vLLM may ask
+        `get_num_new_matched_tokens` several times before it can admit a request)."""
+        if request.request_id not in self._outcome:
+            return  # not looked up for this admission (its load finished, or failed earlier)
+        miss = self._outcome.pop(request.request_id)
+        if miss is None and num_external_tokens <= 0:
+            miss = Miss.DECLINED
+        self.stats.lookup(miss, tokens=max(num_external_tokens, 0), scoped=scope_of(request) is not None)
+        if miss is not None:
+            log.debug("anchorkv: request %s: computed, not restored (%s)", request.request_id, miss.value)
 
     def get_loaded_group_ids(self) -> tuple[int, ...]:
         """The groups a load restores completely (the state groups). vLLM then zeroes the
@@ -348,6 +377,7 @@ class SchedulerSide:
         req_id = request.request_id
         tracked = self._requests.pop(req_id, None)
         self._found.pop(req_id, None)
+        self._outcome.pop(req_id, None)
         loading = self._loading.pop(req_id, None) is not None
         self._failed.discard(req_id)
         n = request.num_computed_tokens

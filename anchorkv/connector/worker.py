@@ -28,6 +28,7 @@ import torch
 from anchorkv.codec import CacheView, ModelLayout, Packed, pack_many, unpack_many
 from anchorkv.codec.layout import Field, PageLayout
 from anchorkv.connector.config import ConnectorConfig
+from anchorkv.connector.counters import Counters, Miss, load_miss_of
 from anchorkv.connector.plan import GroupInfo, GroupKind, LoadSpec, Metadata, SaveSpec
 from anchorkv.connector.storage import EntryStore
 
@@ -65,6 +66,7 @@ class WorkerSide:
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-load")
         self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-save")
         self._stream = None
+        self.stats = Counters(primary=tp_rank == 0)
 
     def register(self, layout: ModelLayout, views: dict[str, CacheView]) -> None:
         self.layout, self.views = layout, views
@@ -92,6 +94,7 @@ class WorkerSide:
                 packed, ready = self._pack(spec)
             except Exception:
                 log.exception("anchorkv: packing request %s failed; not saved", spec.req_id)
+                self.stats.save_failed()
                 packed, ready = None, None
             if spec.release_blocks:
                 self._releases.append((spec.req_id, ready))
@@ -136,16 +139,20 @@ class WorkerSide:
             if poisoned:
                 log.warning("anchorkv: request %s has %d groups with NaN/Inf state; not saved",
                             spec.req_id, poisoned)
+                self.stats.save_failed()
                 return
             nbytes = self.store.save_part(spec, host, tp_size=self.tp_size, tp_rank=self.tp_rank)
             if nbytes == 0:  # already stored, or too short to key: nothing written
                 log.debug("anchorkv: request %s: nothing to save for %d tokens", spec.req_id, spec.num_tokens)
+                self.stats.save_skipped()
                 return
+            seconds = time.perf_counter() - t0
+            self.stats.saved(tokens=spec.num_tokens, nbytes=nbytes, seconds=seconds)
             log.info("anchorkv: saved %d tokens of request %s (rank %d/%d, %.1f MB) in %.3f s",
-                     spec.num_tokens, spec.req_id, self.tp_rank, self.tp_size, nbytes / 1e6,
-                     time.perf_counter() - t0)
+                     spec.num_tokens, spec.req_id, self.tp_rank, self.tp_size, nbytes / 1e6, seconds)
         except Exception:
             log.exception("anchorkv: saving request %s failed; it stays uncached", spec.req_id)
+            self.stats.save_failed()
 
     # -------------------------------------------------------------------- loads
 
@@ -181,6 +188,7 @@ class WorkerSide:
             with job.lock:
                 if job.state == "reading":
                     job.state = "cancelled"
+                    self.stats.load_failed(Miss.PREEMPTED)
             job.ended.wait()
 
     def _load(self, job: _Load) -> None:
@@ -199,19 +207,23 @@ class WorkerSide:
                     return  # timed out meanwhile: its blocks may belong to someone else now
                 job.state = "writing"
             self._restore(spec, parts, job.after)
-            ok = True
+            ok, error = True, None
         except Exception as e:
             log.warning("anchorkv: load of request %s from entry %s failed (%s); vLLM recomputes",
                         spec.req_id, spec.entry_id, e)
-            ok = False
+            ok, error = False, e
         with job.lock:
             if job.state in ("reading", "writing"):
                 job.state = "done" if ok else "failed"
+                if not ok:  # not when it was cancelled meanwhile (counted then)
+                    self.stats.load_failed(load_miss_of(error))
         if ok:
             nbytes = sum(p.nbytes for p in parts.values())
+            seconds = time.perf_counter() - t0
+            self.stats.restored(tokens=spec.num_tokens - spec.start, nbytes=nbytes, seconds=seconds)
             log.info("anchorkv: restored %d tokens of request %s (rank %d/%d, %.1f MB) in %.3f s",
                      spec.num_tokens - spec.start, spec.req_id, self.tp_rank, self.tp_size,
-                     nbytes / 1e6, time.perf_counter() - t0)
+                     nbytes / 1e6, seconds)
 
     def _read(self, spec: LoadSpec) -> dict[PartKey, Packed]:
         parts = {}
@@ -282,6 +294,7 @@ class WorkerSide:
                 with job.lock:
                     if job.state == "reading" and now - job.started > self.config.load_timeout_s:
                         job.state = "cancelled"
+                        self.stats.load_failed(Miss.TIMEOUT)
                         log.warning("anchorkv: load of request %s timed out after %.0f s; vLLM recomputes",
                                     req_id, self.config.load_timeout_s)
                     if job.state in ("done", "failed", "cancelled"):
