@@ -312,3 +312,58 @@ def test_chunk_codec_encode_decode_match_the_plugin(lowrank):
     assert np.array_equal(codec.decode(data, x.shape), want)
     with pytest.raises(StoreError, match="'absent'"):  # MissingCodec without the plug-in
         F.PluginChunkCodec.from_config({**codec.to_config(), "plugin": "absent"}).decode(data, x.shape)
+
+
+def _kv_layout(tp: int, r: int, block_size: int = 16):
+    """A dense-attention model (Llama-like): paged ``k`` and ``v`` `[block, heads, head_dim]`,
+    heads split by tp (the engine tests' shape, at 1/16 size)."""
+    from anchorkv.codec import custom_layout
+    from anchorkv.codec.layout import Field, PageLayout, dense_strides
+
+    heads, dim = 4, 32
+    shape = (block_size, heads // tp, dim)
+    k = Field("k", torch.bfloat16, shape, dense_strides(shape), 0, logical_shape=(block_size, heads, dim),
+              shard_axis=1, tp_size=tp, tp_rank=r)
+    v = Field("v", torch.bfloat16, shape, dense_strides(shape), k.extent, logical_shape=(block_size, heads, dim),
+              shard_axis=1, tp_size=tp, tp_rank=r)
+    page = PageLayout((k, v), v.extent)
+    return custom_layout("TinyLlama", [(f"model.layers.{i}.self_attn", "paged", page) for i in range(2)],
+                         block_size=block_size, tp_size=tp, tp_rank=r)
+
+
+def _kv_values(layer: int, field: str, n: int) -> torch.Tensor:
+    """Logical `[n, heads, head_dim]` rows of rank 3 along head_dim."""
+    i = torch.arange(n * 4, dtype=torch.float64)[:, None]
+    c = torch.arange(32, dtype=torch.float64)[None]
+    x = torch.sin(i * 0.31 + c * 0.2 + layer) + (field == "v") * torch.cos(i * 0.07 - c * 0.05)
+    return x.reshape(n, 4, 32).to(torch.bfloat16)
+
+
+def test_kv_rows_split_by_heads_restore_at_another_tp(tmp_path, lowrank):
+    """K/V with the plug-in on head_dim rows: written by 2 ranks (each its heads), read at tp 1."""
+    n = 40
+    calib = torch.cat([_kv_values(9, f, 200) for f in ("k", "v")]).double().reshape(-1, 32)
+    spec = lowrank.codec_config(lowrank.fit_projection(calib, 6))
+    codecs = {k: a.codec.spec for k, a in array_layouts(_kv_layout(1, 0), {"k": spec, "v": spec}, n).items()}
+    plug = get_codec("lowrank")
+    with Store.open(tmp_path / "store") as store:
+        writers = []
+        for r in range(2):
+            layout = _kv_layout(2, r)
+            w = store.begin_entry(layout, codecs, H.tokens(n), anchor="kv", write_id="kvtp2")
+            for layer in layout.layers:
+                for f in layer.page.fields:
+                    x = _kv_values(layer.index, f.name, 48)[:, f.rank_slice()[1]].reshape(3, 16, 2, 32)
+                    payload, scales = plug.encode(x, codecs[f.name])
+                    w.write_layer(layer.name, f.name, Packed(codecs[f.name], tuple(x.shape), x.dtype, payload, scales))
+            w.finish_rank()
+            writers.append(w)
+        info = writers[0].commit()
+        layout = _kv_layout(1, 0)
+        for name, field in [("model.layers.0.self_attn", "k"), ("model.layers.1.self_attn", "v")]:
+            p = store.load(info.id, layout, name, field)
+            got = plug.decode(p.payload, p.scales, p.codec, p.shape, p.dtype).reshape(-1, 4, 32)[:n]
+            x = _kv_values(layout.layer(name).index, field, n)
+            want = plug.decode(*plug.encode(x, codecs[field]), codecs[field], tuple(x.shape), x.dtype)
+            assert torch.equal(got, want)
+            assert lowrank.sqnr_db(x, got) > 40.0
