@@ -1,10 +1,11 @@
-"""`anchorkv ls | inspect | verify | rm | gc`: look after a store from the shell.
+"""`anchorkv ls | inspect | verify | rm | gc | stats`: look after a store from the shell.
 
     anchorkv ls [--store PATH_OR_URL] [--json]
     anchorkv inspect ENTRY [--json]
     anchorkv verify [ENTRY ...] [--json]   # every entry when none is named; exit 1 on a problem
     anchorkv rm ENTRY [ENTRY ...] [--json]
     anchorkv gc [--stale-after SECONDS] [--capacity SIZE] [--dry-run] [--json]
+    anchorkv stats [STORE] [--capacity SIZE] [--json]   # totals: entries, tokens, bytes by field/codec
 
 `--store` defaults to the connector's default store (``~/.cache/anchorkv``); an object store
 is ``s3://bucket/prefix?endpoint=http://host:9000&region=us-east-1`` (credentials from the
@@ -326,6 +327,92 @@ def cmd_gc(args) -> int:
     return 0
 
 
+def store_totals(store, capacity: int | None = None) -> dict:
+    """The totals of a store as `stats --json` gives them (sizes in bytes, times in seconds
+    since the epoch): entries by state, tokens, stored and logical bytes, stored bytes per
+    field and codec, the oldest and newest entry, and the usage of `capacity` if given."""
+    entries = store.scan()
+    ok = [e.info for e in entries if e.info is not None]
+    states: dict[str, int] = {}
+    for e in entries:
+        states[e.state] = states.get(e.state, 0) + 1
+    fields: dict[tuple[str, str], dict] = {}
+    for i in ok:
+        shards = i.manifest["shards"]
+        for name, a in i.arrays().items():
+            row = fields.setdefault((name, codec_text(a)), {"field": name, "codec": codec_text(a), "entries": 0,
+                                                            "stored_bytes": 0})
+            row["entries"] += 1
+            row["stored_bytes"] += sum(v[1] for k, v in shards.items() for p in a.parts if k.startswith(f"{p.name}/"))
+    stored = sum(e.stored_bytes for e in entries)
+    out = {
+        "store": store.url, "entries": len(entries), "states": states,
+        "anchored": sum(i.anchor is not None for i in ok), "token_keyed": sum(i.anchor is None for i in ok),
+        "tokens": sum(i.num_tokens for i in ok), "stored_bytes": stored,
+        "unloadable_bytes": sum(e.stored_bytes for e in entries if e.info is None),
+        "logical_bytes": sum(i.logical_bytes for i in ok),
+        "by_field": sorted(fields.values(), key=lambda r: (r["field"], -r["stored_bytes"])),
+        "tp_sizes": sorted({i.tp_size for i in ok}),
+        "oldest": min((e.created for e in entries), default=None),
+        "newest": max((e.created for e in entries), default=None),
+        "capacity_bytes": capacity,
+    }
+    if capacity is not None:
+        out["capacity_used"] = round(stored / capacity, 4) if capacity else None
+    return out
+
+
+def cmd_stats(args) -> int:
+    if args.store_arg and args.store and args.store_arg != args.store:
+        raise ValueError(f"two stores given ({args.store_arg!r} and --store {args.store!r}); give one")
+    args.store = args.store or args.store_arg
+    capacity = None if args.capacity is None else _capacity(args.capacity)
+    store = _open(args)
+    totals = store_totals(store, capacity)
+    if args.json:
+        _print_json(totals)
+        return 0
+    t, n = time.time(), totals["entries"]
+    console = _console()
+    states = ", ".join(f"{v} {k}" for k, v in sorted(totals["states"].items()))
+    logical = totals["logical_bytes"]
+    rows = [
+        ("store", store.url),
+        ("entries", f"{n:,}" + (f" ({states}; {totals['anchored']:,} anchored, {totals['token_keyed']:,} token-keyed)"
+                                if n else "")),
+        ("tokens", f"{totals['tokens']:,}"),
+        ("stored", human_bytes(totals["stored_bytes"]) + (
+            f" ({human_bytes(totals['unloadable_bytes'])} in entries that cannot load: `anchorkv gc` removes them)"
+            if totals["unloadable_bytes"] else "")),
+        ("logical", f"{human_bytes(logical)} (ratio {totals['stored_bytes'] / logical:.3f})" if logical else "-"),
+        ("tp", ", ".join(map(str, totals["tp_sizes"])) or "-"),
+        ("oldest", "-" if totals["oldest"] is None else f"{human_age(t - totals['oldest'])} ago"),
+        ("newest", "-" if totals["newest"] is None else f"{human_age(t - totals['newest'])} ago"),
+    ]
+    if capacity is None:
+        rows.append(("capacity", "not given (--capacity SIZE: the connector's 'capacity' setting)"))
+    else:
+        used = totals["capacity_used"]
+        rows.append(("capacity", f"{human_bytes(capacity)}, "
+                                 + (f"{100 * used:.1f}% used" if used is not None else "0: every entry is evictable")
+                                 + (" (over: the next save evicts, or `anchorkv gc --capacity`)"
+                                    if used is not None and used > 1 else "")))
+    for k, v in rows:
+        console.print(f"[bold]{k:>9}[/bold]  {v}", soft_wrap=True)
+    if totals["by_field"]:
+        from rich.table import Table
+
+        table = Table(title="stored bytes by field and codec")
+        for col, just in (("field", "left"), ("codec", "left"), ("entries", "right"), ("stored", "right"),
+                          ("share", "right")):
+            table.add_column(col, justify=just)
+        for r in totals["by_field"]:
+            table.add_row(r["field"], _escape(r["codec"]), f"{r['entries']:,}", human_bytes(r["stored_bytes"]),
+                          f"{100 * r['stored_bytes'] / max(1, totals['stored_bytes']):.1f}%")
+        console.print(table)
+    return 0
+
+
 def report_error(command: str, e: BaseException, url: str | None) -> int:
     """Print a user error as one or two lines on stderr; the exit status."""
     from anchorkv.store.errors import explain
@@ -369,6 +456,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--capacity", default=None, metavar="SIZE",
                    help="evict LRU entries down to SIZE (e.g. 200GiB, 500MB; 0: every entry not in use)")
     p.add_argument("--dry-run", action="store_true", help="remove nothing; print what would be removed")
+    p = add("stats", cmd_stats, "the store's totals: entries, tokens, stored and logical bytes, bytes by field "
+            "and codec, oldest and newest entry, usage of --capacity")
+    p.add_argument("store_arg", metavar="STORE", nargs="?", default=None, help="the store (as --store)")
+    p.add_argument("--capacity", default=None, metavar="SIZE",
+                   help="the capacity to compare the usage with (the connector's 'capacity', e.g. 200GiB)")
 
 
 #: (name, help) of the commands `register` adds, for `anchorkv --help` without importing this module's users.
@@ -378,4 +470,5 @@ COMMANDS = (
     ("verify", "check entries (exit 1 on damage)"),
     ("rm", "delete entries"),
     ("gc", "remove garbage; evict to --capacity"),
+    ("stats", "a store's totals"),
 )
