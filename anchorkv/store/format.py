@@ -57,6 +57,7 @@ zero bytes (never restored). The manifest records the plug-in's id, its options 
 `configure` resolved them (fitted parameters included) and the row geometry, so an entry is
 listed, verified and its bytes read without the plug-in; only decoding needs it, and a load
 of a field whose plug-in is not installed fails with `MissingCodec` before reading a byte.
+`anchorkv.store.plugin_format` holds the plug-in side (`PluginChunkCodec`, `MissingCodec`).
 
 Group sizes are always stored resolved (a number, never "whole"), and for a field sharded along
 its last axis "whole" means the chunk's last axis (`logical / MAX_TP`): any other choice would
@@ -68,18 +69,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 import functools
 from functools import cached_property
-import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from anchorkv.codec.packed import dtype_from_name, dtype_name
-from anchorkv.codec.spec import CodecSpec, canonical_json
+from anchorkv.codec.spec import CodecSpec
 from anchorkv.kernels import reference
 from anchorkv.kernels.formats import BF16_ITEMSIZE, ELEMENTWISE, SCALE_COLUMNS, Quant
-from anchorkv.store.errors import FormatError, StoreError
+from anchorkv.store.errors import FormatError
+
+if TYPE_CHECKING:  # plugin_format imports this module
+    from anchorkv.store.plugin_format import PluginChunkCodec
 
 #: The format version of an entry whose arrays all use built-in formats.
 FORMAT_VERSION = 3
@@ -102,22 +105,12 @@ SCALES_SUFFIX = "_scales"
 SOURCE_DTYPES = ("bfloat16", "float16", "float32")
 
 
-class MissingCodec(StoreError):
-    """An entry's field is encoded by a codec plug-in that is not installed (or failed to load)."""
-
-    def __init__(self, entry: str, field: str, codec_id: str, reason: str) -> None:
-        super().__init__(f"entry {entry}: field {field!r} is encoded by the codec plug-in {codec_id!r}, which "
-                         f"is not available here ({reason}); it cannot be restored until that plug-in is "
-                         "installed (the connector recomputes)")
-        self.entry, self.field, self.codec_id = entry, field, codec_id
-
-
 def entry_format_version(arrays: dict[str, "ArrayLayout"]) -> int:
     """The version an entry of these arrays is written as: the lowest that can represent them."""
     return PLUGIN_FORMAT_VERSION if any(a.codec.plugin for a in arrays.values()) else FORMAT_VERSION
 
 
-class _ChunkGeometry:
+class ChunkGeometry:
     """What built-in and plug-in chunk codecs share: a block's byte sizes and its views, from
     `row_bytes`, `groups` and `columns`."""
 
@@ -157,7 +150,7 @@ class _ChunkGeometry:
 
 
 @dataclass(frozen=True)
-class ChunkCodec(_ChunkGeometry):
+class ChunkCodec(ChunkGeometry):
     """How the values of one chunk become bytes: a built-in format, its group, the source dtype.
 
     `group` is the resolved group size (None only for raw). Values are given and returned as
@@ -190,6 +183,8 @@ class ChunkCodec(_ChunkGeometry):
     def from_config(cls, config: dict[str, Any]) -> "ChunkCodec | PluginChunkCodec":
         """A manifest's codec entry: a built-in format's, or a plug-in's (`PluginChunkCodec`)."""
         if "plugin" in config:
+            from anchorkv.store.plugin_format import PluginChunkCodec
+
             return PluginChunkCodec.from_config(config)
         unknown = set(config) - {"format", "group", "source_dtype"}
         if unknown:
@@ -206,6 +201,8 @@ class ChunkCodec(_ChunkGeometry):
         try:
             fmt = Quant(spec.id)
         except ValueError:
+            from anchorkv.store.plugin_format import PluginChunkCodec
+
             return PluginChunkCodec.for_field(spec, dtype, chunk_last, where=where,
                                               field_last=chunk_last if field_last is None else field_last)
         group = None if fmt in ELEMENTWISE else (chunk_last if spec.group is None else spec.group)
@@ -265,168 +262,6 @@ class ChunkCodec(_ChunkGeometry):
     def zeros(self, shape: tuple[int, ...]) -> "Encoded":
         """The encoding of a zero block (zarr's fill value): what padding rows hold."""
         return self.split(self.encode(np.zeros(shape, np.float32)), shape)
-
-
-#: Zarr v3 data types a plug-in's payload may be stored as (little-endian; numpy names).
-PAYLOAD_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "float16", "float32", "float64")
-
-
-@dataclass(frozen=True)
-class PluginChunkCodec(_ChunkGeometry):
-    """How the values of one chunk become bytes through a codec plug-in (see the module
-    docstring): its id, its options as canonical JSON (`config`), the source dtype, the row
-    width it was resolved for and what one row encodes to. Everything but encoding and
-    decoding works without the plug-in installed."""
-
-    id: str
-    config: str  # canonical JSON of the options (`CodecSpec.params`), fitted parameters included
-    source_dtype: str
-    width: int
-    payload_bytes: int
-    payload_dtype: str = "uint8"
-    scale_groups: int = 0
-    scale_columns: int = 0
-    decode_text: str = ""  # the plug-in's `describe(spec)`: how other readers decode the arrays
-
-    plugin = True
-    group = None  # plug-ins have no group of the store's own
-
-    def __post_init__(self) -> None:
-        where = f"codec plug-in {self.id!r}"
-        if self.source_dtype not in SOURCE_DTYPES:
-            raise FormatError(f"source dtype {self.source_dtype!r} cannot be stored; expected one of {SOURCE_DTYPES}")
-        if self.payload_dtype not in PAYLOAD_DTYPES:
-            raise FormatError(f"{where}: payload dtype {self.payload_dtype!r} is not one of {PAYLOAD_DTYPES}")
-        ints = (self.width, self.payload_bytes, self.scale_groups, self.scale_columns)
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints):
-            raise FormatError(f"{where}: row geometry must be integers, found {ints}")
-        item = np.dtype(self.payload_dtype).itemsize
-        if self.width <= 0 or self.payload_bytes <= 0 or self.payload_bytes % item:
-            raise FormatError(f"{where}: a row of {self.width} values encodes to {self.payload_bytes} payload bytes; "
-                              f"expected a positive multiple of {item} (the itemsize of {self.payload_dtype})")
-        if min(self.scale_groups, self.scale_columns) < 0 or (self.scale_groups == 0) != (self.scale_columns == 0):
-            raise FormatError(f"{where}: scales per row [{self.scale_groups}, {self.scale_columns}]; expected both "
-                              "positive, or both 0 (no scales)")
-
-    # -- resolution (needs the plug-in)
-    @classmethod
-    def for_field(cls, spec: CodecSpec, dtype: torch.dtype, chunk_last: int, *, where: str,
-                  field_last: int) -> "PluginChunkCodec":
-        from anchorkv.codec.registry import get_codec
-
-        try:
-            impl = get_codec(spec.id)
-        except KeyError as e:
-            raise FormatError(f"{where}: {e.args[0]}") from None
-        if chunk_last != field_last:
-            raise FormatError(
-                f"{where}: codec plug-in {spec.id!r} encodes whole rows of the last axis, but this field is split "
-                f"along its last axis ({field_last} values in chunks of {chunk_last}, so a rank's rows depend on "
-                "tp); use a built-in codec for it"
-            )
-        if not callable(getattr(impl, "encoded_row", None)):
-            raise FormatError(
-                f"{where}: codec plug-in {spec.id!r} has no encoded_row(width, dtype, spec) method, so the store "
-                "cannot size its chunks; add one (see anchorkv.codec.registry.Codec) or use it with pack/unpack only"
-            )
-        configure = getattr(impl, "configure", None)
-        try:
-            if callable(configure):
-                spec = CodecSpec.parse(configure(spec, chunk_last, dtype))
-            row = impl.encoded_row(chunk_last, dtype, spec)
-            payload_bytes, payload_dtype, groups, columns = (tuple(row) + ("uint8", 0, 0))[:4]
-            describe = getattr(impl, "describe", None)
-            text = str(describe(spec)) if callable(describe) else ""
-        except (ValueError, TypeError, KeyError, OSError) as e:
-            raise FormatError(f"{where}: codec plug-in {spec.id!r} refused {spec} for rows of {chunk_last} "
-                              f"{dtype_name(dtype)} values: {e}") from None
-        default = (f"decoded by the anchorkv codec plug-in {spec.id!r} (entry-point group anchorkv.codecs) from "
-                   "these codes (and scales) with the options in 'config'")
-        return cls(spec.id, canonical_json(spec.options), dtype_name(dtype), chunk_last, int(payload_bytes),
-                   str(payload_dtype), int(groups), int(columns), text or default)
-
-    def impl(self, entry: str = "?", field: str = "?"):
-        """The installed plug-in; `MissingCodec` (one line, naming it) when it is not."""
-        from anchorkv.codec.registry import get_codec, has_codec, missing_codec_reason
-
-        if not has_codec(self.id):
-            raise MissingCodec(entry, field, self.id, missing_codec_reason(self.id))
-        return get_codec(self.id)
-
-    @property
-    def installed(self) -> bool:
-        from anchorkv.codec.registry import has_codec
-
-        return has_codec(self.id)
-
-    # -- serialization
-    def to_config(self) -> dict[str, Any]:
-        return {"plugin": self.id, "config": self.options, "source_dtype": self.source_dtype,
-                "row": {"width": self.width, "payload_bytes": self.payload_bytes, "payload_dtype": self.payload_dtype,
-                        "scale_groups": self.scale_groups, "scale_columns": self.scale_columns},
-                "decode": self.decode_text}
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "PluginChunkCodec":
-        unknown = set(config) - {"plugin", "config", "source_dtype", "row", "decode"}
-        row = config.get("row")
-        if unknown or not isinstance(row, dict) or not isinstance(config.get("config"), dict):
-            raise FormatError(f"a plug-in codec entry needs plugin, config (object), source_dtype, row (object), "
-                              f"decode; found {sorted(config)}")
-        extra = set(row) - {"width", "payload_bytes", "payload_dtype", "scale_groups", "scale_columns"}
-        if extra:
-            raise FormatError(f"unknown row geometry keys {sorted(extra)}")
-        CodecSpec(config["plugin"], None, tuple(config["config"].items()))  # validates id and options
-        return cls(config["plugin"], canonical_json(config["config"]), config["source_dtype"], row["width"],
-                   row["payload_bytes"], row.get("payload_dtype", "uint8"), row.get("scale_groups", 0),
-                   row.get("scale_columns", 0), str(config.get("decode", "")))
-
-    @property
-    def options(self) -> dict[str, Any]:
-        return json.loads(self.config)
-
-    @property
-    def spec(self) -> CodecSpec:
-        return CodecSpec(self.id, None, tuple(self.options.items()))
-
-    @property
-    def columns(self) -> int:
-        return self.scale_columns
-
-    # -- geometry: rows are whole (a region of a block never cuts the last axis)
-    def _whole(self, width: int, per_row: int) -> int:
-        if width == 0:
-            return 0
-        if width != self.width:
-            raise FormatError(f"codec plug-in {self.id!r} encodes rows of {self.width} values, asked for {width}")
-        return per_row
-
-    def row_bytes(self, width: int) -> int:
-        return self._whole(width, self.payload_bytes)
-
-    def groups(self, width: int) -> int:
-        return self._whole(width, self.scale_groups)
-
-    # -- values (need the plug-in)
-    def encode(self, values: np.ndarray) -> bytes:
-        """Encode logical float32 `values` (one chunk) with the plug-in."""
-        x = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(self.torch_dtype)
-        payload, scales = self.impl().encode(x, self.spec)
-        pn, sn = self.nbytes(tuple(values.shape))
-        if payload.numel() != pn or scales.numel() * 4 != sn:
-            raise FormatError(f"codec plug-in {self.id!r} encoded a {list(values.shape)} block to {payload.numel()} "
-                              f"payload bytes and {scales.numel()} scales; its encoded_row says {pn} and {sn // 4}")
-        return (payload.cpu().contiguous().view(torch.uint8).numpy().tobytes()
-                + scales.cpu().contiguous().to(torch.float32).numpy().astype("<f4", copy=False).tobytes())
-
-    def decode(self, data, shape: tuple[int, ...]) -> np.ndarray:
-        """The logical float32 values of one encoded chunk of `shape` (with the plug-in)."""
-        enc = self.split(data, shape)
-        payload = torch.from_numpy(np.require(enc.payload, requirements=["C", "W"]).reshape(-1))
-        scales = (torch.from_numpy(np.require(enc.scales, requirements=["C", "W"]).reshape(-1, self.columns))
-                  if self.columns else torch.empty(0, 0))
-        values = self.impl().decode(payload, scales, self.spec, tuple(shape), self.torch_dtype)
-        return values.to(torch.float32).numpy()
 
 
 @functools.lru_cache(maxsize=64)

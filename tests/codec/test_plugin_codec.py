@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-import sys
+import shutil
 
 import pytest
 import torch
@@ -30,29 +30,45 @@ def _dist(site: Path, name: str, entry_points: str) -> None:
     (info / "entry_points.txt").write_text(entry_points)
 
 
-def sandbox_registry(monkeypatch) -> None:
-    """A registry of the built-ins only, whose entry points are read afresh from `sys.path`."""
+def sandbox_registry(monkeypatch, site: Path | None = None) -> None:
+    """A registry of the built-ins only, whose entry points are read afresh, by
+    ``importlib.metadata``, from the distributions in `site` alone (none without one), so a
+    plug-in installed in the environment plays no part."""
+    from importlib.metadata import distributions
+
+    def entry_points(group: str):
+        dists = distributions(path=[str(site)]) if site is not None else []
+        return [ep for d in dists for ep in d.entry_points if ep.group == group]
+
     monkeypatch.setattr(registry, "_codecs", {k: v for k, v in registry._codecs.items() if k in BUILTIN_IDS})
     monkeypatch.setattr(registry, "_entry_points_loaded", False)
     monkeypatch.setattr(registry, "_broken", {})
+    monkeypatch.setattr(registry, "entry_points", entry_points)
 
 
 def install_example(monkeypatch, tmp_path: Path) -> None:
-    """Make the example plug-in installed the way pip does (its package importable, its
-    ``anchorkv.codecs`` entry point in a dist-info on `sys.path`), in a fresh registry."""
-    site = tmp_path / "site-packages"
+    """Make the example plug-in installed the way pip does (its package and a dist-info holding
+    its ``anchorkv.codecs`` entry point in a site directory on `sys.path`), in a fresh registry.
+    The package is copied, so build leftovers in the source tree (an ``.egg-info`` from ``pip
+    install -e``) play no part."""
+    site = _site_with_example(tmp_path)
     entry = (EXAMPLE_SRC.parent / "pyproject.toml").read_text().split('[project.entry-points."anchorkv.codecs"]')[1]
     name, _, target = entry.strip().splitlines()[0].partition("=")  # lowrank = "module:attr"
     _dist(site, "anchorkv_lowrank_codec", f"[anchorkv.codecs]\n{name.strip()} = {target.strip().strip(chr(34))}\n")
-    monkeypatch.syspath_prepend(str(EXAMPLE_SRC))
     monkeypatch.syspath_prepend(str(site))
-    sandbox_registry(monkeypatch)
+    sandbox_registry(monkeypatch, site)
+
+
+def _site_with_example(tmp_path: Path) -> Path:
+    site = tmp_path / "site-packages"
+    shutil.copytree(EXAMPLE_SRC / "lowrank_codec", site / "lowrank_codec",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return site
 
 
 def uninstall_plugins(monkeypatch) -> None:
     """As if no plug-in were installed: built-ins only, no entry point found."""
     sandbox_registry(monkeypatch)
-    monkeypatch.setattr(registry, "entry_points", lambda group: [])
 
 
 @pytest.fixture
@@ -130,12 +146,11 @@ def test_example_registers_through_its_entry_point(lowrank):
 
 
 def test_a_broken_plugin_is_named_and_spares_the_others(monkeypatch, tmp_path):
-    site = tmp_path / "site"
+    site = _site_with_example(tmp_path)
     _dist(site, "broken_codec", "[anchorkv.codecs]\nbroken = no_such_module_xyz:Codec\n"
                                 "misnamed = lowrank_codec:LowRankCodec\n")
-    monkeypatch.syspath_prepend(str(EXAMPLE_SRC))
     monkeypatch.syspath_prepend(str(site))
-    sandbox_registry(monkeypatch)
+    sandbox_registry(monkeypatch, site)
     assert get_codec("int8").id == "int8"
     with pytest.raises(KeyError) as e:
         get_codec("broken")

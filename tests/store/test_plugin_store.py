@@ -16,8 +16,10 @@ import torch
 from anchorkv.codec import CodecSpec, get_codec
 from anchorkv.codec.packed import Packed
 from anchorkv.store import format as F
+from anchorkv.store import plugin_format as PF
 from anchorkv.store.errors import FormatError, OtherFormat, StoreError
-from anchorkv.store.format import FORMAT_VERSION, PLUGIN_FORMAT_VERSION, MissingCodec, array_layouts
+from anchorkv.store.format import FORMAT_VERSION, PLUGIN_FORMAT_VERSION, array_layouts
+from anchorkv.store.plugin_format import MissingCodec
 from anchorkv.store.manifest import manifest_checksum
 from anchorkv.store.store import Store
 from tests.codec.test_plugin_codec import install_example, uninstall_plugins
@@ -191,12 +193,17 @@ def test_load_without_the_plugin_fails_in_one_line(tmp_path, lowrank, monkeypatc
         assert raw.codec.id == "raw"
 
 
+#: `anchorkv` in a fresh process that finds no codec plug-in, even where one is installed
+_NO_PLUGINS = ("import sys; from anchorkv.codec import registry; registry.entry_points = lambda group: []; "
+               "from anchorkv.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "anchorkv", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", _NO_PLUGINS, *args], capture_output=True, text=True, timeout=300)
 
 
 def test_ls_and_inspect_show_the_plugin_and_mark_it_missing(tmp_path, lowrank):
-    """The CLI runs in a fresh process where the example is not installed: the entry is listed
+    """The CLI runs in a fresh process without the plug-in: the entry is listed
     with its codec ids and marked; `inspect` says what a load will do."""
     store_dir = tmp_path / "store"
     with Store.open(store_dir) as store:
@@ -302,7 +309,7 @@ def test_chunk_codec_encode_decode_match_the_plugin(lowrank):
     """`PluginChunkCodec` (what conformance tools use per chunk) agrees with the plug-in."""
     layout = H.tiny_layout()
     codec = array_layouts(layout, _specs(lowrank), N)["latent"].codec
-    assert isinstance(codec, F.PluginChunkCodec) and F.ChunkCodec.from_config(codec.to_config()) == codec
+    assert isinstance(codec, PF.PluginChunkCodec) and F.ChunkCodec.from_config(codec.to_config()) == codec
     x = H.logical_values(2, "latent", 64).float().numpy().reshape(1, 64, H.ROW)
     data = codec.encode(x)
     plug = get_codec("lowrank")
@@ -311,7 +318,7 @@ def test_chunk_codec_encode_decode_match_the_plugin(lowrank):
     want = plug.decode(payload, torch.empty(0, 0), codec.spec, x.shape, torch.bfloat16).float().numpy()
     assert np.array_equal(codec.decode(data, x.shape), want)
     with pytest.raises(StoreError, match="'absent'"):  # MissingCodec without the plug-in
-        F.PluginChunkCodec.from_config({**codec.to_config(), "plugin": "absent"}).decode(data, x.shape)
+        PF.PluginChunkCodec.from_config({**codec.to_config(), "plugin": "absent"}).decode(data, x.shape)
 
 
 def _kv_layout(tp: int, r: int, block_size: int = 16):
