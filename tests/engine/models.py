@@ -1,0 +1,58 @@
+"""Tiny random-weight models for the engine tests, made at test time (no hub, nothing committed).
+
+    .venv-engine/bin/python tests/engine/models.py qwen3_next DIR ['{"num_hidden_layers": 6}']
+    .venv-engine/bin/python tests/engine/models.py llama DIR
+
+Runs in the engine environment (its transformers writes the config vLLM reads). Weights come
+from a seeded initialization and are saved with `save_pretrained`, so every engine process of a
+test reads the same bytes. `initializer_range` is raised from 0.02 so that greedy tokens depend
+strongly on the context (a near-uniform random model would repeat one token whatever the state
+holds, and a broken restore could not change its output).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+QWEN3_NEXT = dict(
+    vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=4, head_dim=64, full_attention_interval=2,
+    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=128, shared_expert_intermediate_size=128, decoder_sparse_step=1,
+    max_position_embeddings=16384, initializer_range=0.1, tie_word_embeddings=False,
+)
+LLAMA = dict(
+    vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=16384,
+    initializer_range=0.1, tie_word_embeddings=False,
+)
+KINDS = ("qwen3_next", "llama")
+
+
+def make(kind: str, path: str | Path, seed: int = 0, **overrides) -> Path:
+    """Write a tiny `kind` model (bf16 safetensors + config.json) to `path`; return it."""
+    import torch
+    import transformers
+
+    if kind == "qwen3_next":
+        config = transformers.Qwen3NextConfig(**{**QWEN3_NEXT, **overrides})
+        cls = transformers.Qwen3NextForCausalLM
+    elif kind == "llama":
+        config = transformers.LlamaConfig(**{**LLAMA, **overrides})
+        cls = transformers.LlamaForCausalLM
+    else:
+        raise ValueError(f"model kind must be one of {KINDS}, found {kind!r}")
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.bfloat16)
+    path = Path(path)
+    model.save_pretrained(path)
+    return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) not in (3, 4) or sys.argv[1] not in KINDS:
+        sys.exit(f"usage: {sys.argv[0]} {{{'|'.join(KINDS)}}} DIR [JSON_OVERRIDES]")
+    make(sys.argv[1], sys.argv[2], **(json.loads(sys.argv[3]) if len(sys.argv) == 4 else {}))

