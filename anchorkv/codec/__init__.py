@@ -12,12 +12,12 @@ from anchorkv.codec.models import (
     kimi_linear_layout,
 )
 from anchorkv.codec.packed import Packed
-from anchorkv.codec.registry import Codec, available_codecs, get_codec, register_codec
+from anchorkv.codec.registry import Codec, EncodedRow, available_codecs, get_codec, register_codec
 from anchorkv.codec.spec import CodecSpec
 from anchorkv.kernels.formats import Quant
 
 __all__ = [
-    "CacheView", "Codec", "CodecSpec", "ConvLayout", "Field", "KIMI_LINEAR_48B_CONFIG",
+    "CacheView", "Codec", "CodecSpec", "ConvLayout", "EncodedRow", "Field", "KIMI_LINEAR_48B_CONFIG",
     "LayerKind", "LayerLayout", "ModelLayout", "Packed", "PageLayout", "Quant", "Region",
     "available_codecs", "custom_layout", "dense_strides", "get_codec", "kimi_linear_layout",
     "pack", "pack_many", "register_codec", "unpack", "unpack_many",

@@ -1,4 +1,4 @@
-"""`AnchorKVConnector`: vLLM 0.33 loads it by module path, with no fork.
+"""`AnchorKVConnector`: vLLM (0.32, 0.33) loads it by module path, with no fork.
 
     --kv-transfer-config '{"kv_connector": "AnchorKVConnector",
         "kv_connector_module_path": "anchorkv.connector", "kv_role": "kv_both",
@@ -18,7 +18,8 @@ Scheduler side (process of the engine core):
 
 Worker side (one per tensor-parallel rank):
     register_kv_caches          build the layout model from the registered views (kernel
-                                blocks regrouped into scheduler blocks)
+                                blocks regrouped into scheduler blocks), vLLM's KV-cache
+                                specs and the model's description (anchorkv.architectures)
     handle_preemptions          no load writes / save reads blocks of preempted requests later
     start_load_kv               restore sync loads now (before the forward), async ones on a
                                 background thread
@@ -127,9 +128,14 @@ class AnchorKVConnector(KVConnectorBase_V1, SupportsHMA):
                  role.name.lower(), self.config.store,
                  {k: str(v) for k, v in self.config.codec.items()}, self.config.lookup, self.mode)
         log.log(*codec_banner(self.config.codec))  # a WARNING when any field's codec is lossy
-        warning = capacity_warning(self.config, self.model_layout)
-        if warning and role == KVConnectorRole.SCHEDULER:  # once per engine, not per rank
-            log.warning(warning)
+        if role == KVConnectorRole.SCHEDULER:  # once per engine, not per rank
+            fixed, per_token = raw_entry_size(self.model_layout)
+            log.info("anchorkv: %s: a raw entry of this model is %.1f MiB + %.1f KiB per token (all "
+                     "ranks), up to 3 entries per request", self.model_layout.architecture, fixed / 2**20,
+                     per_token / 1024)
+            warning = capacity_warning(self.config, self.model_layout)
+            if warning:
+                log.warning(warning)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -34,14 +34,15 @@ class OtherFormat(CorruptEntry):
     """An entry of another format version: listed and removable, never loaded."""
 
     def __init__(self, entry: str, version) -> None:
-        from anchorkv.store.format import FORMAT_VERSION
+        from anchorkv.store import manifest  # the versions the manifest reader accepts
 
         self.version = version
-        if isinstance(version, int) and version > FORMAT_VERSION:
-            what = (f"format version {version}, newer than this anchorkv's {FORMAT_VERSION}: "
+        readable = ", ".join(map(str, manifest.READABLE_VERSIONS))
+        if isinstance(version, int) and version > max(manifest.READABLE_VERSIONS):
+            what = (f"format version {version}, newer than the versions this anchorkv reads ({readable}): "
                     "upgrade anchorkv to load it (this one leaves it alone)")
         else:
-            what = (f"format version {version}, this anchorkv reads version {FORMAT_VERSION}: it is "
+            what = (f"format version {version}, this anchorkv reads versions {readable}: it is "
                     "never loaded; `anchorkv gc` or `anchorkv rm` removes it")
         super().__init__(entry, what)
 

@@ -28,6 +28,8 @@ class FieldValues:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        if "plugin" in self.meta:
+            return (*self.codes.shape[:-1], int(self.meta["row"]["width"]))
         last = self.codes.shape[-1] * (2 if self.meta["codec"] == "int4" else 1)
         return (*self.codes.shape[:-1], last)
 
@@ -47,6 +49,8 @@ class FieldValues:
                              "the last axis is read whole (quantization groups lie along it)")
         codes = np.ascontiguousarray(self.codes[index])
         dtype = dtype_from_name(self.meta["source_dtype"])
+        if "plugin" in self.meta:
+            return self._plugin_values(index, codes, dtype)
         if self.meta["role"] == "values":
             t = torch.from_numpy(codes.view(np.uint8).copy()).view(dtype)
             return t.reshape(codes.shape).to(torch.float32).numpy()
@@ -60,6 +64,30 @@ class FieldValues:
                                    torch.from_numpy(scales.reshape(-1, scales.shape[-1]).copy()),
                                    self.meta["codec"], self.meta["group"], shape, dtype)
         return out.to(torch.float32).numpy()
+
+
+    def _plugin_values(self, index, codes: np.ndarray, dtype) -> np.ndarray:
+        """Values of a field a codec plug-in encoded: decoded by that plug-in (`MissingCodec`,
+        one line naming it, when it is not installed)."""
+        import torch
+
+        from anchorkv.codec.registry import get_codec
+        from anchorkv.codec.spec import CodecSpec
+        from anchorkv.store.plugin_format import MissingCodec
+
+        name = self.meta["plugin"]
+        try:
+            codec = get_codec(name)
+        except KeyError as e:
+            raise MissingCodec(str(self.meta.get("field")), self.meta.get("field", "?"), name, str(e)) from None
+        spec = CodecSpec(name, None, tuple(sorted(dict(self.meta.get("config") or {}).items())))
+        shape = (*codes.shape[:-1], int(self.meta["row"]["width"]))
+        scales = torch.empty(0, 0)
+        if self.scales is not None:
+            s = np.ascontiguousarray(self.scales[index], dtype=np.float32)
+            scales = torch.from_numpy(s.reshape(-1, s.shape[-1]).copy())
+        payload = torch.from_numpy(codes.view(np.uint8).reshape(-1).copy())
+        return codec.decode(payload, scales, spec, shape, dtype).to(torch.float32).numpy()
 
 
 class EntryValues:

@@ -374,3 +374,23 @@ def test_kv_rows_split_by_heads_restore_at_another_tp(tmp_path, lowrank):
             want = plug.decode(*plug.encode(x, codecs[field]), codecs[field], tuple(x.shape), x.dtype)
             assert torch.equal(got, want)
             assert lowrank.sqnr_db(x, got) > 40.0
+
+
+def test_open_entry_decodes_plugin_fields(tmp_path, lowrank, monkeypatch):
+    """`open_entry(path)[field]` reads a plug-in field as the plug-in decodes it (what a
+    restore writes, as float32), and fails in one line naming the plug-in without it."""
+    from anchorkv.store.reading import open_entry
+
+    with Store.open(tmp_path / "store") as store:
+        info, codecs = _save(store, lowrank)
+    entry = open_entry(tmp_path / "store" / "entries" / info.id)
+    layout = H.tiny_layout()
+    got = entry["recurrent"][1]  # the state of the 2nd state layer holding it
+    name = [layer.name for layer in layout.layers if "recurrent" in layer.page.names][1]
+    want = _expected(layout, name, "recurrent", codecs["recurrent"])[0].to(torch.float32).numpy()
+    assert got.shape == want.shape and np.array_equal(got, want)
+    assert entry["latent"].shape[-1] == H.ROW
+    uninstall_plugins(monkeypatch)
+    with pytest.raises(MissingCodec, match="lowrank") as e:
+        open_entry(tmp_path / "store" / "entries" / info.id)["recurrent"][0]
+    assert "\n" not in str(e.value)
