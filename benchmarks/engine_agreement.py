@@ -48,6 +48,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    ap.add_argument("--no-second-turn", dest="second_turn", action="store_false",
+                    help="only the repeated prompt (reference: the cold engine of the same preset)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="anchorkv-agreement-"))
@@ -59,8 +61,9 @@ def main() -> int:
     runs = []
     for kind in args.models:
         common = {"model": str(models / kind), "prefix_caching": True}
-        runs.append({"name": f"{kind}/base", **common, "connector": None, "batches": _singles(turn1) + _singles(
-            [{"id": f"{k}.2", "extend": k, "append": new_message} for k in prompts])})
+        if args.second_turn:
+            runs.append({"name": f"{kind}/base", **common, "connector": None, "batches": _singles(turn1) + _singles(
+                [{"id": f"{k}.2", "extend": k, "append": new_message} for k in prompts])})
         for preset in PRESETS:
             runs.append({"name": f"{kind}/{preset}/cold", **common,
                          "connector": {"store": str(work / f"store-{kind}-{preset}"), "codec": preset},
@@ -70,24 +73,29 @@ def main() -> int:
     cold_runs = {r["name"]: r for r in cold["runs"]}
     runs = []
     for kind in args.models:
-        base = H.requests_of(cold_runs[f"{kind}/base"])
+        second = []
+        if args.second_turn:
+            base = H.requests_of(cold_runs[f"{kind}/base"])
+            second = _singles([{"id": f"{k}.2", "prompt": base[f"{k}.2"]["prompt"]} for k in prompts])
         for preset in PRESETS:
             runs.append({"name": f"{kind}/{preset}/warm", "model": str(models / kind), "prefix_caching": True,
                          "connector": {"store": str(work / f"store-{kind}-{preset}"), "codec": preset},
-                         "batches": _singles(turn1) + _singles(
-                             [{"id": f"{k}.2", "prompt": base[f"{k}.2"]["prompt"]} for k in prompts])})
+                         "batches": _singles(turn1) + second})
     warm = H.run_driver({"runs": runs}, work, "warm", timeout_s=7200)
     warm_runs = {r["name"]: r for r in warm["runs"]}
 
     rows = []
     for kind in args.models:
-        base = H.requests_of(cold_runs[f"{kind}/base"])
+        # turn 1's reference: the baseline without the connector, else the exact preset's cold engine
+        base = H.requests_of(cold_runs[f"{kind}/base" if args.second_turn else f"{kind}/exact/cold"])
+        turns = [("repeated prompt", list(prompts))] + (
+            [("second turn", [f"{k}.2" for k in prompts])] if args.second_turn else [])
         for preset in PRESETS:
             cold_reqs = H.requests_of(cold_runs[f"{kind}/{preset}/cold"])
             w = warm_runs[f"{kind}/{preset}/warm"]
             reqs, restored = H.requests_of(w), H.restored(w)
             cold_same = sum(cold_reqs[k]["tokens"] == base[k]["tokens"] for k in prompts)
-            for turn, ids in (("repeated prompt", list(prompts)), ("second turn", [f"{k}.2" for k in prompts])):
+            for turn, ids in turns:
                 same = [reqs[k]["tokens"] == base[k]["tokens"] for k in ids]
                 share = [sum(a == b for a, b in zip(reqs[k]["tokens"], base[k]["tokens"])) / MAX_TOKENS for k in ids]
                 rows.append({"model": kind, "preset": preset, "turn": turn, "prompts": len(ids),
@@ -108,7 +116,9 @@ def main() -> int:
           f"`{out['command']}` ({out['machine']}). {args.prompts} conversations per model (prompts of "
           f"260-520 tokens, {MAX_TOKENS} greedy tokens); warm = a new process restoring from the store the "
           "cold engine (same preset) wrote. Agreement = share of requests whose tokens all equal the "
-          "baseline's (no connector); token agreement = share of equal tokens.", "",
+          "reference's: the engine without the connector" + ("" if args.second_turn else
+          " (here: the cold engine with the exact preset; cold = baseline compares each preset's cold "
+          "engine with it)") + "; token agreement = share of equal tokens.", "",
           "| model | preset | request | agreement | token agreement | restored (requests / tokens) | cold = baseline |",
           "|---|---|---|---|---|---|---|"]
     for r in rows:

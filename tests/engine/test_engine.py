@@ -164,12 +164,14 @@ def test_warm_second_turn(engine, config):
 
 def test_corrupt_entry_is_recomputed(engine, config):
     """Every entry of conversation "c" had bytes flipped in a chunk file: its loads fail, are
-    logged, nothing of it is restored, vLLM recomputes and the answers are the baseline's."""
+    logged, nothing of it is restored (vLLM then reports no cached token), vLLM recomputes and
+    the answers are the baseline's."""
     assert engine["corrupted"][config], "nothing was corrupted"
     base, warm = _tokens(engine["cold"][config]["base"]), engine["warm"][config]
     got = _tokens(warm)
     ids = [CORRUPT, f"{CORRUPT}.2"]
     assert {k: got[k] for k in ids} == {k: base[k] for k in ids}
     assert not set(ids) & set(H.restored(warm))
+    assert [H.requests_of(warm)[k]["num_cached_tokens"] for k in ids] == [0, 0]
     tried = {f"{CORRUPT}.2"} | ({CORRUPT} if CONFIGS[config][2] == "align" else set())
     assert tried <= H.failed_loads(warm), warm["log"][-20:]
