@@ -119,7 +119,16 @@ def test_missing_plugin_fails_the_load_in_one_line_and_vllm_recomputes(model_dir
     assert entries(store) == [300, 302]
     uninstall_plugins(monkeypatch)  # this host has no lowrank plug-in; it serves exact codecs
     eng2 = E.make_engine(model_dir, str(store), mode="none", num_blocks=8, extra=RAW)
-    assert matched(eng2, PROMPT2, ANCHOR) == (302, True)  # listed and offered: only decoding needs it
+    with caplog.at_level(logging.INFO, logger="anchorkv.connector"):
+        assert matched(eng2, PROMPT2, ANCHOR) == (0, False)  # the lookup skips what it cannot decode
+    assert any("needs codec plug-in(s) ['lowrank']" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    # should the lookup still offer it (the plug-in breaks between lookup and load), the load
+    # fails cleanly: as if the scheduler's check had passed
+    from anchorkv.store import plugin_format as PF
+
+    monkeypatch.setattr(PF.PluginChunkCodec, "installed", property(lambda self: True))
+    assert matched(eng2, PROMPT2, ANCHOR) == (302, True)
     with caplog.at_level(logging.WARNING, logger="anchorkv.connector"):
         _load_fails_cleanly(eng2, monkeypatch)  # nothing written, failed_recving, recomputed
     why = [r.getMessage() for r in caplog.records if "codec plug-in 'lowrank'" in r.getMessage()]
