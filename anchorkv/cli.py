@@ -28,6 +28,7 @@ _COMMANDS = {
     "verify": ("anchorkv.store.cli", "check entries, exit 1 naming each damaged one"),
     "rm": ("anchorkv.store.cli", "delete entries"),
     "gc": ("anchorkv.store.cli", "remove garbage and damaged entries; evict to --capacity (--dry-run)"),
+    "stats": ("anchorkv.store.cli", "a store's totals: entries, tokens, bytes by field and codec, capacity use"),
 }
 
 

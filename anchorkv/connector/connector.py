@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from anchorkv.connector.config import ConnectorConfig, codec_banner
+from anchorkv.connector.metrics import StatsMixin
 from anchorkv.connector.plan import Metadata
 from anchorkv.connector.scheduler import SchedulerSide
 from anchorkv.connector.storage_zarr import ZarrEntryStore
@@ -99,7 +100,10 @@ def capacity_warning(config: ConnectorConfig, layout: Any = None) -> str | None:
             "(e.g. \"200GB\") or run `anchorkv gc --capacity SIZE` periodically")
 
 
-class AnchorKVConnector(KVConnectorBase_V1, SupportsHMA):
+class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
+    """The connector; `StatsMixin` reports its counters through vLLM's KV-connector stats
+    (log line and Prometheus) and sends its logs to vLLM's handler."""
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = ConnectorConfig.from_extra_config(
@@ -112,7 +116,8 @@ class AnchorKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         # the model at this tp, from vLLM's KV-cache specs and the model's description (its
         # fingerprint, what entries must agree with, is TP-independent for described models)
-        self.model_layout = model_layout(kv_cache_config, hf_config, tp_size=self.tp_size, tp_rank=tp_rank())
+        # (rank 0's: the store and the fingerprint need only shapes, which every rank shares)
+        self.model_layout = model_layout(kv_cache_config, hf_config, tp_size=self.tp_size, tp_rank=0)
         self.store = ZarrEntryStore(self.config, self.model_layout)
         self.config = self.store.config  # codec groups resolved as the entries store them
         self._hf_config = hf_config

@@ -14,6 +14,13 @@ if HERE not in sys.path:
 ANCHOR = "alice-software-tokyo"
 
 
+@pytest.fixture(autouse=True)
+def _anchorkv_logs_reach_the_root(monkeypatch):
+    """AnchorKVConnector sends the anchorkv logger to vLLM's handler (propagation off) unless
+    VLLM_CONFIGURE_LOGGING=0; caplog listens on the root logger."""
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     import vllm_harness as H
