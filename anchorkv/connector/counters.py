@@ -38,6 +38,10 @@ class Miss(str, Enum):
     NO_ENTRY = "no_entry"  # nothing under the request's key: never saved, evicted, or saved under
     #   another cache_salt / LoRA scope or for another model (those live under other keys, which
     #   a lookup never reads: isolation, not a counter, keeps them apart)
+    PREFIX_MISMATCH = "prefix_mismatch"  # the key's entries hold other tokens (an anchor whose
+    #   conversation was edited): exact mode restores none of them
+    TOO_LONG = "too_long"  # the key's entries all reach the prompt's last token (vLLM must compute one)
+    PLUGIN_MISSING = "plugin_missing"  # the matching entries need a codec plug-in this host lacks
     TOO_SHORT = "too_short"  # an anchorless prompt shorter than the store's token block
     COVERED_LOCALLY = "covered_locally"  # vLLM's prefix cache already holds as many tokens
     BAD_ENTRY = "bad_entry"  # the matching entries failed to load recently and are skipped
@@ -54,7 +58,7 @@ class Miss(str, Enum):
     FAILED_LOAD = "failed_load"  # any other read error
 
 
-LOOKUP_MISSES = (Miss.NO_ENTRY, Miss.TOO_SHORT, Miss.COVERED_LOCALLY, Miss.BAD_ENTRY, Miss.STORE_ERROR,
+LOOKUP_MISSES = (Miss.NO_ENTRY, Miss.PREFIX_MISMATCH, Miss.TOO_LONG, Miss.PLUGIN_MISSING, Miss.TOO_SHORT, Miss.COVERED_LOCALLY, Miss.BAD_ENTRY, Miss.STORE_ERROR,
                  Miss.UNCACHEABLE, Miss.UNALIGNED, Miss.DECLINED)
 LOAD_MISSES = (Miss.TIMEOUT, Miss.ENTRY_GONE, Miss.CORRUPT, Miss.FINGERPRINT_MISMATCH, Miss.PREEMPTED,
                Miss.FAILED_LOAD)

@@ -153,13 +153,17 @@ class SchedulerSide:
         for _ in range(64):  # each round excludes one bad entry; a bound, not a retry count
             if limit < 1:
                 return None, miss
+            why: list[str] = []
             try:
                 ref = self.store.lookup(anchor=anchor, token_ids=prompt, max_tokens=limit,
-                                        multiple_of=1, mode=self.config.lookup, scope=scope)
+                                        multiple_of=1, mode=self.config.lookup, scope=scope, why=why)
             except Exception as e:  # a store outage is a cache miss, never a failed request
                 log.warning("anchorkv: lookup for request %s failed (%s); computing it", request.request_id, e)
                 return None, Miss.STORE_ERROR
             if ref is None:
+                # a bad entry passed over first explains the miss better than what came after
+                if miss is Miss.NO_ENTRY and why:
+                    miss = Miss(why[0]) if why[0] in Miss._value2member_map_ else Miss.NO_ENTRY
                 return None, miss
             if not self._is_bad(ref.entry_id):
                 return ref, None

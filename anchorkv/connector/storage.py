@@ -23,10 +23,12 @@ class EntryRef:
 
 class EntryStore(Protocol):
     def lookup(self, *, anchor: str | None, token_ids: list[int], max_tokens: int,
-               multiple_of: int, mode: str, scope: str | None = None) -> EntryRef | None:
+               multiple_of: int, mode: str, scope: str | None = None,
+               why: list[str] | None = None) -> EntryRef | None:
         """The longest usable entry: prefix length <= max_tokens, a multiple of `multiple_of`,
         whose prefix tokens match `token_ids` (exact mode) or that shares the anchor (semantic),
-        saved under the same isolation `scope` (entries of another scope are never read)."""
+        saved under the same isolation `scope` (entries of another scope are never read).
+        `why` gets the reasons entries were passed over (`Miss` values) when none is found."""
 
     def load(self, entry_id: str, layer: str, field: str, *, tp_size: int, tp_rank: int,
              rows: tuple[int, int] | None) -> Packed:

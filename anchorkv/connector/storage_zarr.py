@@ -178,14 +178,14 @@ class ZarrEntryStore:
     # ------------------------------------------------------------------ lookup
 
     def lookup(self, *, anchor: str | None, token_ids: list[int], max_tokens: int, multiple_of: int,
-               mode: str, scope: str | None = None) -> EntryRef | None:
+               mode: str, scope: str | None = None, why: list[str] | None = None) -> EntryRef | None:
         """The longest usable committed entry (see `EntryStore.lookup`); reads manifests only."""
         for _ in range(16):  # each round skips one entry this host cannot decode; a bound
             info = self.store.lookup(
                 fingerprint_hash=self.fingerprint_hash, tokens=token_ids,
                 anchor=anchor,
                 mode="semantic" if mode == "semantic" and anchor is not None else "exact",
-                max_tokens=max_tokens, multiple_of=multiple_of, scope=scope)
+                max_tokens=max_tokens, multiple_of=multiple_of, scope=scope, why=why)
             if info is None:
                 return None
             missing = sorted({a.codec.id for a in info.arrays().values()
@@ -195,6 +195,8 @@ class ZarrEntryStore:
             log.info("anchorkv: entry %s (%d tokens) needs codec plug-in(s) %s, not installed here; "
                      "looking for a shorter one", info.id, info.num_tokens, missing)
             max_tokens = info.num_tokens - 1
+            if why is not None:
+                why.append("plugin_missing")
             if max_tokens < 1:
                 return None
         return None

@@ -227,7 +227,8 @@ class Store:
     # ------------------------------------------------------------------ lookup
     def lookup(self, *, fingerprint_hash: str, tokens=None, anchor: str | None = None,
                mode: Mode = "exact", max_tokens: int | None = None,
-               multiple_of: int = 1, scope: str | None = None) -> EntryInfo | None:
+               multiple_of: int = 1, scope: str | None = None,
+               why: list[str] | None = None) -> EntryInfo | None:
         """The best committed entry for a request, or None. No side effects.
 
         exact (default): the longest entry under the key whose prefix hash equals the hash of
@@ -237,7 +238,10 @@ class Store:
         no bound) and a multiple of `multiple_of` count (a caller that can restore only some
         boundaries, e.g. block-aligned ones, gets the longest it can use). `scope`: only
         entries written with the same scope (see `begin_entry`); others live under other keys,
-        so they are neither listed nor read.
+        so they are neither listed nor read. `why`, if given, gets one reason appended when
+        nothing is found: ``"no_entry"`` (nothing under the key), ``"prefix_mismatch"`` (the
+        key's entries hold other tokens: an anchor's conversation that was edited) or
+        ``"too_long"`` (its entries are longer than `max_tokens` or off `multiple_of`).
         """
         if mode not in ("exact", "semantic"):
             raise ValueError(f"mode must be 'exact' or 'semantic', found {mode!r}")
@@ -259,18 +263,24 @@ class Store:
         key = self.key_for(fingerprint_hash, anchor=anchor, tokens=None if anchor else hasher.tokens, scope=scope)
         names = [(parse_entry_name(n), n) for n in self.backend.list_dir(f"{ENTRIES}/{key}")]
         cands = sorted(((p[0], p[1], n) for p, n in names if p), key=lambda c: -c[0])
+        reason = "no_entry"
         for n, h16, name in cands:
             if (max_tokens is not None and n > max_tokens) or n % multiple_of:
+                reason = "too_long" if reason == "no_entry" else reason
                 continue
             if mode == "exact" and (n > len(hasher) or hasher.hash(n)[:16] != h16):
+                reason = "prefix_mismatch"
                 continue
             info = self._try_info(f"{key}/{name}")
             if info is None or info.fingerprint_hash != fingerprint_hash:
                 continue
             if mode == "exact" and info.prefix_hash != hasher.hash(n):
+                reason = "prefix_mismatch"
                 continue
             same = [self._try_info(f"{key}/{m}") for k, h, m in cands if k == n and h == h16 and m != name]
             return min([info, *[s for s in same if s is not None]], key=lambda e: (e.created, e.id))
+        if why is not None:
+            why.append(reason)
         return None
 
     def _try_info(self, entry_id: str) -> EntryInfo | None:

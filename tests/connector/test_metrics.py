@@ -244,6 +244,25 @@ def test_a_salted_request_misses_as_no_entry_and_hits_its_own(model_dir, tmp_pat
     assert total["miss:no_entry"] == 2  # a1 (first turn) and b1 (another tenant's entry)
 
 
+def test_prefix_mismatch_and_too_long_are_told_apart(model_dir, tmp_path, stats_engine):
+    """An anchor's entries that hold other tokens (the conversation was edited) miss as
+    prefix_mismatch; an entry as long as the prompt itself (vLLM must compute one token) as
+    too_long; the store reads manifests only to tell them apart."""
+    make, rec = stats_engine
+    eng = make(model_dir, str(tmp_path / "store"), mode="none", num_blocks=8, extra=RAW)
+    eng.add("a1", NONE_PROMPT, anchor=ANCHOR)
+    eng.run()
+    eng.flush()
+    edited = [t + 1 for t in NONE_PROMPT[:10]] + NONE_PROMPT[10:] + [7, 8, 9]
+    eng.add("edited", edited, anchor=ANCHOR)
+    eng.run()
+    eng.add("again", NONE_PROMPT, anchor=ANCHOR)  # its entries: 300 (the prompt) and 302 tokens
+    eng.run()
+    eng.flush()
+    eng.step()
+    assert _miss_total(rec) == {"no_entry": 1, "prefix_mismatch": 1, "too_long": 1}
+
+
 def _admit(eng, req, num_computed: int):
     """What the scheduler does to admit a request: ask, then report the allocation."""
     c = eng.scheduler.connector
@@ -325,7 +344,8 @@ def test_load_misses_by_reason_then_bad_entry(model_dir, tmp_path, stats_engine,
     after = {}
     for p in rec.payloads()[before:]:
         Cn.merge(after, p)
-    then = "no_entry" if reason == "entry_gone" else "bad_entry"  # a deleted entry is not listed again
+    # a deleted entry is not listed again: what the anchor still holds are other tokens
+    then = "prefix_mismatch" if reason == "entry_gone" else "bad_entry"
     assert {k: v for k, v in after.items() if k.startswith("miss:")} == {f"miss:{reason}": 1, f"miss:{then}": 1}
     assert after["hits"] == 1 and after["lookups"] == 2 and "restores" not in after
 
