@@ -41,7 +41,9 @@ CONFIGS = {
 # past the first 256-token block (the hybrid's block here; anchor-less entries need 256 tokens)
 PROMPTS = {"a": H.prompt(1, 280), "b": H.prompt(2, 330), "c": H.prompt(3, 300)}
 CORRUPT = "c"  # its conversation's entries are corrupted before the warm run
-NEW_MESSAGE = H.prompt(99, 40)
+# a new message per conversation: after one shared message a random model's answers fall into a
+# few attractor sequences whatever came before (seen), which would hide a wrong restore
+NEW_MESSAGES = {k: H.prompt(100 + i, 40) for i, k in enumerate(PROMPTS)}
 # the same as "a" but for its first 8 tokens: the model must answer differently
 A_EDITED = H.prompt(7, 8) + PROMPTS["a"][8:]
 
@@ -70,7 +72,7 @@ def engine(tmp_path_factory):
         base_turn1 = turn1 + ([{"id": "a_edited", "prompt": A_EDITED}] if name != "qwen3_next-none" else [])
         runs.append({"name": f"{name}/base", **common, "connector": None,
                      "batches": _singles(base_turn1) + _singles(
-                         [{"id": f"{k}.2", "extend": k, "append": NEW_MESSAGE} for k in PROMPTS])})
+                         [{"id": f"{k}.2", "extend": k, "append": NEW_MESSAGES[k]} for k in PROMPTS])})
         runs.append({"name": f"{name}/cold", **common, "connector": {"store": str(stores[name])},
                      "batches": _singles(turn1)})
     cold = H.run_driver({"models": {"dir": str(models), "kinds": {"qwen3_next": {}, "llama": {}}}, "runs": runs},
