@@ -48,7 +48,9 @@ from anchorkv.connector.metrics import StatsMixin
 from anchorkv.connector.plan import Metadata
 from anchorkv.connector.scheduler import SchedulerSide
 from anchorkv.connector.storage_zarr import ZarrEntryStore
-from anchorkv.connector.vllm_layout import attention_backends, build_views, config_dict, groups_of, model_layout
+from anchorkv.connector.vllm_layout import (
+    attention_backends, build_views, config_dict, groups_of, model_layout, opaque_kv_layout,
+)
 from anchorkv.connector.worker import WorkerSide
 
 log = logging.getLogger("anchorkv.connector")
@@ -122,13 +124,20 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
         self.config = self.store.config  # codec groups resolved as the entries store them
         self._hf_config = hf_config
         self._finished_ids: set[str] = set()
+        # attention pages whose in-block token order anchorkv cannot read: whole blocks only
+        opaque = opaque_kv_layout(kv_cache_config)
+        granularity = self.model_layout.block_size if opaque else 1
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(self.config, self.groups, self.mode, self.store)
+            self.scheduler = SchedulerSide(self.config, self.groups, self.mode, self.store,
+                                           granularity=granularity)
             self.worker = None
         else:
             self.scheduler = None
             self.worker = WorkerSide(self.config, self.groups, self.mode, self.store,
-                                     self.tp_size, tp_rank())
+                                     self.tp_size, tp_rank(), granularity=granularity)
+        if opaque and role == KVConnectorRole.SCHEDULER:
+            log.info("anchorkv: K/V pages in %s token order: whole %d-token blocks are saved and "
+                     "restored (entries restore on engines with the same layout only)", opaque, granularity)
         log.info("anchorkv: %s side, store %s, codecs %s, lookup %s, mamba cache mode %s",
                  role.name.lower(), self.config.store,
                  {k: str(v) for k, v in self.config.codec.items()}, self.config.lookup, self.mode)
@@ -177,9 +186,10 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         # block ids count the scheduler's blocks, whatever kernel block the backend views
+        backends = attention_backends(self._vllm_config_, kv_caches)
+        log.info("anchorkv: attention backends %s", sorted(set(backends.values())) or "not found")
         layout, views = build_views(kv_caches, self._kv_config, self._hf_config, tp_size=self.tp_size,
-                                    tp_rank=self.worker.tp_rank,
-                                    backends=attention_backends(self._vllm_config_, kv_caches))
+                                    tp_rank=self.worker.tp_rank, backends=backends)
         if layout.fingerprint_hash() != self.model_layout.fingerprint_hash():
             raise RuntimeError("anchorkv: the registered caches do not match vLLM's KV-cache specs "
                                f"({layout.fingerprint()} vs {self.model_layout.fingerprint()}); this is a bug")

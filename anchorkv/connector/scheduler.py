@@ -88,8 +88,11 @@ class _Tracked:
 
 class SchedulerSide:
     def __init__(self, config: ConnectorConfig, groups: list[GroupInfo], mode: str,
-                 store: EntryStore) -> None:
+                 store: EntryStore, *, granularity: int = 1) -> None:
         self.config = config
+        #: restorable entry lengths are multiples of this (the attention block where the
+        #: platform's in-block token order is opaque, see `vllm_layout.opaque_kv_layout`)
+        self.granularity = granularity
         self.groups = groups
         self.mode = mode
         self.store = store
@@ -156,7 +159,8 @@ class SchedulerSide:
             why: list[str] = []
             try:
                 ref = self.store.lookup(anchor=anchor, token_ids=prompt, max_tokens=limit,
-                                        multiple_of=1, mode=self.config.lookup, scope=scope, why=why)
+                                        multiple_of=self.granularity, mode=self.config.lookup, scope=scope,
+                                        why=why)
             except Exception as e:  # a store outage is a cache miss, never a failed request
                 log.warning("anchorkv: lookup for request %s failed (%s); computing it", request.request_id, e)
                 return None, Miss.STORE_ERROR

