@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from anchorkv.connector.config import DEFAULT_CODECS
+from anchorkv.connector.config import DEFAULT_CODECS, KIMI_FIELD_ROLES, field_codecs
 
 #: Suites `anchorkv bench` runs when their file exists, in this order.
 SUITES = ("codec", "kernels", "store", "save_path")
@@ -354,7 +354,7 @@ def _main(args: argparse.Namespace, summary: dict) -> int:
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "anchorkv bench" + (" --quick" if args.quick else "") + (f" -k {args.k!r}" if args.k else ""),
         "suites": suites, "fidelity": fidelity, "defaults": (fidelity or {}).get("defaults"),
-        "shipped_defaults": dict(DEFAULT_CODECS),
+        "shipped_defaults": field_codecs(DEFAULT_CODECS, KIMI_FIELD_ROLES),
         "seconds": time.perf_counter() - t0,
     }
     if args.out is None and mode != "full":  # a smoke run never overwrites the committed report

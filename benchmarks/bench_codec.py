@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, LayerKind, kimi_linear_layout, pack, unpack
-from anchorkv.connector.config import DEFAULT_CODECS
+from anchorkv.connector.config import DEFAULT_CODECS, KIMI_FIELD_ROLES, field_codecs
 from anchorkv.demo import fill_realistic, hma_regions
 
 REQUEST_TOKENS = 7680
@@ -36,7 +36,7 @@ FIELD_CODECS = {
     "latent": ("raw", "fp8:64", "fp8:whole", "int8:64", "int4:64"),
 }
 #: Codecs of the scaling run: the shipped defaults (which the fidelity study's rule chose).
-SCALING_CODECS = dict(DEFAULT_CODECS)
+SCALING_CODECS = field_codecs(DEFAULT_CODECS, KIMI_FIELD_ROLES)
 
 
 def _median_seconds(fn, sync, rounds: int) -> float:

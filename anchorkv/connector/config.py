@@ -48,6 +48,31 @@ PRESETS: dict[str, dict[str, str]] = {
     "smallest": {**DEFAULT_CODECS, "ssm_state": "bf16"},
 }
 
+#: Kimi-Linear's fields and their roles (what the fidelity study and the benchmarks key by).
+KIMI_FIELD_ROLES: dict[str, str] = {"conv": "conv_state", "recurrent": "ssm_state", "latent": "latent"}
+
+
+def field_codecs(codecs: Mapping[str, Any], field_roles: Mapping[str, str | None], default: Any = "raw") -> dict[str, Any]:
+    """`codecs` (keyed by role, field name, or the old names ``conv`` / ``recurrent``) applied
+    to fields ``{name: role}``: a field's own name wins, then an old name, then its role;
+    `default` otherwise. The one rule the store (`storage_zarr.wanted_codecs`) and the
+    benchmarks share."""
+    from anchorkv.codec.models import ROLE_ALIASES
+
+    by_role = {k: v for k, v in codecs.items() if k not in field_roles and k not in ROLE_ALIASES}
+    # an alias is only ever written by a user (the defaults and presets use roles): it wins
+    by_role.update({ROLE_ALIASES[k].value: v for k, v in codecs.items() if k in ROLE_ALIASES and k not in field_roles})
+    out = {}
+    for name, role in field_roles.items():
+        if name in codecs:
+            out[name] = codecs[name]
+        elif role in by_role:
+            out[name] = by_role[role]
+        else:
+            out[name] = default
+    return out
+
+
 SAVE_POINTS = ("prefill", "finish")
 LOOKUP_MODES = ("exact", "semantic")
 

@@ -30,7 +30,7 @@ import numpy as np
 from anchorkv.codec import CodecSpec, Field, LayerKind, LayerLayout, ModelLayout, Packed, PageLayout
 from anchorkv.codec.models import ROLE_ALIASES, Role
 from anchorkv.codec.layout import dense_strides
-from anchorkv.connector.config import ConnectorConfig
+from anchorkv.connector.config import ConnectorConfig, field_codecs
 from anchorkv.connector.plan import SaveSpec
 from anchorkv.connector.storage import EntryRef
 from anchorkv.store.errors import FormatError, IncompleteEntry
@@ -93,18 +93,7 @@ def wanted_codecs(config: ConnectorConfig, model: ModelLayout) -> dict[str, Code
             f"anchorkv: kv_connector_extra_config 'codec' names {unknown}, neither roles "
             f"({sorted(roles)}) nor fields of this model ({sorted(fields)})"
         )
-    by_role = {k: v for k, v in config.codec.items() if k in roles}
-    # an alias is only ever written by a user (the defaults and presets use roles): it wins
-    by_role.update({ROLE_ALIASES[k].value: v for k, v in config.codec.items() if k in ROLE_ALIASES})
-    out = {}
-    for name, f in fields.items():
-        if name in config.codec:
-            out[name] = config.codec[name]
-        elif f.role in by_role:
-            out[name] = by_role[f.role]
-        else:
-            out[name] = CodecSpec("raw", None)
-    return out
+    return field_codecs(config.codec, {name: f.role for name, f in fields.items()}, default=CodecSpec("raw", None))
 
 
 def resolve_codecs(config: ConnectorConfig, model: ModelLayout) -> dict[str, CodecSpec]:

@@ -224,9 +224,10 @@ def _jobs(cfg: StudyConfig, presets: dict) -> list:
 
 def shipped_presets() -> dict[str, dict[str, str]]:
     """The lossy presets of `anchorkv.connector.config.PRESETS`."""
-    from anchorkv.connector.config import PRESETS
+    from anchorkv.connector.config import KIMI_FIELD_ROLES, PRESETS, field_codecs
 
-    return {name: dict(p) for name, p in PRESETS.items() if any(v != "raw" for v in p.values())}
+    presets = {name: field_codecs(p, KIMI_FIELD_ROLES) for name, p in PRESETS.items()}  # roles -> fields
+    return {name: p for name, p in presets.items() if any(v != "raw" for v in p.values())}
 
 
 def preset_groups(presets: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
