@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.connector.vllm_harness import _set_env
+from tests.connector.vllm_harness import bound_states as harness_bound_states
 
 _set_env()
 
@@ -121,18 +122,7 @@ def make(config: dict, tp: int, *, state_layers=(0, 2), paged_layers=(1, 3), pag
 
 def bound_states(view, shapes, dtypes=(torch.bfloat16, torch.float32)):
     """The state tensors a model reads, sliced by vLLM's own `MambaBase.bind_kv_cache`."""
-    from vllm.model_executor.layers.mamba.abstract import MambaBase
-
-    class _Layer:
-        def get_state_shape(self):
-            return shapes
-
-        def get_state_dtype(self):
-            return dtypes
-
-    layer = _Layer()
-    MambaBase.bind_kv_cache(layer, view)
-    return layer.kv_cache
+    return harness_bound_states(view, shapes, dtypes)
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -449,11 +449,17 @@ def allocate_kv_caches(kv_cache_config, layout: str = "LBNHC", kernel_block_size
 
 def kda_state_views(vllm_config, layer_view):
     """(conv, recurrent) tensors of one KDA layer, sliced by vLLM's own ``MambaBase.bind_kv_cache``."""
-    from vllm.model_executor.layers.mamba.abstract import MambaBase
     from vllm.models.kimi_k3 import KimiLinearForCausalLM
 
     shapes = KimiLinearForCausalLM.get_mamba_state_shape_from_config(vllm_config)
     dtypes = KimiLinearForCausalLM.get_mamba_state_dtype_from_config(vllm_config)
+    return bound_states(layer_view, shapes, dtypes)
+
+
+def bound_states(view, shapes, dtypes):
+    """The state tensors a Mamba-type layer reads from its page view, sliced by vLLM's own
+    ``MambaBase.bind_kv_cache``."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
 
     class _Layer:
         def get_state_shape(self):
@@ -463,7 +469,7 @@ def kda_state_views(vllm_config, layer_view):
             return dtypes
 
     layer = _Layer()
-    MambaBase.bind_kv_cache(layer, layer_view)
+    MambaBase.bind_kv_cache(layer, view)
     return layer.kv_cache
 
 
