@@ -21,7 +21,7 @@ import sys
 
 #: command -> (module that registers it, one-line help for the top-level --help)
 _COMMANDS = {
-    "demo": ("anchorkv.demo", "save and restore one request with every codec; print what it wrote"),
+    "demo": ("anchorkv.demo.cli", "save and restore one request with every codec; print what it wrote"),
     "bench": ("anchorkv.bench", "run the benchmarks and the fidelity study (report in a temporary dir unless --out)"),
     "ls": ("anchorkv.store.cli", "list the entries of a store"),
     "inspect": ("anchorkv.store.cli", "show one entry's manifest and arrays"),

@@ -24,7 +24,7 @@ import torch
 
 from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, LayerKind, kimi_linear_layout, pack, unpack
 from anchorkv.connector.config import DEFAULT_CODECS, KIMI_FIELD_ROLES, field_codecs
-from anchorkv.demo import fill_realistic, hma_regions
+from anchorkv.testing.regions import fill_realistic, hma_regions
 
 REQUEST_TOKENS = 7680
 SCALING_TOKENS = (1920, 3840, 7680, 15360, 30720, 61440, 122880)
@@ -88,7 +88,7 @@ def cached_request(tp: int, tokens: int, device) -> Request:
 
 
 def fill_realistic_on(view, ids, g) -> None:
-    """`demo.fill_realistic` for a view on any device (it draws on the CPU)."""
+    """`anchorkv.testing.regions.fill_realistic` for a view on any device (it draws on the CPU)."""
     if view.region.device.type == "cpu":
         fill_realistic(view, ids, g)
         return

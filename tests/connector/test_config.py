@@ -52,7 +52,7 @@ def test_compact_preset_save_restore_cycle(tmp_path):
     """`compact` end to end through the worker path and the store: save, restore in a new
     process; conv and latent come back bit-exact, the recurrent state as its bf16 rounding
     (SQNR of bf16 rounding: 8 significant bits, about 55 dB), and nothing else is written."""
-    from anchorkv.connector.demo_cycle import cycle
+    from anchorkv.demo.cycle import cycle
 
     r = cycle(str(tmp_path / "store"), dict(PRESETS["compact"]))
     assert r["ok"], r.get("error")
@@ -120,7 +120,7 @@ def test_worker_path_and_store_import_without_vllm():
     code = (
         "import sys; sys.modules['vllm'] = None\n"
         "import anchorkv.connector as c\n"
-        "import anchorkv.connector.storage_zarr, anchorkv.connector.worker, anchorkv.connector.demo_cycle\n"
+        "import anchorkv.connector.storage_zarr, anchorkv.connector.worker, anchorkv.demo.cycle\n"
         "try:\n    c.NoSuchThing\nexcept AttributeError as e:\n    print('ATTR', e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

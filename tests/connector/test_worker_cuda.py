@@ -1,6 +1,6 @@
 """The worker's CUDA path: save (Triton pack on a side stream, pinned host copies) into a
 store, then a fresh worker restores into other blocks of CUDA regions; every byte checked
-(`anchorkv.connector.demo_cycle`). CUDA only: the CPU path of the same cycle runs in the demo
+(`anchorkv.demo.cycle`). CUDA only: the CPU path of the same cycle runs in the demo
 and in tests/connector."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anchorkv.connector import demo_cycle
+from anchorkv.demo import cycle as demo_cycle
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="the worker's CUDA stream/event path needs a GPU")

@@ -2,7 +2,7 @@
 
 Parent: builds the regions vLLM 0.33 gives Kimi-Linear-48B-A3B on one rank (tp=1), fills one
 request's blocks, and saves them with `WorkerSide.save` into a `ZarrEntryStore` (pack, copy,
-staged write, commit). Child (a fresh interpreter, `python -m anchorkv.connector.demo_cycle`):
+staged write, commit). Child (a fresh interpreter, `python -m anchorkv.demo.cycle`):
 a fresh allocation, `lookup`, `WorkerSide.start_load` into other block ids, then checks the
 restored fields against the same source values (raw: identical bytes; lossy: SQNR floor) and
 that every other byte of the cache is still zero. No vLLM needed: the worker side is plain torch.
@@ -25,6 +25,8 @@ from anchorkv.connector.config import ConnectorConfig
 from anchorkv.connector.plan import GroupInfo, GroupKind, LoadSpec, Metadata, SaveSpec
 from anchorkv.connector.storage_zarr import ZarrEntryStore
 from anchorkv.connector.worker import WorkerSide
+from anchorkv.testing.metrics import sqnr_db
+from anchorkv.testing.regions import fill_realistic, hma_regions
 
 ANCHOR = "alice-software-tokyo"
 NUM_TOKENS = 3000  # two MLA blocks of 1920 tokens, the second partial
@@ -37,8 +39,6 @@ SQNR_FLOOR = {"fp8": 28.0, "int8": 38.0, "int4": 14.0}
 
 def _setup(store: str, codec: dict[str, str], device: str = "cpu"):
     layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=1)
-    from anchorkv.demo import hma_regions
-
     views = hma_regions(layout, NUM_BLOCKS, device)
     state = [l.name for l in layout.of_kind(LayerKind.STATE)]
     paged = [l.name for l in layout.of_kind(LayerKind.PAGED)]
@@ -57,8 +57,6 @@ def _blocks(which: dict) -> tuple[tuple[int, ...], ...]:
 
 def _source(views, groups, seed: int) -> None:
     """The saving request's blocks, filled with realistic values (deterministic in `seed`)."""
-    from anchorkv.demo import fill_realistic
-
     g = torch.Generator().manual_seed(seed)
     blocks = _blocks(SRC)
     for grp in groups:
@@ -87,8 +85,6 @@ def save(store: str, codec: dict[str, str], seed: int, device: str = "cpu") -> d
 
 def restore(store: str, codec: dict[str, str], seed: int, device: str = "cpu") -> dict:
     """In a fresh process (or a fresh worker): look up, load into other blocks, verify."""
-    from anchorkv.demo import sqnr_db
-
     layout, views, groups, es, worker = _setup(store, codec, device)
     tokens = list(_tokens(seed))
     t0 = time.perf_counter()
@@ -146,7 +142,7 @@ def cycle(store: str, codec: dict[str, str], seed: int = 0) -> dict:
     saved = save(store, codec, seed)
     t0 = time.perf_counter()
     out = subprocess.run(
-        [sys.executable, "-m", "anchorkv.connector.demo_cycle", "--store", store,
+        [sys.executable, "-m", "anchorkv.demo.cycle", "--store", store,
          "--codec", json.dumps(codec), "--seed", str(seed)],
         capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
@@ -154,6 +150,29 @@ def cycle(store: str, codec: dict[str, str], seed: int = 0) -> dict:
         return {**saved, "ok": False, "error": out.stderr.strip()[-2000:]}
     restored = json.loads(out.stdout.strip().splitlines()[-1])
     return {**saved, **restored, "child_s": time.perf_counter() - t0}
+
+
+#: The store cycle's codec settings: lossless, and the connector's defaults.
+CYCLE_CODECS = {
+    "raw": {"conv": "raw", "recurrent": "raw", "latent": "raw"},
+    "default": None,  # filled from anchorkv.connector.config.DEFAULT_CODECS
+}
+
+
+def store_cycle(store: str | None, seed: int) -> list[dict]:
+    """Save -> NEW PROCESS -> restore through the store and the connector's worker path."""
+    import tempfile
+
+    from anchorkv.connector.config import DEFAULT_CODECS
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="anchorkv-demo-") as tmp:
+        root = store or tmp
+        for name, codec in CYCLE_CODECS.items():
+            codec = dict(codec or DEFAULT_CODECS)
+            path = os.path.join(root, f"demo-{name}")
+            rows.append({"name": name, "store": path if store else None, **cycle(path, codec, seed)})
+    return rows
 
 
 def _main() -> int:
