@@ -7,6 +7,7 @@ own strides (vLLM's HMA dual-purpose regions), and source / target block-id sets
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,13 @@ from hypothesis import strategies as st
 from anchorkv.codec import CacheView, Field, PageLayout, Region
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: last-axis sizes: powers of two up to 128 (groups 32/64/128 and the whole axis), and
+#: non-powers of two (6, 12, 24, 96: groups such as 3, 6, 12, 48)
+EVEN_LAST = (2, 4, 6, 8, 12, 16, 24, 32, 64, 96, 128)
+#: odd sizes (only odd groups divide them: fp8 and int8 take them, int4 does not), and 64
+ODD_LAST = (1, 3, 5, 7, 15, 21, 64)
+#: every size above: for formats that take any group (fp8, int8) and those that ignore it
+ANY_LAST = tuple(sorted(set(EVEN_LAST + ODD_LAST)))
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -31,13 +39,25 @@ def _itemsize(dtype):
     return torch.empty((), dtype=dtype).element_size()
 
 
+def group_sizes(last: int, fmt: str) -> st.SearchStrategy[int | None]:
+    """A group size that `fmt` accepts for a last axis of `last` elements: None (the whole
+    axis) or any divisor of it; for int4 (two codes a byte) an even one, so `last` must be even.
+    `raw` and `bf16` ignore the group; any divisor is drawn for them too."""
+    if fmt == "int4" and last % 2:
+        raise ValueError(f"int4 needs an even group, and no even group divides {last}")
+    divisors = [g for g in range(1, last + 1) if last % g == 0 and (fmt != "int4" or g % 2 == 0)]
+    return st.sampled_from([None, *divisors])
+
+
 @st.composite
-def strided_field(draw, name: str, dtype=None, even_last=True, max_extent=None):
-    """A field with a random axis order, gaps between axes, and an aligned byte offset."""
+def strided_field(draw, name: str, dtype=None, last_dims: Sequence[int] = EVEN_LAST,
+                  max_extent=None):
+    """A field with a random axis order, gaps between axes, and an aligned byte offset; its
+    last axis has one of the sizes `last_dims`."""
     dtype = dtype or draw(st.sampled_from(DTYPES))
     ndim = draw(st.integers(1, 3))
     shape = [draw(st.integers(1, 5)) for _ in range(ndim - 1)]
-    last = draw(st.sampled_from([2, 4, 6, 8, 12, 16, 32, 64] if even_last else [1, 3, 5, 7, 64]))
+    last = draw(st.sampled_from(last_dims))
     shape.append(last)
     order = draw(st.permutations(range(ndim)))  # order[0] is the innermost axis
     strides = [0] * ndim
@@ -50,9 +70,9 @@ def strided_field(draw, name: str, dtype=None, even_last=True, max_extent=None):
 
 
 @st.composite
-def cases(draw, even_last=True):
-    f = draw(strided_field("x", even_last=even_last))
-    a = draw(strided_field("alias", dtype=draw(st.sampled_from(DTYPES)), even_last=True))
+def cases(draw, last_dims: Sequence[int] = EVEN_LAST):
+    f = draw(strided_field("x", last_dims=last_dims))
+    a = draw(strided_field("alias", dtype=draw(st.sampled_from(DTYPES))))
     block_stride = max(f.extent, a.extent) + draw(st.integers(0, 3)) * 8
     block_stride += (-block_stride) % 8  # keeps every dtype aligned on every block
     num_blocks = draw(st.integers(1, 7))

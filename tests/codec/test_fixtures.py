@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.codec.golden import CASES, FIXTURES, case_input, encode_case
 from anchorkv.kernels.reference import dequantize
+from tests.codec.golden import CASES, FIXTURES, case_input, encode_case
 
 
 def _load(name: str) -> dict:
@@ -49,6 +49,71 @@ def test_fixture_decodes_to_input_within_format(name, codec, group, dtype):
         assert torch.isnan(y[nan]).all() and scales.numel() == 0
         return
     finite_rows = torch.isfinite(x.float()).all(dim=-1)
-    err = (y.float() - x.float())[finite_rows]
-    assert err.abs().max() <= x.float()[finite_rows].abs().max() * 0.07
+    err = (y.double() - x.double())[finite_rows].abs()
+    bound = error_bound(x, codec, group)[finite_rows]
+    worst = (err - bound).max()
+    assert worst <= 0, f"{name}: decoded values off by up to {worst.item():.3g} past the {codec} bound"
     assert torch.isnan(y[~finite_rows].float()).any()
+
+
+def error_bound(x: torch.Tensor, codec: str, group: int | None) -> torch.Tensor:
+    """Per element, the largest |decoded - x| the format allows, in float64, from its rules
+    (`anchorkv.kernels.reference`); `s` is the group's scale, G its elements:
+
+    * int8: half a step, s / 2 with s = amax / 127 (round to nearest);
+    * fp8 e4m3: half an ulp of x / s, at most 2^-4 of |x| for normal codes (3 mantissa bits),
+      plus the subnormal floor: half the subnormal step 2^-9, i.e. 2^-10 * s, with s = amax / 448;
+    * int4: half a step, s / 2 with s = (max - min) / 15;
+
+    plus the one rounding of the decoded fp32 value to x's dtype (half an ulp: 2^-8 of |x| for
+    bf16, 2^-11 fp16, 2^-24 fp32, with the dtype's subnormal floor), and 2^-20 of the group's
+    amax for the fp32 arithmetic of the scale, the quotient and the decode (each at most 2^-24
+    relative). Groups holding NaN/Inf get NaN (they decode to NaN, checked apart)."""
+    g = x.double().reshape(-1, group or x.shape[-1])
+    amax = g.abs().amax(dim=1, keepdim=True)
+    if codec == "int8":
+        quant = (amax / 127 / 2).expand_as(g)
+    elif codec == "fp8":
+        quant = 2.0**-4 * g.abs() + 2.0**-10 * amax / 448
+    elif codec == "int4":
+        span = g.amax(dim=1, keepdim=True) - g.amin(dim=1, keepdim=True)
+        quant = (span / 15 / 2).expand_as(g)
+    else:
+        raise ValueError(f"no error bound for {codec}")
+    info = torch.finfo(x.dtype)
+    unit = info.eps / 2  # half an ulp, relative
+    rounding = unit * (g.abs() + quant) + unit * info.smallest_normal
+    return (quant + rounding + 2.0**-20 * amax).reshape(x.shape)
+
+
+def _off_by_one_code(payload: torch.Tensor, codec: str) -> torch.Tensor:
+    """Every code moved one step (towards zero where a step up would leave the code range)."""
+    if codec == "int8":
+        c = payload.view(torch.int8).to(torch.int16)
+        return torch.where(c < 127, c + 1, c - 1).to(torch.int8).view(torch.uint8)
+    if codec == "fp8":  # sign-magnitude: +1 on the magnitude is one e4m3 step away from zero
+        mag = payload & 0x7F
+        return torch.where(mag < 0x7E, payload + 1, payload - 1)
+    if codec == "int4":
+        lo, hi = payload & 0x0F, payload >> 4
+        lo = torch.where(lo < 15, lo + 1, lo - 1)
+        hi = torch.where(hi < 15, hi + 1, hi - 1)
+        return lo | (hi << 4)
+    raise ValueError(codec)
+
+
+LOSSY = [c for c in CASES if c[1] in ("fp8", "int8", "int4")]
+
+
+@pytest.mark.parametrize("name,codec,group,dtype", LOSSY, ids=[c[0] for c in LOSSY])
+def test_fixture_bound_catches_a_decode_off_by_one_code(name, codec, group, dtype):
+    """The bound of `test_fixture_decodes_to_input_within_format` can fail: the pinned payload
+    with every code moved by one step breaks it."""
+    fixture = _load(name)
+    x = case_input(codec, dtype)
+    scales = _bytes(fixture["scales_b64"]).view(torch.float32).reshape(fixture["scales_shape"])
+    payload = _off_by_one_code(_bytes(fixture["payload_b64"]), codec)
+    y = dequantize(payload, scales, codec, group, tuple(x.shape), dtype)
+    finite_rows = torch.isfinite(x.float()).all(dim=-1)
+    err = (y.double() - x.double())[finite_rows].abs()
+    assert (err > error_bound(x, codec, group)[finite_rows]).any()

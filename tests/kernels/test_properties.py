@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from anchorkv.kernels import reference
 from anchorkv.kernels.triton_pack import pack
 from anchorkv.kernels.triton_unpack import unpack
-from tests.codec.layouts import cases, touched_mask
+from tests.codec.layouts import ANY_LAST, EVEN_LAST, cases, group_sizes, touched_mask
 from tests.kernels.helpers import DEVICE
 
 pytestmark = pytest.mark.interpreter
@@ -19,12 +19,21 @@ SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[Healt
 CODECS = st.sampled_from(["raw", "fp8", "int8", "int4"])
 
 
+@st.composite
+def cases_with_group(draw):
+    """(case, codec, group): a layout whose last axis the codec takes (int4: even sizes, the
+    others odd ones too) and a real group size for it (a divisor of the last axis, or None)."""
+    codec = draw(CODECS)
+    case = draw(cases(last_dims=EVEN_LAST if codec == "int4" else ANY_LAST))
+    group = draw(group_sizes(case.view.page.field("x").shape[-1], codec))
+    return case, codec, group
+
 
 @SETTINGS
-@given(case=cases(), codec=CODECS, whole=st.booleans())
-def test_pack_equals_reference_on_generated_layouts(case, codec, whole):
+@given(drawn=cases_with_group())
+def test_pack_equals_reference_on_generated_layouts(drawn):
+    case, codec, group = drawn
     f = case.view.page.field("x")
-    group = None if whole else 2
     geom = f.geometry(case.view.region.block_stride)
     buf = case.buffer.to(DEVICE)
     n = case.view.region.num_blocks
@@ -35,19 +44,20 @@ def test_pack_equals_reference_on_generated_layouts(case, codec, whole):
 
 
 @SETTINGS
-@given(case=cases(), codec=CODECS)
-def test_unpack_through_one_view_keeps_the_aliasing_view_and_canaries(case, codec):
+@given(drawn=cases_with_group())
+def test_unpack_through_one_view_keeps_the_aliasing_view_and_canaries(drawn):
     """Unpack via `view`; every byte outside its target elements (including the bytes the
     aliasing view sees elsewhere) is unchanged, and the target equals the reference."""
+    case, codec, group = drawn
     f = case.view.page.field("x")
     geom = f.geometry(case.view.region.block_stride)
     n = case.view.region.num_blocks
     buf = case.buffer.to(DEVICE)
-    payload, scales = reference.pack(buf, geom, case.src_ids, n, codec, None)
+    payload, scales = reference.pack(buf, geom, case.src_ids, n, codec, group)
     want = buf.clone()
-    reference.unpack(want, geom, case.dst_ids, n, payload, scales, codec, None)
+    reference.unpack(want, geom, case.dst_ids, n, payload, scales, codec, group)
     got = buf.clone()
-    unpack(got, geom, case.dst_ids, n, payload, scales, codec, None)
+    unpack(got, geom, case.dst_ids, n, payload, scales, codec, group)
     assert torch.equal(got, want)
     untouched = ~touched_mask(case.view, "x", case.dst_ids).to(DEVICE)
     assert torch.equal(got[untouched], buf[untouched])
