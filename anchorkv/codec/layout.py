@@ -123,12 +123,19 @@ class Field:
         """The slice of `logical_shape` this rank owns (all of it when replicated)."""
         out = [slice(0, n) for n in self.logical_shape]
         if self.shard_axis is not None:
-            n = self.shape[self.shard_axis]
-            out[self.shard_axis] = slice(self.tp_rank * n, (self.tp_rank + 1) * n)
+            out[self.shard_axis] = tp_slice(self.logical_shape[self.shard_axis], self.tp_size, self.tp_rank)
         return tuple(out)
 
     def geometry(self, block_stride: int) -> StridedField:
         return StridedField(self.dtype, self.shape, self.strides, self.offset, block_stride)
+
+
+def tp_slice(length: int, tp_size: int, tp_rank: int) -> slice:
+    """The part of an axis of `length` that rank `tp_rank` of `tp_size` owns: the `tp_rank`-th of
+    `tp_size` equal parts. The one rule of tensor-parallel slicing, in elements or in chunks
+    (the store's arrays use it too); the caller checks that `tp_size` divides `length`."""
+    n = length // tp_size
+    return slice(tp_rank * n, (tp_rank + 1) * n)
 
 
 def _check_no_self_overlap(where: str, shape: tuple[int, ...], strides: tuple[int, ...]) -> None:

@@ -33,16 +33,15 @@ class CorruptEntry(StoreError):
 class OtherFormat(CorruptEntry):
     """An entry of another format version: listed and removable, never loaded."""
 
-    def __init__(self, entry: str, version) -> None:
-        from anchorkv.store import manifest  # the versions the manifest reader accepts
-
+    def __init__(self, entry: str, version: object, readable: tuple[int, ...]) -> None:
+        """`readable`: the format versions this anchorkv reads (the manifest reader's)."""
         self.version = version
-        readable = ", ".join(map(str, manifest.READABLE_VERSIONS))
-        if isinstance(version, int) and version > max(manifest.READABLE_VERSIONS):
-            what = (f"format version {version}, newer than the versions this anchorkv reads ({readable}): "
+        readable_text = ", ".join(map(str, readable))
+        if isinstance(version, int) and version > max(readable):
+            what = (f"format version {version}, newer than the versions this anchorkv reads ({readable_text}): "
                     "upgrade anchorkv to load it (this one leaves it alone)")
         else:
-            what = (f"format version {version}, this anchorkv reads versions {readable}: it is "
+            what = (f"format version {version}, this anchorkv reads versions {readable_text}: it is "
                     "never loaded; `anchorkv gc` or `anchorkv rm` removes it")
         super().__init__(entry, what)
 

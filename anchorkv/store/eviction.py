@@ -23,17 +23,14 @@ import json
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator, NamedTuple, Protocol
 import uuid
 
-from anchorkv.store.backends import TRASH
+from anchorkv.store.backends import Backend
 from anchorkv.store.errors import EntryNotFound
-from anchorkv.store.manifest import ENTRIES, parse_entry_name
+from anchorkv.store.manifest import EntryInfo, Listing, parse_entry_name
+from anchorkv.store.paths import BEGUN, ENTRIES, LEASES, STAGING, key_path, lease_path, staging_path, zarr_json
 
-if TYPE_CHECKING:
-    from anchorkv.store.store import Store
-
-LEASES = ".leases"
 LEASE_TTL = 600.0
 
 
@@ -61,13 +58,29 @@ class Pins:
             return entry_id in self._count
 
 
-def _lease_prefix(entry_id: str) -> str:
-    return entry_id.replace("/", ".")
+class Entries(Protocol):
+    """What eviction and gc use of a store (`anchorkv.store.Store` is one)."""
+
+    backend: Backend
+    capacity_bytes: int | None
+    pins: Pins
+
+    def scan(self) -> list[Listing]: ...
+
+    def delete(self, entry: EntryInfo | str) -> None: ...
+
+
+class Lease(NamedTuple):
+    """A lease file as gc and eviction see it."""
+
+    name: str  # the file's name under `LEASES`
+    entry_id: str
+    stale: bool  # its process is gone (local) or it is older than `LEASE_TTL`
 
 
 @contextlib.contextmanager
-def lease(store: "Store", entry_id: str) -> Iterator[None]:
-    path = f"{LEASES}/{_lease_prefix(entry_id)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+def lease(store: Entries, entry_id: str) -> Iterator[None]:
+    path = lease_path(entry_id, os.getpid(), uuid.uuid4().hex[:8])
     store.backend.write(path, [json.dumps({"pid": os.getpid(), "t": time.time()}).encode()])
     try:
         yield
@@ -85,7 +98,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _leases(store: "Store") -> list[tuple[str, str, bool]]:
+def _leases(store: Entries) -> list[Lease]:
     """(file name, entry id, stale?) of every lease (lease prefixes map back to '<key>/<name>')."""
     out = []
     local = store.backend.atomic_publish
@@ -98,16 +111,16 @@ def _leases(store: "Store") -> list[tuple[str, str, bool]]:
         pid = int(tail.split(".")[0]) if tail.split(".")[0].isdigit() else -1
         mtime = store.backend.mtime(f"{LEASES}/{name}") or 0.0
         stale = (local and not _pid_alive(pid)) or time.time() - mtime > LEASE_TTL
-        out.append((name, f"{stem}/{entry_name}", stale))
+        out.append(Lease(name, f"{stem}/{entry_name}", stale))
     return out
 
 
-def _live_leases(store: "Store") -> set[str]:
+def _live_leases(store: Entries) -> set[str]:
     """Entry ids with a live lease."""
-    return {entry_id for _, entry_id, stale in _leases(store) if not stale}
+    return {lease.entry_id for lease in _leases(store) if not lease.stale}
 
 
-def evict(store: "Store", capacity: int, keep: set[str] = frozenset(), *, dry_run: bool = False) -> list[str]:
+def evict(store: Entries, capacity: int, keep: set[str] = frozenset(), *, dry_run: bool = False) -> list[str]:
     """Delete entries until the total is <= `capacity`; returns their ids. Damaged and old-format
     entries go first (they are never loaded), then the least recently used.
 
@@ -120,7 +133,7 @@ def evict(store: "Store", capacity: int, keep: set[str] = frozenset(), *, dry_ru
         return []
     leased = _live_leases(store)
 
-    def order(e) -> tuple:
+    def order(e: Listing) -> tuple:
         useless = e.state in ("damaged", "old-format")
         return (not useless, (store.backend.last_use(e.path) or e.created) if not useless else e.created)
 
@@ -140,11 +153,9 @@ def evict(store: "Store", capacity: int, keep: set[str] = frozenset(), *, dry_ru
     return evicted
 
 
-def gc(store: "Store", stale_after: float, progress: Callable[[str, int], None] | None = None, *,
+def gc(store: Entries, stale_after: float, progress: Callable[[str, int], None] | None = None, *,
        dry_run: bool = False) -> dict:
     """See `Store.gc`. `progress(step, n)` is called as work is done (for a progress bar)."""
-    from anchorkv.store.writer import STAGING
-
     backend = store.backend
     report: dict = {"abandoned_writes": 0, "stale_leases": 0, "duplicates": 0, "orphans": 0, "trash": 0,
                     "damaged": 0, "old_format": 0, "empty_dirs": 0, "evicted": 0, "freed_bytes": 0,
@@ -162,9 +173,9 @@ def gc(store: "Store", stale_after: float, progress: Callable[[str, int], None] 
     t = time.time()
     live_data: set[str] = set()  # data prefixes of writes still in progress (object store)
     for wid in backend.list_dir(STAGING):
-        markers = [n for n in backend.list_dir(f"{STAGING}/{wid}") if n.startswith("begun-")]
+        markers = [n for n in backend.list_dir(staging_path(wid)) if n.startswith(BEGUN)]
         times = [backend.mtime(f"{STAGING}/{wid}/{n}") or 0.0 for n in markers]
-        newest = max(times, default=backend.mtime(f"{STAGING}/{wid}") or 0.0)
+        newest = max(times, default=backend.mtime(staging_path(wid)) or 0.0)
         datas = []
         for n in markers:
             try:
@@ -177,24 +188,25 @@ def gc(store: "Store", stale_after: float, progress: Callable[[str, int], None] 
 
         def drop(wid=wid, datas=datas) -> None:
             for data in datas:
-                if not backend.atomic_publish and not backend.exists(f"{data}/zarr.json"):
+                if not backend.atomic_publish and not backend.exists(zarr_json(data)):
                     backend.delete_tree(data)
-            backend.delete_tree(f"{STAGING}/{wid}")
+            backend.delete_tree(staging_path(wid))
 
-        nbytes = backend.tree_size(f"{STAGING}/{wid}") + (0 if backend.atomic_publish else sum(
-            backend.tree_size(d) for d in datas if not backend.exists(f"{d}/zarr.json")))
+        nbytes = backend.tree_size(staging_path(wid)) + (0 if backend.atomic_publish else sum(
+            backend.tree_size(d) for d in datas if not backend.exists(zarr_json(d))))
         remove("abandoned_writes", f"write {wid}", nbytes, drop)
     _remove_orphans(store, stale_after, live_data, t, remove)
-    for name, _, stale in _leases(store):
-        if stale:
-            remove("stale_leases", f"lease {name}", 0, lambda name=name: backend.delete(f"{LEASES}/{name}"))
+    for lease in _leases(store):
+        if lease.stale:
+            remove("stale_leases", f"lease {lease.name}", 0,
+                   lambda name=lease.name: backend.delete(f"{LEASES}/{name}"))
     entries = store.scan()
     if not backend.atomic_publish:  # same entry committed twice: keep the oldest
         groups: dict[tuple, list] = {}
         for e in entries:
             if e.info is not None:
-                n, h, _ = parse_entry_name(e.id.split("/", 1)[1])
-                groups.setdefault((e.key, n, h), []).append(e)
+                parsed = parse_entry_name(e.id.split("/", 1)[1])
+                groups.setdefault((e.key, parsed.num_tokens, parsed.hash16), []).append(e)
         for dup in groups.values():
             for e in sorted(dup, key=lambda e: (e.created, e.id))[1:]:
                 remove("duplicates", f"entry {e.id} (a second copy)", e.stored_bytes, lambda e=e: store.delete(e.id))
@@ -205,15 +217,13 @@ def gc(store: "Store", stale_after: float, progress: Callable[[str, int], None] 
         kind = "damaged" if e.state == "damaged" else "old_format"
         remove(kind, f"entry {e.id} ({e.problem})", e.stored_bytes, lambda e=e: store.delete(e.id))
     for key in backend.list_dir(ENTRIES):
-        if len(key) == 64 and not [n for n in backend.list_dir(f"{ENTRIES}/{key}") if n != "zarr.json"]:
+        if len(key) == 64 and not [n for n in backend.list_dir(key_path(key)) if n != "zarr.json"]:
             if dry_run:
                 remove("empty_dirs", f"key {key}", 0, lambda: None)
-            elif backend.remove_empty_dir(f"{ENTRIES}/{key}"):
+            elif backend.remove_empty_dir(key_path(key)):
                 remove("empty_dirs", f"key {key}", 0, lambda: None)
-    if hasattr(backend, "purge_trash"):
-        for name in backend.list_dir(TRASH):
-            remove("trash", f"{TRASH}/{name}", backend.tree_size(f"{TRASH}/{name}"),
-                   lambda name=name: backend.delete_tree(f"{TRASH}/{name}"))
+    for path in backend.trash():
+        remove("trash", path, backend.tree_size(path), lambda path=path: backend.delete_tree(path))
     if store.capacity_bytes is not None:
         gone = {r["what"].split()[1] for r in report["removed"] if r["what"].startswith("entry ")}
         sizes = {e.id: e.stored_bytes for e in entries}
@@ -222,7 +232,7 @@ def gc(store: "Store", stale_after: float, progress: Callable[[str, int], None] 
     return report
 
 
-def _remove_orphans(store: "Store", stale_after: float, live_data: set[str], t: float, remove) -> None:
+def _remove_orphans(store: Entries, stale_after: float, live_data: set[str], t: float, remove) -> None:
     """Remove what no entry owns under ``entries/<key>/``: on an object store, prefixes with
     chunks but no group ``zarr.json`` (a write or a delete killed half-way) that no write in
     progress claims; on both, temp files of atomic writes whose process died."""
@@ -230,7 +240,7 @@ def _remove_orphans(store: "Store", stale_after: float, live_data: set[str], t: 
     for key in backend.list_dir(ENTRIES):
         if len(key) != 64:
             continue
-        for name in backend.list_dir(f"{ENTRIES}/{key}"):
+        for name in backend.list_dir(key_path(key)):
             path = f"{ENTRIES}/{key}/{name}"
             if name.startswith(".") and name.endswith(".tmp"):
                 if t - (backend.mtime(path) or t) >= stale_after:
@@ -238,9 +248,9 @@ def _remove_orphans(store: "Store", stale_after: float, live_data: set[str], t: 
                 continue
             if backend.atomic_publish or parse_entry_name(name) is None or path in live_data:
                 continue
-            if backend.exists(f"{path}/zarr.json"):
+            if backend.exists(zarr_json(path)):
                 continue
-            newest = backend.newest_mtime(path) if hasattr(backend, "newest_mtime") else None
+            newest = backend.newest_mtime(path)
             if newest is not None and t - newest < stale_after:
                 continue  # perhaps a write whose begun marker we have not seen yet
             remove("orphans", path, backend.tree_size(path), lambda path=path: backend.delete_tree(path))

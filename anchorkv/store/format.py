@@ -70,19 +70,20 @@ from dataclasses import dataclass
 import functools
 from functools import cached_property
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from anchorkv.codec.packed import dtype_from_name, dtype_name
+from anchorkv.codec.layout import tp_slice
+from anchorkv.codec.models import LayerKind, ModelLayout
+from anchorkv.codec.packed import dtype_name
 from anchorkv.codec.spec import CodecSpec
 from anchorkv.kernels import reference
 from anchorkv.kernels.formats import BF16_ITEMSIZE, ELEMENTWISE, SCALE_COLUMNS, Quant
+from anchorkv.store.encoded import SOURCE_DTYPES, ChunkGeometry, Encoded
 from anchorkv.store.errors import FormatError
-
-if TYPE_CHECKING:  # plugin_format imports this module
-    from anchorkv.store.plugin_format import PluginChunkCodec
+from anchorkv.store.plugin_format import PluginChunkCodec
 
 #: The format version of an entry whose arrays all use built-in formats.
 FORMAT_VERSION = 3
@@ -102,51 +103,11 @@ SHARD_TOKEN_CHUNKS = 8
 EMPTY = 2**64 - 1
 #: Suffix of the array holding a quantized field's scales.
 SCALES_SUFFIX = "_scales"
-SOURCE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def entry_format_version(arrays: dict[str, "ArrayLayout"]) -> int:
     """The version an entry of these arrays is written as: the lowest that can represent them."""
     return PLUGIN_FORMAT_VERSION if any(a.codec.plugin for a in arrays.values()) else FORMAT_VERSION
-
-
-class ChunkGeometry:
-    """What built-in and plug-in chunk codecs share: a block's byte sizes and its views, from
-    `row_bytes`, `groups` and `columns`."""
-
-    source_dtype: str
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return dtype_from_name(self.source_dtype)
-
-    @cached_property
-    def _itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
-
-    def nbytes(self, shape: tuple[int, ...]) -> tuple[int, int]:
-        """(payload bytes, scale bytes) of a block of `shape`."""
-        outer = math.prod(shape[:-1])
-        return outer * self.row_bytes(shape[-1]), outer * self.groups(shape[-1]) * self.columns * 4
-
-    def views(self, payload: np.ndarray, scales: np.ndarray, shape: tuple[int, ...]) -> "Encoded":
-        """`payload`/`scales` of a block of `shape` as arrays indexable by its axes."""
-        pn, sn = self.nbytes(shape)
-        if payload.size != pn or scales.size * 4 != sn:
-            raise FormatError(f"a {list(shape)} block of {self.spec} {self.source_dtype} is {pn} payload bytes "
-                              f"and {sn // 4} scales, found {payload.size} and {scales.size}")
-        p = payload.reshape(*shape[:-1], self.row_bytes(shape[-1]))
-        s = scales.reshape(*shape[:-1], self.groups(shape[-1]), self.columns) if self.columns else np.empty((*shape[:-1], 0, 0), np.float32)
-        return Encoded(self, p, s)
-
-    def split(self, data: bytes | bytearray | memoryview | np.ndarray, shape: tuple[int, ...]) -> "Encoded":
-        """The payload and scales of one encoded chunk (views, no copy)."""
-        buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.view(np.uint8).reshape(-1)
-        pn, sn = self.nbytes(shape)
-        if buf.size != pn + sn:
-            raise ValueError(f"a {list(shape)} chunk of {self.spec} {self.source_dtype} is {pn + sn} bytes, found {buf.size}")
-        scales = buf[pn:].view(np.float32) if sn else np.empty(0, np.float32)
-        return self.views(buf[:pn], scales, shape)
 
 
 @dataclass(frozen=True)
@@ -183,8 +144,6 @@ class ChunkCodec(ChunkGeometry):
     def from_config(cls, config: dict[str, Any]) -> "ChunkCodec | PluginChunkCodec":
         """A manifest's codec entry: a built-in format's, or a plug-in's (`PluginChunkCodec`)."""
         if "plugin" in config:
-            from anchorkv.store.plugin_format import PluginChunkCodec
-
             return PluginChunkCodec.from_config(config)
         unknown = set(config) - {"format", "group", "source_dtype"}
         if unknown:
@@ -201,8 +160,6 @@ class ChunkCodec(ChunkGeometry):
         try:
             fmt = Quant(spec.id)
         except ValueError:
-            from anchorkv.store.plugin_format import PluginChunkCodec
-
             return PluginChunkCodec.for_field(spec, dtype, chunk_last, where=where,
                                               field_last=chunk_last if field_last is None else field_last)
         group = None if fmt in ELEMENTWISE else (chunk_last if spec.group is None else spec.group)
@@ -273,32 +230,6 @@ def zero_chunk(codec: ChunkCodec, shape: tuple[int, ...]) -> "Encoded":
     z.payload.flags.writeable = False
     z.scales.flags.writeable = False
     return z
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """A block's payload `[*outer, row_bytes]` and scales `[*outer, groups, C]` (numpy views).
-
-    Slicing a region of the logical block is slicing both arrays: along the last axis by
-    `row_bytes` / `groups` of the start and stop (they are multiples of the group size).
-    """
-
-    codec: ChunkCodec
-    payload: np.ndarray
-    scales: np.ndarray
-
-    def region(self, sl: tuple[slice, ...]) -> "Encoded":
-        *outer, last = sl
-        c = self.codec
-        pl = slice(c.row_bytes(last.start), c.row_bytes(last.stop))
-        gl = slice(c.groups(last.start), c.groups(last.stop))
-        return Encoded(c, self.payload[(*outer, pl)], self.scales[(*outer, gl)])
-
-    def buffers(self) -> tuple[list[memoryview], list[memoryview]]:
-        """The chunk bytes as ([payload], [scales]) buffers (one list per `Part`), copied only
-        where not contiguous; no scales buffer for raw."""
-        scales = [memoryview(np.ascontiguousarray(self.scales)).cast("B")] if self.scales.size else []
-        return [memoryview(np.ascontiguousarray(self.payload)).cast("B")], scales
 
 
 # ----------------------------------------------------------------------------- arrays
@@ -479,8 +410,8 @@ class ArrayLayout:
                 f"field {self.field!r}: tp_size {tp_size} / rank {tp_rank} cannot read "
                 f"{per_axis} chunks along axis {self.shard_axis}; tp must divide {per_axis}"
             )
-        n = per_axis // tp_size
-        return tp_rank * n, (tp_rank + 1) * n
+        own = tp_slice(per_axis, tp_size, tp_rank)
+        return own.start, own.stop
 
     def to_attrs(self) -> dict[str, Any]:
         return {"field": self.field, "kind": self.kind, "layers": list(self.layers),
@@ -633,11 +564,9 @@ def geometry(name: str, kind: str, num_layers: int, logical: tuple[int, ...], ax
     return tuple(shape), tuple(chunks), tuple(shards)
 
 
-def array_layouts(layout, codecs: dict[str, CodecSpec | str], num_tokens: int) -> dict[str, ArrayLayout]:
-    """The arrays of an entry of `layout` (a `ModelLayout`) holding `num_tokens` tokens, with
-    shards cut for the writer's tp (`layout.tp_size`)."""
-    from anchorkv.codec.models import LayerKind
-
+def array_layouts(layout: ModelLayout, codecs: dict[str, CodecSpec | str], num_tokens: int) -> dict[str, ArrayLayout]:
+    """The arrays of an entry of `layout` holding `num_tokens` tokens, with shards cut for the
+    writer's tp (`layout.tp_size`)."""
     out: dict[str, ArrayLayout] = {}
     fields: dict[str, tuple] = {}
     for layer in layout.layers:

@@ -30,7 +30,7 @@ import json
 import math
 import re
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from anchorkv.store.errors import CorruptEntry, OtherFormat
 from anchorkv.store.format import (
@@ -41,8 +41,8 @@ from anchorkv.store.format import (
     entry_format_version,
     part_attrs,
 )
+from anchorkv.store.paths import ENTRIES, entry_path  # noqa: F401 (ENTRIES: re-exported, its old home)
 
-ENTRIES = "entries"
 ATTR = "anchorkv"
 _NAME = re.compile(r"^t(\d{8})-([0-9a-f]{16})(?:\.([0-9a-z]+))?$")
 
@@ -51,10 +51,18 @@ def entry_name(num_tokens: int, prefix_hash: str) -> str:
     return f"t{num_tokens:08d}-{prefix_hash[:16]}"
 
 
-def parse_entry_name(name: str) -> tuple[int, str, str | None] | None:
-    """(prefix tokens, 16 hex of the prefix hash, write id or None), or None if not an entry."""
+class EntryName(NamedTuple):
+    """What an entry's name says: ``t<num_tokens>-<hash16>[.<write_id>]``."""
+
+    num_tokens: int  # prefix tokens
+    hash16: str  # the first 16 hex digits of the prefix hash
+    write_id: str | None  # object stores: the write that made it (local: None)
+
+
+def parse_entry_name(name: str) -> EntryName | None:
+    """What an entry's name says, or None if `name` is not an entry's."""
     m = _NAME.match(name)
-    return (int(m.group(1)), m.group(2), m.group(3)) if m else None
+    return EntryName(int(m.group(1)), m.group(2), m.group(3)) if m else None
 
 
 def group_json(attributes: dict[str, Any] | None = None) -> bytes:
@@ -122,7 +130,7 @@ class EntryInfo:
 
     @property
     def path(self) -> str:
-        return f"{ENTRIES}/{self.id}"
+        return entry_path(self.id)
 
     @property
     def key(self) -> str:
@@ -168,6 +176,34 @@ class EntryInfo:
         return arrays_from_manifest(self.manifest)
 
 
+@dataclass(frozen=True)
+class Listing:
+    """An entry as `Store.scan` finds it: its state, and its manifest when it is loadable."""
+
+    id: str
+    state: str  # "ok", "damaged", "old-format", "newer-format"
+    info: EntryInfo | None = None
+    problem: str | None = None
+    size: int | None = None  # bytes on disk (damaged / other-format: measured)
+    mtime: float | None = None
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.info.stored_bytes if self.info is not None else int(self.size or 0)
+
+    @property
+    def created(self) -> float:
+        return self.info.created if self.info is not None else float(self.mtime or 0.0)
+
+    @property
+    def key(self) -> str:
+        return self.id.split("/", 1)[0]
+
+    @property
+    def path(self) -> str:
+        return entry_path(self.id)
+
+
 def arrays_from_manifest(manifest: dict[str, Any]) -> dict[str, ArrayLayout]:
     return {
         name: ArrayLayout(
@@ -209,7 +245,7 @@ def parse_group(entry_id: str, data: bytes) -> EntryInfo:
         raise CorruptEntry(entry_id, f"its zarr.json is not a Zarr v3 group (zarr_format {doc.get('zarr_format')!r}, "
                                      f"node_type {doc.get('node_type')!r}); delete the entry (anchorkv rm)")
     if version not in READABLE_VERSIONS:
-        raise OtherFormat(entry_id, version)
+        raise OtherFormat(entry_id, version, READABLE_VERSIONS)
     problems = check_manifest(entry_id, manifest)
     if problems:
         raise CorruptEntry(entry_id, "manifest damaged: " + "; ".join(problems[:8])

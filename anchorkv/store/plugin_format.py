@@ -15,7 +15,7 @@ import torch
 from anchorkv.codec.packed import dtype_name
 from anchorkv.codec.spec import CodecSpec, canonical_json
 from anchorkv.store.errors import FormatError, StoreError
-from anchorkv.store.format import SOURCE_DTYPES, ChunkGeometry
+from anchorkv.store.encoded import SOURCE_DTYPES, ChunkGeometry
 
 class MissingCodec(StoreError):
     """An entry's field is encoded by a codec plug-in that is not installed (or failed to load)."""

@@ -5,11 +5,35 @@ chunk, zarr's index against the manifest).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
+from anchorkv.store.backends import Backend
 from anchorkv.store.errors import CorruptEntry
-from anchorkv.store.format import EMPTY, ArrayLayout, Encoded, crc32c, index_nbytes, parse_shard_index
+from anchorkv.store.format import EMPTY, ArrayLayout, Encoded, Part, crc32c, index_nbytes, parse_shard_index
 from anchorkv.store.manifest import EntryInfo, numcodecs_compressor
+from anchorkv.store.plan import ChunkSlice
+
+
+class _ChunkRead(NamedTuple):
+    """Where one inner chunk a load needs goes."""
+
+    chunk: ChunkSlice
+    dst: Encoded  # its covered part's place in the load's output
+    direct: bool  # read straight into `dst` (covered whole, uncompressed, contiguous there)
+
+
+class _RangeRead(NamedTuple):
+    """One byte range of a shard file to read and check: an inner chunk of one stored array."""
+
+    offset: int  # in the shard (from the manifest)
+    key: str  # the inner chunk's key in this array
+    crc: int  # its crc32c and size, from the manifest
+    size: int
+    views: list[memoryview]  # where its bytes go
+    buf: bytearray | None  # a buffer of its own (None: read straight into the output)
+    item: int  # index of its `_ChunkRead`
 
 
 def copy_into(dst: Encoded, src: Encoded) -> None:
@@ -18,8 +42,8 @@ def copy_into(dst: Encoded, src: Encoded) -> None:
         np.copyto(dst.scales, src.scales)
 
 
-def read_chunks(backend, info: EntryInfo, array: ArrayLayout, shard: tuple[int, ...], items: list[tuple],
-                out: Encoded) -> None:
+def read_chunks(backend: Backend, info: EntryInfo, array: ArrayLayout, shard: tuple[int, ...],
+                items: list[ChunkSlice], out: Encoded) -> None:
     """Read the inner chunks `items` (`chunk_plan` rows) of one shard of the field into `out`
     by byte range (offsets from the manifest) from the shard of each stored array (codes,
     scales), each chunk checked against its crc32c and size.
@@ -32,12 +56,12 @@ def read_chunks(backend, info: EntryInfo, array: ArrayLayout, shard: tuple[int, 
     parts = array.parts
     comp = numcodecs_compressor(info.manifest.get("compressor"))
     sums = info.manifest["checksums"]
-    plans = []  # per item: (key, into_chunk, dst, direct?)
-    for key, coords, into_chunk, into_out, whole in items:
-        dst = out.region(into_out)
-        direct = (comp is None and whole and dst.payload.flags.c_contiguous
+    plans = []
+    for item in items:
+        dst = out.region(item.into_region)
+        direct = (comp is None and item.whole and dst.payload.flags.c_contiguous
                   and dst.scales.flags.c_contiguous)
-        plans.append((key, coords, into_chunk, dst, direct))
+        plans.append(_ChunkRead(item, dst, direct))
     scratch: dict[int, list[bytes | bytearray]] = {}
     for pi, part in enumerate(parts):
         skey = part.shard_key(shard)
@@ -45,15 +69,15 @@ def read_chunks(backend, info: EntryInfo, array: ArrayLayout, shard: tuple[int, 
         if want_shard is None:
             raise CorruptEntry(info.id, f"the manifest has no checksum for shard {skey}")
         jobs = []
-        for ii, (key, coords, into_chunk, dst, direct) in enumerate(plans):
-            ckey = part.chunk_key(coords)
+        for ii, plan in enumerate(plans):
+            ckey = part.chunk_key(plan.chunk.coords)
             expected = sums.get(ckey)
             if expected is None:
                 raise CorruptEntry(info.id, f"the manifest has no checksum for chunk {ckey}")
             crc, size, offset = expected
             buf = None
-            if direct:
-                target = dst.payload if pi == 0 else dst.scales
+            if plan.direct:
+                target = plan.dst.payload if pi == 0 else plan.dst.scales
                 views = [memoryview(target).cast("B")]
                 if views[0].nbytes != size:
                     raise CorruptEntry(info.id, f"chunk {ckey} is {size} bytes in the manifest, its "
@@ -61,43 +85,44 @@ def read_chunks(backend, info: EntryInfo, array: ArrayLayout, shard: tuple[int, 
             else:
                 buf = bytearray(size)
                 views = [memoryview(buf)]
-            jobs.append((offset, ckey, crc, size, views, buf, ii))
-        jobs.sort(key=lambda j: j[0])
+            jobs.append(_RangeRead(offset, ckey, crc, size, views, buf, ii))
+        jobs.sort(key=lambda j: j.offset)
         try:
-            fsize, got = backend.read_ranges_into(f"{info.path}/{skey}", [(j[0], j[4]) for j in jobs])
+            fsize, got = backend.read_ranges_into(f"{info.path}/{skey}", [(j.offset, j.views) for j in jobs])
         except FileNotFoundError:
-            raise CorruptEntry(info.id, f"shard {skey} is missing (it holds chunk {jobs[0][1]})") from None
+            raise CorruptEntry(info.id, f"shard {skey} is missing (it holds chunk {jobs[0].key})") from None
         if fsize != want_shard[1]:
             raise CorruptEntry(
                 info.id,
-                f"shard {skey} (holding chunk {jobs[0][1]}) is {fsize} bytes, expected {want_shard[1]} bytes: "
+                f"shard {skey} (holding chunk {jobs[0].key}) is {fsize} bytes, expected {want_shard[1]} bytes: "
                 "truncated or overwritten; delete the entry (anchorkv rm) and recompute",
             )
-        for (offset, ckey, want_crc, size, views, buf, ii), n in zip(jobs, got):
+        for job, n in zip(jobs, got):
             crc = 0
-            for v in views:
+            for v in job.views:
                 crc = crc32c(v, value=crc)
-            if n != size or crc != want_crc:
+            if n != job.size or crc != job.crc:
                 raise CorruptEntry(
                     info.id,
-                    f"chunk {ckey} fails its check: expected {size} bytes with crc32c {want_crc:#010x} at "
-                    f"bytes {offset}-{offset + size} of shard {skey}, found {n} bytes with crc32c {crc:#010x}; "
-                    "delete the entry (anchorkv rm) and recompute",
+                    f"chunk {job.key} fails its check: expected {job.size} bytes with crc32c {job.crc:#010x} at "
+                    f"bytes {job.offset}-{job.offset + job.size} of shard {skey}, found {n} bytes with crc32c "
+                    f"{crc:#010x}; delete the entry (anchorkv rm) and recompute",
                 )
-            if buf is not None:
-                scratch.setdefault(ii, []).append(comp.decode(buf) if comp is not None else buf)
+            if job.buf is not None:
+                scratch.setdefault(job.item, []).append(comp.decode(job.buf) if comp is not None else job.buf)
     for ii, bufs in scratch.items():
-        key, coords, into_chunk, dst, _ = plans[ii]
+        plan = plans[ii]
         pn, sn = array.codec.nbytes(array.chunks)
         sizes = [len(memoryview(b).cast("B")) for b in bufs]
         if sizes != [pn, sn][: len(parts)]:
-            raise CorruptEntry(info.id, f"chunk {key} decodes to {sizes} bytes, its shape and codec make "
+            raise CorruptEntry(info.id, f"chunk {plan.chunk.key} decodes to {sizes} bytes, its shape and codec make "
                                f"{[pn, sn][: len(parts)]}")
         scales = np.frombuffer(bufs[1], np.float32) if len(bufs) > 1 else np.empty(0, np.float32)
         enc = array.codec.views(np.frombuffer(bufs[0], np.uint8), scales, array.chunks)
-        copy_into(dst, enc.region(into_chunk))
+        copy_into(plan.dst, enc.region(plan.chunk.into_chunk))
 
-def verify_shard(backend, info: EntryInfo, array: ArrayLayout, part, shard: tuple[int, ...]) -> list[str]:
+
+def verify_shard(backend: Backend, info: EntryInfo, array: ArrayLayout, part: Part, shard: tuple[int, ...]) -> list[str]:
     """Read a whole shard of one stored array and check everything a load relies on: its
     size and crc32c, each inner chunk's crc32c at the manifest's offset, and that zarr's
     index (what other readers use) holds the manifest's offsets and sizes. The problems

@@ -12,20 +12,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import contextlib
 import json
 import logging
-from dataclasses import dataclass
 import os
 import re
 import threading
-from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterator, Literal, Mapping, NamedTuple, Sequence
 import uuid
 
 import numpy as np
 import torch
 
+from anchorkv.codec.layout import Field
+from anchorkv.codec.models import ModelLayout
 from anchorkv.codec.packed import Packed, dtype_name
 from anchorkv.codec.spec import CodecSpec
 from anchorkv.store import eviction
-from anchorkv.store.backends import open_backend
+from anchorkv.store.backends import Backend, open_backend
+from anchorkv.store.commit import commit_staged
 from anchorkv.store.errors import (
     CorruptEntry,
     EntryNotFound,
@@ -44,24 +46,24 @@ from anchorkv.store.format import (
 )
 from anchorkv.store.keys import PrefixHasher, TOKEN_BLOCK, anchor_key, check_key, normalize_anchor, token_key
 from anchorkv.store.manifest import (
-    ENTRIES,
-    array_json,
     EntryInfo,
+    Listing,
+    array_json,
     arrays_to_manifest,
-    group_json,
     entry_name,
-    numcodecs_compressor,
+    group_json,
     now,
+    numcodecs_compressor,
     parse_entry_name,
     parse_group,
 )
+from anchorkv.store.paths import ENTRIES, PROBE, ZARR_JSON, begun_marker, entry_path, key_path, zarr_json
+from anchorkv.store.plan import ChunkSlice, chunk_plan, rank_region
 from anchorkv.store.reader import read_chunks, verify_shard
-from anchorkv.store.writer import STAGING, EntryWriter, chunk_plan, commit_staged, rank_region
+from anchorkv.store.writer import EntryWriter
 
 log = logging.getLogger("anchorkv.store")
 Mode = Literal["exact", "semantic"]
-#: Name prefix of the probe `Store.check_writable` writes at the store's root (removed at once).
-PROBE = ".write-probe-"
 #: Threads that write shard files while the writing thread computes their crc32c (os.writev and
 #: crc32c release the GIL; 2 measured best on 2 CPU cores, benchmarks/bench_store.py); 1: serial.
 CHUNK_THREADS = 2
@@ -70,7 +72,7 @@ CHUNK_THREADS = 2
 class Store:
     """A capacity-bounded cache of entries in a local directory or an S3-compatible bucket."""
 
-    def __init__(self, backend, *, capacity_bytes: int | None = None, io_threads: int = 4) -> None:
+    def __init__(self, backend: Backend, *, capacity_bytes: int | None = None, io_threads: int = 4) -> None:
         self.backend = backend
         self.capacity_bytes = capacity_bytes
         self._io_threads = io_threads
@@ -103,9 +105,9 @@ class Store:
                 store.backend.check_store()
                 return store
             store.backend.ensure_root()
-            for path in ("zarr.json", f"{ENTRIES}/zarr.json"):
+            for path in (ZARR_JSON, zarr_json(ENTRIES)):
                 if not store.backend.exists(path):
-                    attrs = {"anchorkv": {"format_version": FORMAT_VERSION}} if path == "zarr.json" else {}
+                    attrs = {"anchorkv": {"format_version": FORMAT_VERSION}} if path == ZARR_JSON else {}
                     store.backend.write(path, [group_json(attrs)], atomic=True)
             store.check_writable()
         except StoreError:
@@ -132,7 +134,7 @@ class Store:
         return f"Store({self.url!r}, capacity_bytes={self.capacity_bytes})"
 
     # ------------------------------------------------------------------ keys
-    def _fingerprint(self, layout) -> str:
+    def _fingerprint(self, layout: ModelLayout) -> str:
         hit = self._fingerprints.get(id(layout))
         if hit is None or hit[0] is not layout:
             hit = (layout, layout.fingerprint_hash())
@@ -150,7 +152,7 @@ class Store:
         return token_key(tokens, fingerprint_hash, scope)
 
     # ------------------------------------------------------------------ writing
-    def begin_entry(self, layout, codecs: Mapping[str, CodecSpec | str], tokens: Sequence[int] | np.ndarray, *,
+    def begin_entry(self, layout: ModelLayout, codecs: Mapping[str, CodecSpec | str], tokens: Sequence[int] | np.ndarray, *,
                     num_tokens: int | None = None, anchor: str | None = None, write_id: str | None = None,
                     compressor: dict[str, Any] | None = None, scope: str | None = None) -> EntryWriter:
         """Start writing this rank's part of the entry for the first `num_tokens` of `tokens`.
@@ -189,16 +191,17 @@ class Store:
             "arrays": manifest_arrays, "codecs": manifest_codecs, "compressor": compressor,
             "write_id": wid, "created": now(),
         }
-        writer = EntryWriter(self, layout, header, arrays)
-        self.backend.write(f"{STAGING}/{wid}/begun-{layout.tp_rank:03d}.json",
-                           [json.dumps({"data": writer.data}).encode()])
+        writer = EntryWriter(self.backend, layout, header, arrays, chunk_submit=self._chunk_submit,
+                             on_commit=self._after_commit)
+        self.backend.write(begun_marker(wid, layout.tp_rank), [json.dumps({"data": writer.data}).encode()])
         return writer
 
     def commit_staged(self, write_id: str) -> EntryInfo:
         """Commit a write whose ranks all called `finish_rank` (e.g. from the scheduler)."""
-        return commit_staged(self, write_id)
+        return commit_staged(self.backend, write_id, self._after_commit)
 
-    def save(self, layout, codecs, tokens, packed: Mapping[tuple[str, str], Packed], **kwargs) -> EntryInfo:
+    def save(self, layout: ModelLayout, codecs: Mapping[str, CodecSpec | str], tokens: Sequence[int] | np.ndarray,
+             packed: Mapping[tuple[str, str], Packed], **kwargs: Any) -> EntryInfo:
         """Write and commit a whole entry from one process (tp_size 1, or tests)."""
         writer = self.begin_entry(layout, codecs, tokens, **kwargs)
         try:
@@ -212,14 +215,9 @@ class Store:
                 log.warning("anchorkv: cleaning up the failed save %s failed too: %s", writer.write_id, cleanup)
             raise
 
-    def _ensure_groups(self, key: str) -> None:
-        """The key's group ``zarr.json`` (checked at every commit: a delete removes the key's
-        directory once its last entry is gone)."""
-        path = f"{ENTRIES}/{key}/zarr.json"
-        if not self.backend.exists(path):
-            self.backend.write(path, [group_json()], atomic=True)
-
     def _after_commit(self, info: EntryInfo) -> None:
+        """A commit published `info` (the writers' and `commit_staged`'s `on_commit`): cache it
+        and evict down to the capacity, keeping it."""
         self._infos[info.id] = info
         if self.capacity_bytes is not None:
             eviction.evict(self, self.capacity_bytes, keep={info.id})
@@ -261,8 +259,8 @@ class Store:
         if anchor is None and len(hasher) < TOKEN_BLOCK:
             return None
         key = self.key_for(fingerprint_hash, anchor=anchor, tokens=None if anchor else hasher.tokens, scope=scope)
-        names = [(parse_entry_name(n), n) for n in self.backend.list_dir(f"{ENTRIES}/{key}")]
-        cands = sorted(((p[0], p[1], n) for p, n in names if p), key=lambda c: -c[0])
+        names = [(parse_entry_name(n), n) for n in self.backend.list_dir(key_path(key))]
+        cands = sorted((_Candidate(p.num_tokens, p.hash16, n) for p, n in names if p), key=lambda c: -c.num_tokens)
         reason = "no_entry"
         for n, h16, name in cands:
             if (max_tokens is not None and n > max_tokens) or n % multiple_of:
@@ -277,7 +275,8 @@ class Store:
             if mode == "exact" and info.prefix_hash != hasher.hash(n):
                 reason = "prefix_mismatch"
                 continue
-            same = [self._try_info(f"{key}/{m}") for k, h, m in cands if k == n and h == h16 and m != name]
+            same = [self._try_info(f"{key}/{c.name}") for c in cands
+                    if c.num_tokens == n and c.hash16 == h16 and c.name != name]
             return min([info, *[s for s in same if s is not None]], key=lambda e: (e.created, e.id))
         if why is not None:
             why.append(reason)
@@ -307,14 +306,14 @@ class Store:
         if parse_entry_name(name) is None:
             raise EntryNotFound(f"{entry!r} is not an entry id ('<64 hex key>/t<tokens>-<hash>')")
         try:
-            data = self.backend.read(f"{ENTRIES}/{entry}/zarr.json")
+            data = self.backend.read(zarr_json(entry_path(entry)))
         except FileNotFoundError:
             raise EntryNotFound(f"entry {entry} does not exist in {self.url} (deleted, evicted or never committed)") from None
         info = parse_group(entry, data)
         self._infos[entry] = info
         return info
 
-    def scan(self) -> list["Listing"]:
+    def scan(self) -> list[Listing]:
         """Every entry in the store, whatever its state (`Listing.state`): ``ok``, ``damaged``
         (its manifest is unreadable or inconsistent), ``old-format`` / ``newer-format`` (another
         format version). Damaged and other-format entries are never loaded, but they are listed,
@@ -323,7 +322,7 @@ class Store:
         for key in self.backend.list_dir(ENTRIES):
             if not _HEX64.match(key):
                 continue
-            for name in self.backend.list_dir(f"{ENTRIES}/{key}"):
+            for name in self.backend.list_dir(key_path(key)):
                 parsed = parse_entry_name(name)
                 if not parsed:
                     continue
@@ -341,10 +340,10 @@ class Store:
                     out.append(self._broken(entry_id, "damaged", str(e)))
         return sorted(out, key=lambda e: -e.created)
 
-    def _broken(self, entry_id: str, state: str, problem: str) -> "Listing":
-        path = f"{ENTRIES}/{entry_id}"
+    def _broken(self, entry_id: str, state: str, problem: str) -> Listing:
+        path = entry_path(entry_id)
         problem = problem.removeprefix(f"entry {entry_id}: ")
-        created = self.backend.mtime(f"{path}/zarr.json") or self.backend.mtime(path) or 0.0
+        created = self.backend.mtime(zarr_json(path)) or self.backend.mtime(path) or 0.0
         return Listing(entry_id, state, None, problem, self.backend.tree_size(path), created)
 
     def list(self) -> list[EntryInfo]:
@@ -352,7 +351,7 @@ class Store:
         return [e.info for e in self.scan() if e.info is not None]
 
     # ------------------------------------------------------------------ loading
-    def check_fingerprint(self, entry: EntryInfo, layout) -> None:
+    def check_fingerprint(self, entry: EntryInfo, layout: ModelLayout) -> None:
         fp = self._fingerprint(layout)
         if entry.fingerprint_hash != fp:
             raise FingerprintMismatch(
@@ -362,7 +361,7 @@ class Store:
                 "cannot be restored: recompute"
             )
 
-    def load(self, entry: EntryInfo | str, layout, layer: str, field: str, *, start_token: int = 0,
+    def load(self, entry: EntryInfo | str, layout: ModelLayout, layer: str, field: str, *, start_token: int = 0,
              num_blocks: int | None = None) -> Packed:
         """This rank's slice of `field` of `layer`, as a host `Packed` ready for `unpack`.
 
@@ -397,9 +396,9 @@ class Store:
         payload, scales = np.empty(pn, np.uint8), np.empty(sn // 4, np.float32)
         out = codec.views(payload, scales, block)
         with self.pins.pinned(info.id):
-            by_shard: dict[tuple[int, ...], list[tuple]] = {}
+            by_shard: dict[tuple[int, ...], list[ChunkSlice]] = {}
             for item in chunk_plan(array, region):
-                by_shard.setdefault(array.shard_of(item[1]), []).append(item)
+                by_shard.setdefault(array.shard_of(item.coords), []).append(item)
             for shard, items in by_shard.items():
                 read_chunks(self.backend, info, array, shard, items, out)
             if array.kind == "paged":
@@ -413,7 +412,7 @@ class Store:
         return Packed(codec.spec, shape, lf.dtype, torch.from_numpy(payload),
                       torch.from_numpy(scales.reshape(-1, cols) if cols else np.empty((0, 0), np.float32)))
 
-    def _check_array(self, info: EntryInfo, array: ArrayLayout, layout, lf) -> None:
+    def _check_array(self, info: EntryInfo, array: ArrayLayout, layout: ModelLayout, lf: Field) -> None:
         """The entry's array agrees with the reader's layout (layers holding the field, logical
         shape, dtype, the axis tp splits), so no byte of one layer or slice lands in another."""
         ok_key = (info.id, array.field, self._fingerprint(layout), lf.shard_axis)
@@ -454,7 +453,7 @@ class Store:
         t = now()
         if t - self._touched.get(entry_id, 0.0) > 60.0:
             self._touched[entry_id] = t
-            self.backend.touch_entry(f"{ENTRIES}/{entry_id}")
+            self.backend.touch_entry(entry_path(entry_id))
 
     @contextlib.contextmanager
     def pin(self, entry: EntryInfo | str) -> Iterator[EntryInfo]:
@@ -472,14 +471,14 @@ class Store:
         key, _, name = entry_id.partition("/")
         if not _HEX64.match(key) or parse_entry_name(name) is None:
             raise EntryNotFound(f"{entry_id!r} is not an entry id ('<64 hex key>/t<tokens>-<hash>')")
-        path = f"{ENTRIES}/{entry_id}"
-        if not self.backend.exists(f"{path}/zarr.json") and not self.backend.list_dir(path):
+        path = entry_path(entry_id)
+        if not self.backend.exists(zarr_json(path)) and not self.backend.list_dir(path):
             raise EntryNotFound(f"entry {entry_id} does not exist in {self.url} (deleted, evicted or never committed)")
         self.backend.delete_tree(path)
         self._infos.pop(entry_id, None)
         self._arrays.pop(entry_id, None)
         self._touched.pop(entry_id, None)
-        self.backend.remove_empty_dir(f"{ENTRIES}/{key}")
+        self.backend.remove_empty_dir(key_path(key))
 
     def verify(self, entry: EntryInfo | str, progress: Callable[[int], None] | None = None) -> list[str]:
         """Read every shard of an entry and check it; returns the problems found (empty: ok).
@@ -493,7 +492,7 @@ class Store:
             expected = array_json(array, info.manifest.get("compressor"))
             for part in array.parts:
                 try:
-                    doc = json.loads(self.backend.read(f"{info.path}/{part.name}/zarr.json"))
+                    doc = json.loads(self.backend.read(zarr_json(f"{info.path}/{part.name}")))
                     want = json.loads(expected[part.name])
                     wrong = [k for k in _ARRAY_KEYS if doc.get(k) != want.get(k)]
                     if wrong:
@@ -572,38 +571,18 @@ class Store:
         self.close()
 
 
+class _Candidate(NamedTuple):
+    """An entry under a lookup's key, by what its name says."""
+
+    num_tokens: int
+    hash16: str  # the first 16 hex digits of its prefix hash
+    name: str
+
+
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 #: What a Zarr reader takes from an array's zarr.json (`verify` compares them with the manifest's).
 _ARRAY_KEYS = ("zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
                "fill_value", "codecs")
-
-
-@dataclass(frozen=True)
-class Listing:
-    """An entry as `Store.scan` finds it: its state, and its manifest when it is loadable."""
-
-    id: str
-    state: str  # "ok", "damaged", "old-format", "newer-format"
-    info: EntryInfo | None = None
-    problem: str | None = None
-    size: int | None = None  # bytes on disk (damaged / other-format: measured)
-    mtime: float | None = None
-
-    @property
-    def stored_bytes(self) -> int:
-        return self.info.stored_bytes if self.info is not None else int(self.size or 0)
-
-    @property
-    def created(self) -> float:
-        return self.info.created if self.info is not None else float(self.mtime or 0.0)
-
-    @property
-    def key(self) -> str:
-        return self.id.split("/", 1)[0]
-
-    @property
-    def path(self) -> str:
-        return f"{ENTRIES}/{self.id}"
 
 
 def _copy(dst: Encoded, src: Encoded, broadcast: bool = False) -> None:

@@ -23,114 +23,38 @@ the oldest (gc removes the other).
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 import functools
-import itertools
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import numpy as np
 
+from anchorkv.codec.layout import Field
+from anchorkv.codec.models import ModelLayout
 from anchorkv.codec.packed import Packed
 from anchorkv.codec.spec import canonical_json
-from anchorkv.kernels.formats import ELEMENTWISE, Quant
-from anchorkv.store.errors import FormatError, IncompleteEntry
+from anchorkv.kernels.formats import ELEMENTWISE
+from anchorkv.store.backends import Backend
+from anchorkv.store.commit import OnCommit, commit_staged
+from anchorkv.store.errors import FormatError
 from anchorkv.store.format import (
     ArrayLayout,
     Encoded,
-    array_keys,
     crc32c,
-    entry_format_version,
     crc32c_combine,
     crc32c_combine_fixed,
+    entry_format_version,
     shard_index,
     zero_chunk,
 )
-from anchorkv.store.manifest import (
-    ENTRIES,
-    EntryInfo,
-    array_json,
-    group_json,
-    numcodecs_compressor,
-    manifest_checksum,
-    now,
-    parse_group,
-)
+from anchorkv.store.manifest import EntryInfo, numcodecs_compressor
+from anchorkv.store.paths import STAGING, entry_path, part_marker, staging_path  # noqa: F401 (STAGING: re-exported)
+from anchorkv.store.plan import rank_region, shards_plan
 
-if TYPE_CHECKING:
-    from anchorkv.codec.models import ModelLayout
-    from anchorkv.store.store import Store
-
-STAGING = ".staging"
-
-
-def parts_prefix(write_id: str) -> str:
-    return f"{STAGING}/{write_id}/parts"
-
-
-def rank_region(array: ArrayLayout, layer: int, tp_size: int, tp_rank: int) -> list[slice]:
-    """The region of `array` (all axes, layer axis included) that a rank's slice covers."""
-    region = [slice(layer, layer + 1)] + [slice(0, n) for n in array.shape[1:]]
-    if array.shard_axis is not None:
-        n = array.shape[array.shard_axis] // tp_size
-        region[array.shard_axis] = slice(tp_rank * n, (tp_rank + 1) * n)
-    return region
-
-
-def chunks_in(array: ArrayLayout, region: list[slice]) -> list[tuple[int, ...]]:
-    """Chunk coordinates that intersect `region`."""
-    ranges = [range(s.start // c, -(-min(s.stop, n) // c)) for s, c, n in zip(region, array.chunks, array.shape)]
-    return list(itertools.product(*ranges))
-
-
-@functools.lru_cache(maxsize=8192)
-def _plan(array: ArrayLayout, bounds: tuple[tuple[int, int], ...]) -> tuple:
-    out = []
-    region = [slice(a, b) for a, b in bounds]
-    for coords in chunks_in(array, region):
-        into_chunk, into_region = overlap(chunk_region(array, coords), region)
-        whole = all(s.stop - s.start == c for s, c in zip(into_chunk, array.chunks))
-        out.append((array.chunk_key(coords), coords, into_chunk, into_region, whole))
-    return tuple(out)
-
-
-def chunk_plan(array: ArrayLayout, region: list[slice]) -> tuple:
-    """For each chunk that intersects `region`: (key, coords, slices into the chunk, slices
-    into the region's block, whether the chunk is covered whole); cached per array and region."""
-    return _plan(array, tuple((s.start, s.stop) for s in region))
-
-
-@functools.lru_cache(maxsize=4096)
-def _shards_plan(array: ArrayLayout, bounds: tuple[tuple[int, int], ...]) -> tuple:
-    """The shards a rank's region fills: (shard coordinates, chunks per shard, slots), each slot a
-    `chunk_plan` row plus the chunk's local coordinates in the shard and, for an edge chunk
-    whose covered part is its first rows along axis 1, that row count (else None); in zarr's
-    order, empty slots past the array's end left out. Cached per array and region."""
-    rows = {item[1]: item for item in _plan(array, bounds)}
-    k = array.chunks_per_shard
-    out = []
-    for shard in sorted({array.shard_of(c) for c in rows}):
-        slots = []
-        for coords in array.shard_chunks(shard):
-            item = rows.get(coords)
-            if item is None:
-                if array.in_bounds(coords):
-                    raise FormatError(
-                        f"field {array.field!r}: shard {array.shard_key(shard)} would miss chunk "
-                        f"{array.chunk_key(coords)}; a rank writes whole shards of its slice"
-                    )
-                continue  # past the array's end: an empty slot, as zarr leaves it
-            into_chunk = item[2]
-            lead = None
-            if not item[4] and len(into_chunk) > 2 and into_chunk[1].start == 0 and all(
-                    s.start == 0 and s.stop == c for i, (s, c) in enumerate(zip(into_chunk, array.chunks)) if i != 1):
-                lead = into_chunk[1].stop
-            slots.append((*item, tuple(c % n for c, n in zip(coords, k)), lead))
-        out.append((shard, k, tuple(slots)))
-    return tuple(out)
-
-
-def shards_plan(array: ArrayLayout, region: list[slice]) -> tuple:
-    return _shards_plan(array, tuple((s.start, s.stop) for s in region))
+#: Runs `fn(*args)` on a thread of the store's and returns its future (`Store.begin_entry`
+#: passes its chunk threads): the writer computes checksums there while it writes a shard.
+ChunkSubmit = Callable[..., Future]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -152,39 +76,27 @@ def _checksums(placed: list, index: bytes, combine) -> tuple[dict[str, list[int]
     return sums, combine(whole, crc32c(index), len(index))
 
 
-def chunk_region(array: ArrayLayout, coords: tuple[int, ...]) -> list[slice]:
-    return [slice(i * c, (i + 1) * c) for i, c in zip(coords, array.chunks)]
-
-
-def overlap(a: list[slice], b: list[slice]) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
-    """(slices into a's block, slices into b's block) of a ∩ b, or None if empty."""
-    ia, ib = [], []
-    for x, y in zip(a, b):
-        lo, hi = max(x.start, y.start), min(x.stop, y.stop)
-        if lo >= hi:
-            return None
-        ia.append(slice(lo - x.start, hi - x.start))
-        ib.append(slice(lo - y.start, hi - y.start))
-    return tuple(ia), tuple(ib)
-
-
 class EntryWriter:
     """One rank's writer of one entry (see the module docstring for the protocol)."""
 
-    def __init__(self, store: "Store", layout: "ModelLayout", header: dict[str, Any],
-                 arrays: dict[str, ArrayLayout]) -> None:
-        self.store = store
+    def __init__(self, backend: Backend, layout: ModelLayout, header: dict[str, Any],
+                 arrays: dict[str, ArrayLayout], *, chunk_submit: ChunkSubmit, on_commit: OnCommit) -> None:
+        """`chunk_submit`: where checksums are computed while a shard is written; `on_commit`:
+        called with the entry once `commit` publishes it (see `anchorkv.store.commit`)."""
+        self.backend = backend
         self.layout = layout
         # the lowest version that represents these arrays: 3 for built-in formats, byte for
         # byte as before; 4 when a codec plug-in encodes a field
         self.header = {**header, "format_version": entry_format_version(arrays)}
         self.arrays = arrays
         self.write_id: str = self.header["write_id"]
-        self.final = f"{ENTRIES}/{header['key']}/{header['name']}"
-        self.data = store.backend.data_prefix(self.final, self.write_id)
+        self.final = entry_path(f"{header['key']}/{header['name']}")
+        self.data = backend.data_prefix(self.final, self.write_id)
         self.checksums: dict[str, list[int]] = {}  # inner chunk -> [crc32c, nbytes, offset]
         self.shards: dict[str, list[int]] = {}  # shard file -> [crc32c, nbytes]
         self._compressor = numcodecs_compressor(header["compressor"])
+        self._chunk_submit = chunk_submit
+        self._on_commit = on_commit
 
     @property
     def tp_size(self) -> int:
@@ -216,20 +128,21 @@ class EntryWriter:
             region[1] = slice(0, min(enc.payload.shape[1], array.shape[1]))
         total = 0
         parts = array.parts
-        for shard, k, slots in shards_plan(array, region):
+        for plan in shards_plan(array, region):
             per_part: list[list] = [[] for _ in parts]
-            for key, coords, into_chunk, into_rank, whole, local, lead in slots:
-                part = enc.region(into_rank)
-                if whole:
+            for slot in plan.slots:
+                chunk = slot.chunk
+                part = enc.region(chunk.into_region)
+                if chunk.whole:
                     bufs = part.buffers()
-                elif lead is not None:
-                    bufs = self._row_padded(array, part, lead)
+                elif slot.lead is not None:
+                    bufs = self._row_padded(array, part, slot.lead)
                 else:
-                    bufs = self._padded(array, part, into_chunk).buffers()
+                    bufs = self._padded(array, part, chunk.into_chunk).buffers()
                 for p, chunks, b in zip(parts, per_part, bufs):
-                    chunks.append((p.chunk_key(coords), p.local(local), b))
+                    chunks.append((p.chunk_key(chunk.coords), p.local(slot.local), b))
             for p, chunks in zip(parts, per_part):
-                total += self._put_shard(p.shard_key(shard), p.chunks_per_shard(k), chunks)
+                total += self._put_shard(p.shard_key(plan.shard), p.chunks_per_shard(plan.chunks_per_shard), chunks)
         return total
 
     def _array(self, field: str) -> ArrayLayout:
@@ -238,7 +151,7 @@ class EntryWriter:
         except KeyError:
             raise KeyError(f"entry {self.final} has no field {field!r}; it has {sorted(self.arrays)}") from None
 
-    def _check_packed(self, array: ArrayLayout, lf, packed: Packed, where: str) -> None:
+    def _check_packed(self, array: ArrayLayout, lf: Field, packed: Packed, where: str) -> None:
         if array.kind == "state":
             expected = (1, *lf.shape)
             ok = tuple(packed.shape) == expected
@@ -321,9 +234,9 @@ class EntryWriter:
         index = _index(k, tuple(slots))
         buffers.append(memoryview(index))
         combine = crc32c_combine if comp is not None else crc32c_combine_fixed
-        pending = self.store._chunk_submit(_checksums, placed, index, combine)
+        pending = self._chunk_submit(_checksums, placed, index, combine)
         try:
-            self.store.backend.write(f"{self.data}/{skey}", buffers)
+            self.backend.write(f"{self.data}/{skey}", buffers)
         finally:
             sums, whole = pending.result()
         self.checksums.update(sums)
@@ -335,80 +248,20 @@ class EntryWriter:
         """Publish this rank's part marker (atomically): its chunks are written."""
         marker = {"header": self.header, "tp_rank": self.tp_rank, "chunks": self.checksums,
                   "shards": self.shards}
-        path = f"{parts_prefix(self.write_id)}/rank-{self.tp_rank:03d}-of-{self.tp_size:03d}.json"
-        self.store.backend.write(path, [json.dumps(marker).encode()], atomic=True)
+        path = part_marker(self.write_id, self.tp_rank, self.tp_size)
+        self.backend.write(path, [json.dumps(marker).encode()], atomic=True)
 
     def commit(self) -> EntryInfo:
         """Publish the entry once every rank finished (this rank's part is finished here).
 
         Raises `IncompleteEntry` naming the missing ranks or chunks; call it again later.
         """
-        if not self.store.backend.exists(
-            f"{parts_prefix(self.write_id)}/rank-{self.tp_rank:03d}-of-{self.tp_size:03d}.json"
-        ):
+        if not self.backend.exists(part_marker(self.write_id, self.tp_rank, self.tp_size)):
             self.finish_rank()
-        return commit_staged(self.store, self.write_id)
+        return commit_staged(self.backend, self.write_id, self._on_commit)
 
     def abort(self) -> None:
         """Drop everything this write staged (all ranks' parts)."""
-        self.store.backend.delete_tree(f"{STAGING}/{self.write_id}")
-        if not self.store.backend.atomic_publish:
-            self.store.backend.delete_tree(self.data)
-
-
-def commit_staged(store: "Store", write_id: str) -> EntryInfo:
-    """Commit the write `write_id` from its part markers alone (any process may call it)."""
-    backend = store.backend
-    prefix = parts_prefix(write_id)
-    parts = [json.loads(backend.read(f"{prefix}/{n}")) for n in backend.list_dir(prefix) if n.endswith(".json")]
-    if not parts:
-        raise IncompleteEntry(f"write {write_id}: no rank has finished its part (nothing under {prefix})")
-    header = parts[0]["header"]
-    final = f"{ENTRIES}/{header['key']}/{header['name']}"
-    tp = header["tp_size"]
-    ranks = {p["tp_rank"] for p in parts if p["header"]["tp_size"] == tp}
-    for p in parts:
-        h = p["header"]
-        if {k: v for k, v in h.items() if k not in ("created", "layout_fingerprint")} != {
-            k: v for k, v in header.items() if k not in ("created", "layout_fingerprint")}:
-            raise IncompleteEntry(f"entry {final}: rank {p['tp_rank']}'s part was begun with different arguments")
-    missing = sorted(set(range(tp)) - ranks)
-    if missing:
-        raise IncompleteEntry(f"entry {final}: ranks {missing} of {tp} have not finished their parts")
-    checksums: dict[str, list[int]] = {}
-    shards: dict[str, list[int]] = {}
-    for p in parts:
-        checksums.update(p["chunks"])
-        shards.update(p.get("shards", {}))
-    from anchorkv.store.manifest import arrays_from_manifest
-
-    arrays = arrays_from_manifest(header)
-    logical = 0
-    for a in arrays.values():
-        shard_keys, chunk_keys = array_keys(a)
-        absent = [k for k in shard_keys if k not in shards] + [k for k in chunk_keys if k not in checksums]
-        if absent:
-            raise IncompleteEntry(
-                f"entry {final}: {len(absent)} shards / chunks of field {a.field!r} were never written "
-                f"(e.g. {absent[0]}); every rank must write every layer of its slice"
-            )
-        logical += int(np.prod(a.shape)) * a.codec._itemsize
-    manifest = {**header, "created": now(), "checksums": dict(sorted(checksums.items())),
-                "shards": dict(sorted(shards.items())),
-                "stored_bytes": sum(v[1] for v in shards.values()), "logical_bytes": logical}
-    manifest["checksum"] = manifest_checksum(manifest)
-    data = backend.data_prefix(final, write_id)
-    for a in arrays.values():
-        for name, doc in array_json(a, header["compressor"]).items():
-            backend.write(f"{data}/{name}/zarr.json", [doc])
-    store._ensure_groups(header["key"])
-    backend.write(f"{data}/zarr.json", [group_json({"anchorkv": manifest})], atomic=True)
-    entry_id = final.split("/", 1)[1] if backend.atomic_publish else data.split("/", 1)[1]
-    if backend.publish(data, final):
-        info = EntryInfo(entry_id, manifest)
-    else:  # another write of the same entry won the rename: keep that one
-        backend.delete_tree(data)
-        info = parse_group(entry_id, backend.read(f"{final}/zarr.json"))
-    backend.delete_tree(f"{STAGING}/{write_id}")
-    store._after_commit(info)
-    return info
+        self.backend.delete_tree(staging_path(self.write_id))
+        if not self.backend.atomic_publish:
+            self.backend.delete_tree(self.data)

@@ -1,0 +1,83 @@
+"""What every chunk codec shares (`ChunkGeometry`: a block's byte sizes and views) and a block's
+encoded bytes as arrays (`Encoded`); `anchorkv.store.format` (built-in formats) and
+`anchorkv.store.plugin_format` (codec plug-ins) build on it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+import math
+
+import numpy as np
+import torch
+
+from anchorkv.codec.packed import dtype_from_name
+from anchorkv.store.errors import FormatError
+
+#: The cache dtypes a field may have to be stored.
+SOURCE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+class ChunkGeometry:
+    """What built-in and plug-in chunk codecs share: a block's byte sizes and its views, from
+    `row_bytes`, `groups` and `columns`."""
+
+    source_dtype: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.source_dtype)
+
+    @cached_property
+    def _itemsize(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    def nbytes(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """(payload bytes, scale bytes) of a block of `shape`."""
+        outer = math.prod(shape[:-1])
+        return outer * self.row_bytes(shape[-1]), outer * self.groups(shape[-1]) * self.columns * 4
+
+    def views(self, payload: np.ndarray, scales: np.ndarray, shape: tuple[int, ...]) -> "Encoded":
+        """`payload`/`scales` of a block of `shape` as arrays indexable by its axes."""
+        pn, sn = self.nbytes(shape)
+        if payload.size != pn or scales.size * 4 != sn:
+            raise FormatError(f"a {list(shape)} block of {self.spec} {self.source_dtype} is {pn} payload bytes "
+                              f"and {sn // 4} scales, found {payload.size} and {scales.size}")
+        p = payload.reshape(*shape[:-1], self.row_bytes(shape[-1]))
+        s = scales.reshape(*shape[:-1], self.groups(shape[-1]), self.columns) if self.columns else np.empty((*shape[:-1], 0, 0), np.float32)
+        return Encoded(self, p, s)
+
+    def split(self, data: bytes | bytearray | memoryview | np.ndarray, shape: tuple[int, ...]) -> "Encoded":
+        """The payload and scales of one encoded chunk (views, no copy)."""
+        buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.view(np.uint8).reshape(-1)
+        pn, sn = self.nbytes(shape)
+        if buf.size != pn + sn:
+            raise ValueError(f"a {list(shape)} chunk of {self.spec} {self.source_dtype} is {pn + sn} bytes, found {buf.size}")
+        scales = buf[pn:].view(np.float32) if sn else np.empty(0, np.float32)
+        return self.views(buf[:pn], scales, shape)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A block's payload `[*outer, row_bytes]` and scales `[*outer, groups, C]` (numpy views).
+
+    Slicing a region of the logical block is slicing both arrays: along the last axis by
+    `row_bytes` / `groups` of the start and stop (they are multiples of the group size).
+    """
+
+    codec: ChunkGeometry  # a `ChunkCodec` or a `PluginChunkCodec`
+    payload: np.ndarray
+    scales: np.ndarray
+
+    def region(self, sl: tuple[slice, ...]) -> "Encoded":
+        *outer, last = sl
+        c = self.codec
+        pl = slice(c.row_bytes(last.start), c.row_bytes(last.stop))
+        gl = slice(c.groups(last.start), c.groups(last.stop))
+        return Encoded(c, self.payload[(*outer, pl)], self.scales[(*outer, gl)])
+
+    def buffers(self) -> tuple[list[memoryview], list[memoryview]]:
+        """The chunk bytes as ([payload], [scales]) buffers (one list per `Part`), copied only
+        where not contiguous; no scales buffer for raw."""
+        scales = [memoryview(np.ascontiguousarray(self.scales)).cast("B")] if self.scales.size else []
+        return [memoryview(np.ascontiguousarray(self.payload)).cast("B")], scales
