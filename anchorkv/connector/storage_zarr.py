@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import threading
 from typing import Mapping
 
 import numpy as np
@@ -40,17 +39,6 @@ from anchorkv.store.manifest import EntryInfo
 from anchorkv.store.store import Store
 
 log = logging.getLogger("anchorkv.connector")
-
-_COMMIT_LOCKS: dict[str, threading.Lock] = {}
-_COMMIT_LOCKS_GUARD = threading.Lock()
-
-
-def _commit_lock(url: str) -> threading.Lock:
-    """One lock per store and process: simulated ranks in one process never race a commit
-    (ranks in separate processes may; the store's publish keeps exactly one entry)."""
-    with _COMMIT_LOCKS_GUARD:
-        return _COMMIT_LOCKS.setdefault(url, threading.Lock())
-
 
 def store_layout(model: ModelLayout, tp_size: int, tp_rank: int) -> ModelLayout:
     """The layout the store is given for rank `tp_rank` of `tp_size`: every field dense at its
@@ -250,18 +238,20 @@ class ZarrEntryStore:
         return info if info is not None and info.num_tokens == spec.num_tokens else None
 
     def _try_commit(self, spec: SaveSpec, wid: str) -> EntryInfo | None:
-        with _commit_lock(self.store.url):
-            try:
-                info = self.store.commit_staged(wid)
-            except IncompleteEntry as e:
-                log.debug("anchorkv: request %s: not committed yet (%s); the last rank commits", spec.req_id, e)
-                return None
-            except Exception as e:
-                info = self._committed(spec)  # another process's commit of this write may have won
-                if info is None:
-                    raise
-                log.debug("anchorkv: request %s: committed by another rank (%s)", spec.req_id, e)
-                return info
+        """Commit the write if every rank finished its part. Ranks that finish together may
+        all commit it at once (in separate processes, or threads of one): the store's publish
+        keeps exactly one entry, and a rank whose commit lost the race finds the winner's."""
+        try:
+            info = self.store.commit_staged(wid)
+        except IncompleteEntry as e:
+            log.debug("anchorkv: request %s: not committed yet (%s); the last rank commits", spec.req_id, e)
+            return None
+        except Exception as e:
+            info = self._committed(spec)  # another rank's commit of this write may have won
+            if info is None:
+                raise
+            log.debug("anchorkv: request %s: committed by another rank (%s)", spec.req_id, e)
+            return info
         log.debug("anchorkv: committed entry %s (%d tokens)", info.id, info.num_tokens)
         return info
 

@@ -3,6 +3,8 @@ fingerprints, codec resolution at start-up."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -131,6 +133,44 @@ def test_ranks_commit_when_all_finished_and_restore_at_any_tp(tmp_path):
     rows = es.load(ref.entry_id, "p1", "latent", tp_size=4, tp_rank=3, rows=(40, 120))
     assert rows.shape == (80, 32)
     assert torch.equal(rows.payload, vals[0][("p1", "latent")][40:120].contiguous().view(torch.uint8).reshape(-1))
+
+
+def test_ranks_in_threads_of_one_process_commit_at_once(tmp_path):
+    """Ranks simulated in one process (one `ZarrEntryStore` and one save thread each, as the
+    test engine runs them) finish together and all try to commit: the store keeps exactly one
+    entry per save, whole, with nothing left in staging. No lock in the connector serializes
+    them, as none does between ranks in separate processes."""
+    tp, n = 4, 120
+    stores = [ZarrEntryStore(raw_config(tmp_path), tiny(tp, r)) for r in range(tp)]
+    vals = {}
+    for req in range(6):
+        spec = SaveSpec(f"req-{req}", f"a{req}", tuple(TOKENS[:n]), n, ())
+        parts = {r: parts_of(tiny(tp, r), TOKENS, n, seed=req) for r in range(tp)}
+        vals[req] = parts
+        start, errors = threading.Barrier(tp), []
+
+        def rank(r, spec=spec, parts=parts, start=start, errors=errors):
+            start.wait()
+            try:
+                stores[r].save_part(spec, packed(parts[r]), tp_size=tp, tp_rank=r)
+            except BaseException as e:  # noqa: BLE001 (reported below)
+                errors.append(e)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(tp)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+    store = stores[0].store
+    assert sorted(e.anchor for e in store.list()) == [f"a{req}" for req in range(6)]
+    assert store.backend.list_dir(".staging") == []
+    for req in range(6):
+        ref = stores[0].lookup(anchor=f"a{req}", token_ids=TOKENS, max_tokens=399, multiple_of=1, mode="exact")
+        assert store.verify(ref.entry_id) == []
+        got = stores[0].load(ref.entry_id, "s2", "recurrent", tp_size=1, tp_rank=0, rows=None)
+        full = torch.cat([vals[req][q][("s2", "recurrent")] for q in range(tp)], dim=1)
+        assert torch.equal(got.payload, full.contiguous().view(torch.uint8).reshape(-1))
 
 
 def test_load_errors_propagate(tmp_path):
