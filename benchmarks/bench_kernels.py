@@ -70,6 +70,10 @@ class Request:
         g = torch.Generator().manual_seed(tp)
         self.regions = []
         self.items: list[PackItem] = []
+        # one ids object per KV-cache group, shared by its layers' items (as the connector
+        # passes them; the launchers check a shared object once)
+        state_ids = (0,)
+        mla_ids = tuple(range(1 + MLA_BLOCKS, 0, -1))[:MLA_BLOCKS]
         for i, layer in enumerate(kda):
             buf = torch.empty(blocks * page, dtype=torch.uint8, device=DEVICE)
             for f in layer.page.fields:
@@ -78,15 +82,14 @@ class Request:
             self.regions.append(buf)
             for f in layer.page.fields:
                 fmt, group = CODECS[f.name]
-                self.items.append(PackItem(buf, f.geometry(page), [0], blocks, fmt, group))
+                self.items.append(PackItem(buf, f.geometry(page), state_ids, blocks, fmt, group))
         for i, layer in enumerate(mla):
             buf = self.regions[i]  # the MLA layer shares the bytes of a KDA layer's region
             f = layer.page.fields[0]
             view = field_view(buf, f.geometry(page), blocks)[1 : 1 + MLA_BLOCKS]
             view.copy_(torch.randn(view.shape, generator=g).to(f.dtype))
             fmt, group = CODECS[f.name]
-            ids = list(range(1 + MLA_BLOCKS, 0, -1))[:MLA_BLOCKS]
-            self.items.append(PackItem(buf, f.geometry(page), ids, blocks, fmt, group))
+            self.items.append(PackItem(buf, f.geometry(page), mla_ids, blocks, fmt, group))
         self.source_bytes = sum(
             len(it.block_ids) * it.field.numel * it.field.itemsize for it in self.items
         )

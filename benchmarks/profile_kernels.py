@@ -66,6 +66,8 @@ def main(argv=None) -> int:
         for k, (cnt, us) in sorted(kern.items(), key=lambda kv: -kv[1][1]):
             print(f"   {cnt/args.iters:5.1f}x {us/args.iters:9.1f} us  {k}")
         if name != "copy":
+            _per_launch(name, req, prof, args.iters)
+        if name != "copy":
             pr = cProfile.Profile()
             pr.enable()
             for _ in range(args.iters):
@@ -76,6 +78,35 @@ def main(argv=None) -> int:
             pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
             print("\n".join(s.getvalue().splitlines()[:50]))
     return 0
+
+
+def _per_launch(name, req, prof, iters) -> None:
+    """Each launch of one call: its items, bytes moved (source + packed) and kernel time, from
+    the cached plan of the request's item list (`triton_pack._plans`) and the profiler's kernel
+    events in launch order."""
+    from anchorkv.kernels import triton_pack, triton_unpack
+
+    plans = triton_pack._plans if name == "pack" else triton_unpack._plans
+    if not plans:
+        return
+    plan = next(reversed(plans.values()))
+    launches = [l for l in (plan.launches if name == "pack" else plan) if l.runs]
+    kernel = "_pack_kernel" if name == "pack" else "_unpack_kernel"
+    events = sorted((ev for ev in prof.events()
+                     if ev.device_type == torch.autograd.DeviceType.CUDA and kernel in ev.name),
+                    key=lambda ev: ev.time_range.start)
+    if len(events) != iters * len(launches):
+        print(f"   per launch: {len(events)} kernel events for {iters} x {len(launches)} launches")
+        return
+    for j, launch in enumerate(launches):
+        us = sorted(ev.time_range.elapsed_us() for ev in events[j :: len(launches)])[iters // 2]
+        geom, count = launch.geom, len(launch.members)
+        source = count * launch.n * geom.numel * geom.itemsize
+        packed = count * launch.n * geom.payload_per_block + count * launch.n * geom.groups * geom.columns * 4
+        print(f"   launch {j}: {count} items x {launch.n} blocks {geom.fmt.value} {geom.dtype} "
+              f"g={geom.g} grid={launch.grid} warps={launch.common['num_warps']} "
+              f"BLOCK_R={launch.common['BLOCK_R']}: {us:.1f} us, "
+              f"{(source + packed) / us / 1e3:.0f} GB/s (source {source / 1e6:.1f} MB)")
 
 
 if __name__ == "__main__":

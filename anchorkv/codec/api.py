@@ -89,10 +89,13 @@ def pack_many(requests: Sequence[tuple[CacheView, str, object, CodecSpec | str]]
             out[i] = pack(view, field, block_ids, spec)
             continue
         f = view.page.field(field)
-        ids = torch.as_tensor(block_ids, dtype=torch.int64)  # host ids: no device sync
+        # host ids as they came (a list or tuple is checked by the kernels without a torch op;
+        # one ids object shared by many fields is checked once): no device sync
+        ids = block_ids if isinstance(block_ids, (list, tuple)) else torch.as_tensor(
+            block_ids, dtype=torch.int64)
         items.append(kernels.PackItem(view.region.buffer, f.geometry(view.region.block_stride), ids,
                                       view.region.num_blocks, impl.fmt, spec.group))
-        where.append((i, spec, (ids.numel(), *f.shape), f.dtype))
+        where.append((i, spec, (len(ids), *f.shape), f.dtype))
     for (i, spec, shape, dtype), (payload, scales) in zip(where, kernels.pack_many(items)):
         out[i] = Packed(spec, shape, dtype, payload, scales)
     return out  # type: ignore[return-value]

@@ -88,7 +88,7 @@ class WorkerSide:
                 if view is None:
                     continue  # vLLM's padding layers hold nothing
                 for f in view.page.fields:
-                    yield name, f.name, list(blocks[g.index]), g.kind
+                    yield name, f.name, blocks[g.index], g.kind  # one tuple per group
 
     # -------------------------------------------------------------------- saves
 
@@ -138,13 +138,15 @@ class WorkerSide:
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             packed = pack_many([(self.views[layer], fname, ids, self.config.codec_for(fname))
                                 for layer, fname, ids, kind in parts])
-            out: dict[PartKey, Packed] = {}
+            trimmed = []
             for (layer, fname, ids, kind), p in zip(parts, packed):
                 if kind is GroupKind.PAGED:
                     p = p.reshape(p.shape[0] * p.shape[1], *p.shape[2:]).narrow(0, spec.num_tokens)
-                if stream is not None:
-                    p = _to_pinned_host(p)
-                out[(layer, fname)] = p
+                trimmed.append(p)
+            if stream is not None:
+                trimmed = _to_pinned_host(trimmed)
+            out: dict[PartKey, Packed] = {(layer, fname): p
+                                          for (layer, fname, _, _), p in zip(parts, trimmed)}
             ready = None
             if stream is not None:
                 ready = torch.cuda.Event()
@@ -340,13 +342,52 @@ class WorkerSide:
         self._load_pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _to_pinned_host(p: Packed) -> Packed:
-    """An asynchronous copy of `p` into pinned host memory (on the current stream)."""
-    payload = torch.empty(p.payload.shape, dtype=p.payload.dtype, pin_memory=True)
-    scales = torch.empty(p.scales.shape, dtype=p.scales.dtype, pin_memory=True)
-    payload.copy_(p.payload, non_blocking=True)
-    scales.copy_(p.scales, non_blocking=True)
-    return Packed(p.codec, p.shape, p.dtype, payload, scales)
+def _to_pinned_host(parts: list[Packed]) -> list[Packed]:
+    """Asynchronous copies of every part into pinned host memory (on the current stream): one
+    copy per device allocation the parts share (the kernels put all payloads of a call in one
+    allocation and all scales in another), not two per part."""
+    host = _pinned_copies([t for p in parts for t in (p.payload, p.scales)])
+    return [Packed(p.codec, p.shape, p.dtype, host[2 * i], host[2 * i + 1])
+            for i, p in enumerate(parts)]
+
+
+def _pinned_copies(tensors: list[torch.Tensor], *, pin: bool = True) -> list[torch.Tensor]:
+    """Pinned host copies of device tensors, made asynchronously: one `non_blocking` copy of
+    the byte span each storage's contiguous tensors cover (a span with more than a quarter of
+    bytes nobody asked for is copied tensor by tensor instead). `pin=False` (tests on a machine
+    without CUDA) makes ordinary host memory."""
+    spans: dict[int, list] = {}  # storage address -> [first byte, end byte, wanted bytes, storage]
+    for t in tensors:
+        if t.numel() and t.is_contiguous():
+            storage = t.untyped_storage()
+            lo = t.storage_offset() * t.element_size()
+            span = spans.setdefault(storage.data_ptr(), [lo, lo, 0, storage])
+            span[0], span[1] = min(span[0], lo), max(span[1], lo + t.nbytes)
+            span[2] += t.nbytes
+    copied: dict[int, tuple[int, torch.Tensor]] = {}
+    for address, (lo, hi, wanted, storage) in spans.items():
+        lo -= lo % 16  # element offsets inside the copy keep their alignment
+        if 4 * (hi - lo) > 5 * wanted:
+            continue
+        src = torch.empty(0, dtype=torch.uint8, device=storage.device)
+        src.set_(storage, lo, (hi - lo,), (1,))
+        dst = torch.empty(hi - lo, dtype=torch.uint8, pin_memory=pin)
+        dst.copy_(src, non_blocking=True)
+        copied[address] = (lo, dst)
+    out = []
+    for t in tensors:
+        hit = copied.get(t.untyped_storage().data_ptr()) if t.numel() and t.is_contiguous() else None
+        if hit is None:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and t.numel() > 0)
+            if t.numel():
+                host.copy_(t, non_blocking=True)
+        else:
+            lo, dst = hit
+            byte = t.storage_offset() * t.element_size() - lo
+            host = torch.empty(0, dtype=t.dtype)
+            host.set_(dst.untyped_storage(), byte // t.element_size(), t.shape, t.stride())
+        out.append(host)
+    return out
 
 
 def _leading_rows(view: CacheView, fname: str, rows: int) -> CacheView:

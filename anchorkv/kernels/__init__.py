@@ -63,8 +63,11 @@ def unpack(
 def _split_by_backend(items) -> tuple[list[int], list[int]]:
     """Indices of the items the Triton kernels take, and of those the reference takes."""
     triton_idx, reference_idx = [], []
+    backends: dict[torch.device, str] = {}  # one lookup per device, not per item
     for i, item in enumerate(items):
-        (triton_idx if backend_for(item.buffer.device) == "triton" else reference_idx).append(i)
+        device = item.buffer.device
+        backend = backends.get(device) or backends.setdefault(device, backend_for(device))
+        (triton_idx if backend == "triton" else reference_idx).append(i)
     return triton_idx, reference_idx
 
 

@@ -216,6 +216,20 @@ def check_ids(block_ids, num_blocks: int, *, distinct: bool = False) -> tuple[in
     return ids
 
 
+def check_all_ids(items, *, distinct: bool = False) -> list[tuple[int, ...]]:
+    """`check_ids` of every item's block ids; items that share one ids object (a connector
+    passes one tuple for all the layers of a KV-cache group) are checked once."""
+    seen: dict[tuple[int, int], tuple[int, ...]] = {}
+    out = []
+    for it in items:
+        key = (id(it.block_ids), it.num_blocks)  # the objects live for the whole call
+        ids = seen.get(key)
+        if ids is None:
+            ids = seen[key] = check_ids(it.block_ids, it.num_blocks, distinct=distinct)
+        out.append(ids)
+    return out
+
+
 def byte_address(t: torch.Tensor) -> int:
     """Address of the first byte of `t` (its storage start plus its storage offset)."""
     return t.data_ptr()
@@ -254,11 +268,11 @@ def field_origin(buffer: torch.Tensor, field: StridedField) -> int:
 
 def signature(device: torch.device, field: StridedField, ids: Sequence[int], fmt, group) -> tuple:
     """Items with equal signatures share one launch."""
-    return (device, field.dtype, field.shape, field.strides, _QUANT[fmt], group, len(ids))
+    return (device, field.dtype, field.shape, field.strides, QUANT[fmt], group, len(ids))
 
 
 #: `Quant(fmt)` as a dict lookup (an Enum call costs more than the rest of a signature).
-_QUANT = {**{q: q for q in Quant}, **{q.value: q for q in Quant}}
+QUANT = {**{q: q for q in Quant}, **{q.value: q for q in Quant}}
 
 
 def group_items(keys: Sequence[tuple]) -> list[list[int]]:

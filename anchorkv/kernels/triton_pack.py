@@ -5,12 +5,14 @@ last axis, G the group size. The output is byte-identical to `anchorkv.kernels.r
 (its module docstring states the rules) on a GPU and in the Triton interpreter.
 
 Ladder: `_pack_kernel` (one program = BLOCK_R groups of one block of one item) ->
-`_launch` (validates one batch of same-signature items, allocates, launches) -> `pack` and
-`pack_many` (the public functions).
+`_Launch` (one batch of same-signature items: its static table columns and launch
+configuration) -> `_Plan` (all launches of one item list, cached; per call: allocate, stage
+the tables, launch) -> `pack` and `pack_many` (the public functions).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 import functools
 from typing import Sequence
 
@@ -207,56 +209,126 @@ def launch_config(geom: B.Geometry, count: int, n: int) -> tuple[tuple[int, int]
     )
 
 
-def _plan(items: Sequence[B.PackItem], ids: list[tuple[int, ...]]):
-    """Outputs, item-table rows and the launch of one batch of same-signature items.
+class _Launch:
+    """One launch of a plan: items `members` (same signature), their static table columns
+    (field origin and block stride, in elements of `src`) and where their outputs go in the
+    call's payload and scales allocations."""
 
-    Returns (outputs, rows, go): `go(table)` launches once `rows` are on the device (None when
-    there is nothing to move).
-    """
-    first = items[0]
-    geom = B.geometry(first.field, first.fmt, first.group)
-    device = first.buffer.device
-    n = len(ids[0])
-    count = len(items)
-    per_payload = n * geom.payload_per_block
-    per_groups = n * geom.groups
-    payload = torch.empty(count * per_payload, dtype=torch.uint8, device=device)
-    payloads = payload.split(per_payload) if per_payload else [payload] * count
-    if geom.columns:
-        scales = torch.empty(count * per_groups, geom.columns, dtype=torch.float32, device=device)
-        outputs = list(zip(payloads, scales.split(per_groups) if per_groups else [scales] * count))
+    __slots__ = ("members", "static", "geom", "n", "src", "align", "grid", "common", "pay_at",
+                 "per_payload", "sc_at", "per_groups", "runs")
+
+    def __init__(self, items: Sequence[B.PackItem], members: list[int], n: int, pay_at: int,
+                 sc_at: int) -> None:
+        first = items[members[0]]
+        geom = B.geometry(first.field, first.fmt, first.group)
+        self.members, self.geom, self.n = members, geom, n
+        self.pay_at, self.per_payload = pay_at, n * geom.payload_per_block
+        self.sc_at, self.per_groups = sc_at, n * geom.groups
+        self.runs = n > 0 and geom.numel > 0
+        self.static: list[tuple[int, int]] = []
+        self.src = self.grid = self.common = None
+        self.align = 1
+        if not self.runs:
+            return
+        itemsize = geom.itemsize
+        self.src = src = B.anchor(first.buffer, B.INT_OF_SIZE[itemsize])
+        offsets = B.row_offsets(geom)
+        for m in members:
+            item = items[m]
+            origin = B.element_offset(B.field_origin(item.buffer, item.field), src, "field")
+            stride = item.field.block_stride // itemsize
+            self.static.append((origin, stride))
+            offsets += (origin, stride)
+        if geom.td == 1:
+            self.align = B.alignment(geom, src.data_ptr(), offsets, itemsize)
+        self.grid, common = launch_config(geom, len(members), n)
+        self.common = dict(common, TAB_W=2 + n, SRC=B.FLOAT_KIND.get(geom.dtype, 0),
+                           ALIGN=self.align)
+
+    @property
+    def payload_bytes(self) -> int:
+        return len(self.members) * self.per_payload
+
+    @property
+    def scale_values(self) -> int:
+        return len(self.members) * self.per_groups * self.geom.columns
+
+
+class _Plan:
+    """Everything about packing one list of items that does not depend on the block ids: the
+    launches (items grouped by signature), their static table columns, alignment claims, launch
+    configurations and output offsets. Built once per distinct item list (`_plan_for`); a call
+    then only checks the ids, allocates the outputs, stages the tables and launches."""
+
+    def __init__(self, items: Sequence[B.PackItem], ids: list[tuple[int, ...]]) -> None:
+        self.device = items[0].buffer.device
+        self.count = len(items)
+        keys = [B.signature(it.buffer.device, it.field, i, it.fmt, it.group)
+                for it, i in zip(items, ids)]
+        self.launches: list[_Launch] = []
+        pay, sc = 0, 0
+        for members in B.group_items(keys):
+            launch = _Launch(items, members, len(ids[members[0]]), pay, sc)
+            self.launches.append(launch)
+            # every launch's outputs start 16-byte aligned (wide stores, any payload dtype view)
+            pay += -(-launch.payload_bytes // B.VECTOR_BYTES) * B.VECTOR_BYTES
+            sc += -(-launch.scale_values // 4) * 4
+        self.payload_bytes, self.scale_values = pay, sc
+
+    def run(self, ids: list[tuple[int, ...]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        payload = torch.empty(self.payload_bytes, dtype=torch.uint8, device=self.device)
+        scales = torch.empty(self.scale_values, dtype=torch.float32, device=self.device)
+        out: list = [None] * self.count
+        staged, rows_of = [], []
+        for launch in self.launches:
+            geom, count = launch.geom, len(launch.members)
+            pay = payload.narrow(0, launch.pay_at, launch.payload_bytes)
+            pays = pay.split(launch.per_payload) if launch.per_payload else [pay] * count
+            if geom.columns:
+                sc = scales.narrow(0, launch.sc_at, launch.scale_values).view(-1, geom.columns)
+                scs = sc.split(launch.per_groups) if launch.per_groups else [sc] * count
+            else:
+                sc = scales.new_empty(0, 0)
+                scs = [sc] * count
+            for m, p, s in zip(launch.members, pays, scs):
+                out[m] = (p, s)
+            if launch.runs:
+                rows: list[int] = []
+                for m, (origin, stride) in zip(launch.members, launch.static):
+                    rows += (origin, stride, *ids[m])
+                staged.append((launch, pay, sc))
+                rows_of.append((self.device, rows))
+        for (launch, pay, sc), table in zip(staged, B.stage_tables(rows_of)):
+            _pack_kernel[launch.grid](
+                src=launch.src,
+                tab=table,
+                payload=pay.view(B.payload_dtype(launch.geom)),
+                scales=sc.view(torch.int32),
+                **launch.common,
+            )
+        return out
+
+
+#: Plans of the most recent item lists. A plan holds aliases of its regions (so an address in
+#: a key can never be reused by another allocation while the plan lives); a connector packs the
+#: same few lists every step, so a handful is enough.
+PLAN_CACHE_SIZE = 8
+_plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
+
+
+def _plan_for(items: Sequence[B.PackItem], ids: list[tuple[int, ...]]) -> _Plan:
+    """The cached plan of `items` (keyed by what a plan depends on: each item's device, region
+    address, field, format, group and number of ids)."""
+    key = tuple((it.buffer.device, it.buffer.data_ptr(), it.field, B.QUANT[it.fmt], it.group,
+                 len(i)) for it, i in zip(items, ids))
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _Plan(items, ids)
+        if len(_plans) > PLAN_CACHE_SIZE:
+            _plans.popitem(last=False)
     else:
-        scales = torch.empty(0, 0, dtype=torch.float32, device=device)
-        outputs = [(p, scales) for p in payloads]
-    if n == 0 or geom.numel == 0:
-        return outputs, [], None
-
-    itemsize = geom.itemsize
-    int_dtype = B.INT_OF_SIZE[itemsize]
-    src = B.anchor(first.buffer, int_dtype)
-    rows: list[int] = []
-    offsets = B.row_offsets(geom)
-    for item, block_ids in zip(items, ids):
-        origin = B.element_offset(B.field_origin(item.buffer, item.field), src, "field")
-        stride = item.field.block_stride // itemsize
-        rows += (origin, stride, *block_ids)
-        offsets += (origin, stride)
-    align = B.alignment(geom, src.data_ptr(), offsets, itemsize) if geom.td == 1 else 1
-    grid, common = launch_config(geom, count, n)
-
-    def go(table: torch.Tensor) -> None:
-        _pack_kernel[grid](
-            src=src,
-            tab=table,
-            payload=payload.view(B.payload_dtype(geom)),
-            scales=scales.view(torch.int32),
-            TAB_W=2 + n,
-            SRC=B.FLOAT_KIND.get(geom.dtype, 0),
-            ALIGN=align,
-            **common,
-        )
-
-    return outputs, rows, go
+        _plans.move_to_end(key)
+    return plan
 
 
 def pack_many(items: Sequence[B.PackItem]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -264,27 +336,25 @@ def pack_many(items: Sequence[B.PackItem]) -> list[tuple[torch.Tensor, torch.Ten
 
     Items with the same device, field dtype, shape and strides, format, group and number of
     block ids share one launch; regions, field offsets and block strides may all differ. Returns
-    one (payload, scales) per item, in order, equal to `pack(...)` of that item; payloads of one
-    launch are slices of one allocation. The item tables of all launches cross to the device
-    in one asynchronous copy from page-locked memory: no host synchronization.
+    one (payload, scales) per item, in order, equal to `pack(...)` of that item; the payloads
+    of one call are slices of one allocation, and so are the scales (one copy each moves them
+    to the host). The item tables of all launches cross to the device in one asynchronous copy
+    from page-locked memory: no host synchronization. What does not depend on the block ids is
+    planned once per item list and reused (`_plan_for`).
     """
     items = list(items)
-    ids = [B.check_ids(it.block_ids, it.num_blocks) for it in items]
-    keys = [
-        B.signature(it.buffer.device, it.field, i, it.fmt, it.group) for it, i in zip(items, ids)
-    ]
-    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(items)
-    launches = []
-    for members in B.group_items(keys):
-        outputs, rows, go = _plan([items[i] for i in members], [ids[i] for i in members])
-        for i, result in zip(members, outputs):
+    if not items:
+        return []
+    ids = B.check_all_ids(items)
+    device = items[0].buffer.device
+    if all(it.buffer.device == device for it in items):
+        return _plan_for(items, ids).run(ids)
+    out: list = [None] * len(items)  # several devices: one plan each
+    for members in B.group_items([it.buffer.device for it in items]):
+        sub_ids = [ids[i] for i in members]
+        for i, result in zip(members, _plan_for([items[i] for i in members], sub_ids).run(sub_ids)):
             out[i] = result
-        if go is not None:
-            launches.append((items[members[0]].buffer.device, rows, go))
-    tables = B.stage_tables([(device, rows) for device, rows, _ in launches])
-    for (_, _, go), table in zip(launches, tables):
-        go(table)
-    return out  # type: ignore[return-value]
+    return out
 
 
 def pack(

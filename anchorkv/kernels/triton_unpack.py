@@ -5,12 +5,14 @@ Axis letters as in `anchorkv.kernels.triton_pack`. The bytes written equal those
 field changes (every store is masked to the field's own elements).
 
 Ladder: `_unpack_kernel` (one program = BLOCK_R groups of one block of one item) ->
-`_launch` (validates one batch of same-signature items, builds the item table, launches) ->
+`_Launch` (one batch of same-signature items, planned once per item list; per call it
+validates the payloads and builds the item table) ->
 `unpack` and `unpack_many` (the public functions).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Sequence
 
 import torch
@@ -21,7 +23,7 @@ from anchorkv.kernels import batch as B
 from anchorkv.kernels.bits import fp8_decode, narrow, widen
 from anchorkv.kernels.formats import Quant
 from anchorkv.kernels.geometry import StridedField
-from anchorkv.kernels.triton_pack import field_tile, launch_config
+from anchorkv.kernels.triton_pack import PLAN_CACHE_SIZE, field_tile, launch_config
 
 
 @triton.jit(do_not_specialize=["N", "TAB_W"])
@@ -123,75 +125,107 @@ def _check(item: B.UnpackItem, geom: B.Geometry, n: int) -> tuple[torch.Tensor, 
     return payload, scales.contiguous()
 
 
-def _plan(items: Sequence[B.UnpackItem], ids: list[tuple[int, ...]]):
-    """Item-table rows and the launch of one batch of same-signature items: (rows, go), or
-    ([], None) when there is nothing to move."""
-    first = items[0]
-    geom = B.geometry(first.field, first.fmt, first.group)
-    device = first.buffer.device
-    n = len(ids[0])
-    checked = [_check(item, geom, n) for item in items]
-    if n == 0 or geom.numel == 0:
-        return [], None
-    itemsize = geom.itemsize
-    int_dtype = B.INT_OF_SIZE[itemsize]
-    dst = B.anchor(first.buffer, int_dtype)
-    pay = B.anchor(checked[0][0], B.payload_dtype(geom))
-    if geom.columns:
-        sc = B.anchor(checked[0][1], torch.int32)
-    else:  # raw has no scales; the kernel never reads this
-        sc = torch.zeros(1, dtype=torch.int32, device=device)
-    rows: list[int] = []
-    offsets = B.row_offsets(geom)
-    in_offsets = [geom.numel, geom.g]
-    for item, block_ids, (payload, scales) in zip(items, ids, checked):
-        origin = B.element_offset(B.field_origin(item.buffer, item.field), dst, "field")
-        stride = item.field.block_stride // itemsize
-        pay_off = B.element_offset(B.byte_address(payload), pay, "payload")
-        sc_off = B.element_offset(B.byte_address(scales), sc, "scales") if geom.columns else 0
-        rows += (origin, stride, pay_off, sc_off, *block_ids)
-        offsets += (origin, stride)
-        in_offsets.append(pay_off)
-    align = B.alignment(geom, dst.data_ptr(), offsets, itemsize) if geom.td == 1 else 1
-    if geom.fmt is Quant.INT4:  # two codes a byte: group starts are (element offset) / 2
-        in_offsets = [geom.numel // 2, geom.g // 2, *in_offsets[2:]]
-    in_align = B.alignment(geom, pay.data_ptr(), in_offsets, pay.element_size())
-    grid, common = launch_config(geom, len(items), n)
+class _Launch:
+    """What one launch of same-signature items needs that does not depend on the payloads or
+    the block ids: the target anchor, each member's field origin and block stride (elements of
+    the anchor), the target alignment claim and the launch configuration."""
 
-    def go(table: torch.Tensor) -> None:
-        _unpack_kernel[grid](
-            dst=dst,
-            tab=table,
-            payload=pay,
-            scales=sc,
-            TAB_W=4 + n,
-            DST=B.FLOAT_KIND.get(geom.dtype, 0),
-            ALIGN=align,
-            IN_ALIGN=in_align,
-            **common,
-        )
+    __slots__ = ("members", "geom", "n", "dst", "static", "align", "grid", "common", "runs")
 
-    return rows, go
+    def __init__(self, items: Sequence[B.UnpackItem], members: list[int], n: int) -> None:
+        first = items[members[0]]
+        self.members, self.n = members, n
+        self.geom = geom = B.geometry(first.field, first.fmt, first.group)
+        self.runs = n > 0 and geom.numel > 0
+        self.static: list[tuple[int, int]] = []
+        self.dst = self.grid = self.common = None
+        self.align = 1
+        if not self.runs:
+            return
+        itemsize = geom.itemsize
+        self.dst = dst = B.anchor(first.buffer, B.INT_OF_SIZE[itemsize])
+        offsets = B.row_offsets(geom)
+        for m in members:
+            item = items[m]
+            origin = B.element_offset(B.field_origin(item.buffer, item.field), dst, "field")
+            stride = item.field.block_stride // itemsize
+            self.static.append((origin, stride))
+            offsets += (origin, stride)
+        if geom.td == 1:
+            self.align = B.alignment(geom, dst.data_ptr(), offsets, itemsize)
+        self.grid, common = launch_config(geom, len(members), n)
+        self.common = dict(common, TAB_W=4 + n, DST=B.FLOAT_KIND.get(geom.dtype, 0),
+                           ALIGN=self.align)
+
+    def rows(self, items: Sequence[B.UnpackItem], ids: list[tuple[int, ...]]):
+        """Validate the members' payloads; (table rows, launch) of this call, or None when
+        there is nothing to move."""
+        geom = self.geom
+        checked = [_check(items[m], geom, self.n) for m in self.members]
+        if not self.runs:
+            return None
+        device = items[self.members[0]].buffer.device
+        pay = B.anchor(checked[0][0], B.payload_dtype(geom))
+        if geom.columns:
+            sc = B.anchor(checked[0][1], torch.int32)
+        else:  # raw has no scales; the kernel never reads this
+            sc = torch.zeros(1, dtype=torch.int32, device=device)
+        rows: list[int] = []
+        in_offsets = [geom.numel, geom.g]
+        for m, (origin, stride), (payload, scales) in zip(self.members, self.static, checked):
+            pay_off = B.element_offset(B.byte_address(payload), pay, "payload")
+            sc_off = B.element_offset(B.byte_address(scales), sc, "scales") if geom.columns else 0
+            rows += (origin, stride, pay_off, sc_off, *ids[m])
+            in_offsets.append(pay_off)
+        if geom.fmt is Quant.INT4:  # two codes a byte: group starts are (element offset) / 2
+            in_offsets = [geom.numel // 2, geom.g // 2, *in_offsets[2:]]
+        in_align = B.alignment(geom, pay.data_ptr(), in_offsets, pay.element_size())
+
+        def go(table: torch.Tensor) -> None:
+            _unpack_kernel[self.grid](dst=self.dst, tab=table, payload=pay, scales=sc,
+                                      IN_ALIGN=in_align, **self.common)
+
+        return rows, go
+
+
+#: Launch plans of the most recent item lists (see `triton_pack.PLAN_CACHE_SIZE`).
+_plans: "OrderedDict[tuple, list[_Launch]]" = OrderedDict()
+
+
+def _plan_for(items: Sequence[B.UnpackItem], ids: list[tuple[int, ...]]) -> list[_Launch]:
+    key = tuple((it.buffer.device, it.buffer.data_ptr(), it.field, B.QUANT[it.fmt], it.group,
+                 len(i)) for it, i in zip(items, ids))
+    plan = _plans.get(key)
+    if plan is None:
+        keys = [B.signature(it.buffer.device, it.field, i, it.fmt, it.group)
+                for it, i in zip(items, ids)]
+        plan = _plans[key] = [_Launch(items, members, len(ids[members[0]]))
+                              for members in B.group_items(keys)]
+        if len(_plans) > PLAN_CACHE_SIZE:
+            _plans.popitem(last=False)
+    else:
+        _plans.move_to_end(key)
+    return plan
 
 
 def unpack_many(items: Sequence[B.UnpackItem]) -> None:
     """`unpack` for many items in as few launches as possible (grouped as in `pack_many`).
 
     The targets of different items must not overlap (the order of writes between items is
-    unspecified); each item's block ids must be distinct. The item tables of all launches
-    cross to the device in one asynchronous copy from page-locked memory: no host
-    synchronization.
+    unspecified); each item's block ids must be distinct. Every item is checked before any
+    launch. The item tables of all launches cross to the device in one asynchronous copy from
+    page-locked memory: no host synchronization. What depends only on the targets is planned
+    once per item list and reused.
     """
     items = list(items)
-    ids = [B.check_ids(it.block_ids, it.num_blocks, distinct=True) for it in items]
-    keys = [
-        B.signature(it.buffer.device, it.field, i, it.fmt, it.group) for it, i in zip(items, ids)
-    ]
+    if not items:
+        return
+    ids = B.check_all_ids(items, distinct=True)
     launches = []
-    for members in B.group_items(keys):
-        rows, go = _plan([items[i] for i in members], [ids[i] for i in members])
-        if go is not None:
-            launches.append((items[members[0]].buffer.device, rows, go))
+    for launch in _plan_for(items, ids):
+        staged = launch.rows(items, ids)
+        if staged is not None:
+            launches.append((items[launch.members[0]].buffer.device, *staged))
     tables = B.stage_tables([(device, rows) for device, rows, _ in launches])
     for (_, _, go), table in zip(launches, tables):
         go(table)

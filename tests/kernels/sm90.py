@@ -4,7 +4,7 @@
 
 Why a separate process: the kernel tests run the kernels in the Triton interpreter
 (`TRITON_INTERPRET=1`, read when a kernel is decorated), and an interpreted kernel cannot be
-compiled. Here the real launch path (`triton_pack._plan` / `triton_unpack._plan`) runs on CPU
+compiled. Here the real launch path (`triton_pack.pack_many` / `triton_unpack.unpack_many`) runs on CPU
 tensors laid out like vLLM's cache for each shipped model layout, tp size, codec, group size and
 dtype; the launch itself is replaced by a recorder, and each distinct specialization (Triton's
 own binder decides what is distinct) is compiled for `GPUTarget("cuda", 90, 32)` with the ptxas
@@ -108,13 +108,8 @@ def specializations(items=None) -> list[dict]:
             rec = _Recorder()
             real = getattr(module, f"_{op}_kernel")
             setattr(module, f"_{op}_kernel", rec)
-            try:
-                from anchorkv.kernels.batch import check_ids
-                ids = [check_ids(i.block_ids, i.num_blocks) for i in plan_args]
-                planned = module._plan(plan_args, ids)
-                go = planned[-1]
-                rows = planned[-2]
-                go(torch.tensor(rows + [0] * (len(rows) % 2), dtype=torch.int64))
+            try:  # the public launch path, end to end, with the recorder as the kernel
+                getattr(module, f"{op}_many")(plan_args)
             finally:
                 setattr(module, f"_{op}_kernel", real)
             (kwargs,) = rec.calls

@@ -81,12 +81,21 @@ def test_pack_many_equals_reference_item_by_item(codecs):
 
 def test_pack_many_uses_one_launch_per_signature(monkeypatch):
     calls = []
-    real = pack_module._plan
-    monkeypatch.setattr(pack_module, "_plan", lambda items, ids: calls.append(len(items))
-                        or real(items, ids))
+    real = pack_module._pack_kernel
+
+    class Counting:  # the kernel, recording how many items each launch covers
+        def __getitem__(self, grid):
+            def launch(**kwargs):
+                calls.append(grid[1] // kwargs["N"])
+                return real[grid](**kwargs)
+            return launch
+
+    monkeypatch.setattr(pack_module, "_pack_kernel", Counting())
     items = _request(_regions(7, seed=2))
     pack_many(items)
     assert sorted(calls) == [3, 7, 7]  # latent x 3 layers, conv x 7, recurrent x 7
+    pack_many(items)  # the cached plan launches the same way
+    assert sorted(calls) == [3, 3, 7, 7, 7, 7]
 
 
 def test_unpack_many_writes_reference_bytes_and_nothing_else():
