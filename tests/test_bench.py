@@ -1,14 +1,19 @@
-"""The report machinery of `anchorkv bench` and the math of the fidelity study (fast, CPU)."""
+"""The report machinery of `anchorkv bench` (`benchmarks.run`) and the math of the fidelity
+study (fast, CPU)."""
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from anchorkv import bench
+import anchorkv.bench
+from benchmarks import run as bench
 from benchmarks.fidelity import DECAYS, LOGIT_STDS, choose, choose_presets, data, fla_ref, layers, presets
 from benchmarks.fidelity.presets import FIELDS, condition
 from benchmarks.fidelity.study import StudyConfig, finite, round_trip, run_study
@@ -103,8 +108,6 @@ def test_markdown_has_every_row(result):
 
 def test_run_fidelity_brings_back_the_study_s_markdown():
     """`anchorkv bench` runs the study in a subprocess and embeds its markdown in the report."""
-    from pathlib import Path
-
     res = bench.run_fidelity(Path(__file__).resolve().parents[1], quick=False, tiny=True)
     assert res["returncode"] == 0, res.get("log_tail")
     assert res["markdown"][0] == "## Fidelity" and res["presets"]["exact"]["recurrent"] == "raw"
@@ -117,6 +120,24 @@ def test_missing_suite_is_reported_not_raised(tmp_path):
     (tmp_path / "benchmarks").mkdir()
     out = bench.run_suites(tmp_path, quick=True, k=None, suites=("store",))
     assert out["store"]["status"] == "missing"
+
+
+def test_anchorkv_bench_runs_benchmarks_run_under_its_name():
+    """`anchorkv bench ARGS` is `python -m benchmarks.run ARGS` in the checkout, named `anchorkv bench`."""
+    out = subprocess.run([sys.executable, "-m", "anchorkv", "bench", "--help"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: anchorkv bench [-h] [--quick] [--out OUT]") and "--no-fidelity" in out.stdout
+
+
+def test_anchorkv_bench_without_a_checkout_says_what_to_do(tmp_path, monkeypatch):
+    """Installed from a wheel (no benchmarks/ beside the package, none in the current directory)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(anchorkv.bench, "__file__", str(tmp_path / "site-packages" / "anchorkv" / "bench.py"))
+    with pytest.raises(SystemExit) as e:
+        anchorkv.bench.find_checkout()
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("anchorkv bench needs a source checkout") and "pip install -e ." in msg
 
 
 # ----------------------------------------------------------------------------- fidelity math

@@ -181,6 +181,17 @@ def test_no_import_cycles():
     assert not found, f"{len(found)} import cycles in anchorkv:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
+SCAFFOLDING = ("anchorkv.testing", "anchorkv.demo")
+
+
+def test_the_library_does_not_import_its_scaffolding():
+    """`anchorkv.testing` and the demo use the library, never the other way round."""
+    graph = import_graph()
+    reach_ins = {m: sorted(t for t in deps if t.startswith(SCAFFOLDING))
+                 for m, deps in graph.items() if not m.startswith(SCAFFOLDING)}
+    assert not {m: ts for m, ts in reach_ins.items() if ts}
+
+
 if __name__ == "__main__":  # print the cycles: python tests/test_import_graph.py
     for c in cycles(import_graph()):
         print(" -> ".join(c))

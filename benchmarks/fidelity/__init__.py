@@ -6,7 +6,9 @@ errors), `study` (the conditions and the runs), `presets` (the rule that names t
 `report` (the markdown).
 """
 
-from .metrics import max_rel_err, rel_err_per_step, sqnr_db
+from anchorkv.testing.metrics import sqnr_db
+
+from .metrics import max_rel_err, rel_err_per_step
 from .presets import LEVELS, MAX_THRESHOLD, RULE, THRESHOLD, choose, choose_presets
 from .study import CODECS, DECAYS, LOGIT_STDS, StudyConfig, run_study
 

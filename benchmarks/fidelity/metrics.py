@@ -1,25 +1,11 @@
-"""Error metrics of a lossy round trip: SQNR, max relative error, per-step output error."""
+"""Error metrics of a lossy round trip beside SQNR (`anchorkv.testing.metrics.sqnr_db`, the one of
+the tests and the demo): max relative error, per-step output error."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-
-
-def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio of `y` against the reference `x`, in dB.
-
-    10 log10(sum x^2 / sum (x - y)^2) in float64; +inf when `y` equals `x` exactly.
-    """
-    x, y = x.double(), y.double()
-    noise = ((x - y) ** 2).sum().item()
-    signal = (x**2).sum().item()
-    if noise == 0:
-        return math.inf
-    if signal == 0:
-        return -math.inf
-    return 10.0 * math.log10(signal / noise)
 
 
 def max_rel_err(x: torch.Tensor, y: torch.Tensor) -> float:

@@ -28,11 +28,12 @@ import zlib
 
 import torch
 
-from anchorkv.bench import finite  # noqa: F401  (re-exported: the study's JSON)
 from anchorkv.codec import CodecSpec, get_codec
+from anchorkv.testing.metrics import sqnr_db
+from benchmarks.run import finite  # noqa: F401  (re-exported: the study's JSON)
 
 from . import data, fla_ref, layers, mla
-from .metrics import max_rel_err, rel_err_per_step, sqnr_db
+from .metrics import max_rel_err, rel_err_per_step
 
 #: Median forget-gate value a = exp(g) over the prefix, per decay regime.
 DECAYS = {"slow": 0.99, "medium": 0.93, "fast": 0.54}

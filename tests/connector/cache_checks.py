@@ -9,12 +9,11 @@ restored fields with what the fake model writes for the same tokens.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-import engine as E
 from anchorkv.connector.plan import GroupKind
+from anchorkv.testing.metrics import sqnr_db
+from tests.connector import engine as E
 
 
 def _storages(caches: dict) -> dict[int, torch.Tensor]:
@@ -83,12 +82,6 @@ def assert_only_touched(rank: E.Rank, before: dict[int, torch.Tensor], masks: di
         keep = torch.ones(now.numel(), dtype=torch.bool) if masks is None else ~masks[k]
         changed = int((now[keep] != before[k][keep]).sum())
         assert changed == 0, f"{changed} cache bytes changed outside the restored blocks"
-
-
-def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
-    x, y = x.double(), y.double()
-    noise = ((x - y) ** 2).sum().item()
-    return math.inf if noise == 0 else 10 * math.log10((x**2).sum().item() / noise)
 
 
 def assert_restored(eng: E.Engine, rank: E.Rank, spec, tokens: list[int], *, min_sqnr: dict | None = None) -> None:

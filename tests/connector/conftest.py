@@ -2,16 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-
-ANCHOR = "alice-software-tokyo"
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +14,7 @@ def _anchorkv_logs_reach_the_root(monkeypatch):
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
-    import vllm_harness as H
+    from tests.connector import vllm_harness as H
 
     return H.write_kimi_linear_model_dir(tmp_path_factory.mktemp("kimi_linear"))
 
@@ -32,9 +23,9 @@ def model_dir(tmp_path_factory):
 def other_model_dir(tmp_path_factory):
     """Kimi-Linear with layers 3 and 4 (1-based) swapped between KDA and MLA: the same group
     shapes for vLLM, another model fingerprint for anchorkv."""
-    import vllm_harness as H
+    from tests.connector import vllm_harness as H
 
-    lin = dict(H.KIMI_LINEAR_48B_CONFIG["linear_attn_config"])
+    lin = dict(H.KIMI_LINEAR_48B_VLLM_CONFIG["linear_attn_config"])
     lin["kda_layers"] = sorted({*lin["kda_layers"]} - {3} | {4})
     lin["full_attn_layers"] = sorted({*lin["full_attn_layers"]} - {4} | {3})
     return H.write_kimi_linear_model_dir(tmp_path_factory.mktemp("kimi_other"), linear_attn_config=lin)

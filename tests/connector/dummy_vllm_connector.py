@@ -1,7 +1,7 @@
 """A do-nothing out-of-tree vLLM connector for the harness smoke test.
 
-Loaded by vLLM through ``kv_connector_module_path="dummy_vllm_connector"`` (the directory
-``tests/connector`` is put on ``sys.path`` by the test). Records every scheduler-side call
+Loaded by vLLM through ``kv_connector_module_path="tests.connector.dummy_vllm_connector"``
+(pytest puts the repository root on ``sys.path``). Records every scheduler-side call
 in the class-level ``CALLS`` list so tests can see that vLLM reached it.
 """
 

@@ -21,21 +21,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import hashlib
-import os
-import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-
-import vllm_harness as H  # noqa: E402
+from tests.connector import vllm_harness as H
 
 # The platform is chosen when vLLM is first imported: select the CPU one before anything here
 # (or the connector module) imports vLLM, or the hybrid allocator turns itself off.
 H._set_env()
 
+#: The anchor the connector tests' requests carry.
+ANCHOR = "alice-software-tokyo"
 CONNECTOR = "AnchorKVConnector"
 MODULE = "anchorkv.connector"
 

