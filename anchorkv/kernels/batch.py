@@ -13,6 +13,7 @@ This module is plain Python and torch; the Triton kernels live in `triton_pack.p
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 import functools
 import math
@@ -327,6 +328,19 @@ def row_offsets(geom: Geometry) -> list[int]:
     return out
 
 
+def hardware_fp8(device: torch.device) -> bool:
+    """Whether the pack kernel makes fp8 codes with the GPU's own convert: CUDA devices of
+    compute capability 8.9 or newer (the Triton interpreter's cast rounds wrongly when rounding
+    carries into the exponent, so CPU tensors take the integer encoding; both give the
+    reference's bytes)."""
+    return device.type == "cuda" and _capability(device.index) >= (8, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def payload_dtype(geom: Geometry) -> torch.dtype:
     """The element type the kernels read and write the payload as: the source's same-size
     integer for raw, int16 (bf16 bits) for bf16, bytes for the quantized formats."""
@@ -359,7 +373,9 @@ def stage_tables(segments: Sequence[tuple[torch.device, list[int]]]) -> list[tor
             starts.append(len(flat))
             flat += segments[i][1]
             flat += [0] * (len(flat) % 2)
-        host = torch.tensor(flat, dtype=torch.int64)
+        # (torch.tensor of a list converts element by element: ~10x slower than the buffer)
+        host = torch.frombuffer(array("q", flat), dtype=torch.int64) if flat else torch.empty(
+            0, dtype=torch.int64)
         table = host if device.type != "cuda" else host.pin_memory().to(device, non_blocking=True)
         for i, start in zip(members, starts):
             out[i] = table[start : start + len(segments[i][1])]

@@ -88,6 +88,7 @@ def _pack_kernel(
     BLOCK_G: tl.constexpr,  # next power of two of G
     CONTIG: tl.constexpr,  # the last axis is contiguous (TD == 1)
     ALIGN: tl.constexpr,  # host-checked: every row start is a multiple of ALIGN elements
+    HW_FP8: tl.constexpr,  # fp8 codes by the hardware's convert (sm_89+), not in software
 ):
     i_t = tl.program_id(0).to(tl.int64)
     i_b = tl.program_id(1).to(tl.int64)  # item * N + block
@@ -154,7 +155,10 @@ def _pack_kernel(
                 scale = tl.where(scale == 0.0, 1.0, scale)
                 v = tl.math.div_rn(clean, scale[:, None])
                 v = tl.where(v > _FP8_MAX, _FP8_MAX, tl.where(v < -_FP8_MAX, -_FP8_MAX, v))
-                q = fp8_encode(v)
+                if HW_FP8:  # the hardware's RNE, saturating convert (cvt.rn.satfinite.e4m3x2)
+                    q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+                else:  # the interpreter's cast rounds wrongly on exponent carries
+                    q = fp8_encode(v)
             else:
                 scale = tl.math.div_rn(amax, _INT8_MAX)
                 scale = tl.where(scale == 0.0, 1.0, scale)
@@ -243,7 +247,7 @@ class _Launch:
             self.align = B.alignment(geom, src.data_ptr(), offsets, itemsize)
         self.grid, common = launch_config(geom, len(members), n)
         self.common = dict(common, TAB_W=2 + n, SRC=B.FLOAT_KIND.get(geom.dtype, 0),
-                           ALIGN=self.align)
+                           ALIGN=self.align, HW_FP8=B.hardware_fp8(first.buffer.device))
 
     @property
     def payload_bytes(self) -> int:
@@ -283,10 +287,12 @@ class _Plan:
         for launch in self.launches:
             geom, count = launch.geom, len(launch.members)
             pay = payload.narrow(0, launch.pay_at, launch.payload_bytes)
-            pays = pay.split(launch.per_payload) if launch.per_payload else [pay] * count
+            # one view per item; `unbind` makes them in one call (`split` costs ~1.5 us a view)
+            pays = pay.view(count, -1).unbind(0) if launch.per_payload else [pay] * count
             if geom.columns:
                 sc = scales.narrow(0, launch.sc_at, launch.scale_values).view(-1, geom.columns)
-                scs = sc.split(launch.per_groups) if launch.per_groups else [sc] * count
+                scs = (sc.view(count, -1, geom.columns).unbind(0) if launch.per_groups
+                       else [sc] * count)
             else:
                 sc = scales.new_empty(0, 0)
                 scs = [sc] * count

@@ -91,7 +91,7 @@ class _Recorder:
 
 def specializations(items=None) -> list[dict]:
     """Every distinct (kernel, specialization) the launch path produces, with its labels."""
-    from anchorkv.kernels import triton_pack, triton_unpack
+    from anchorkv.kernels import batch, triton_pack, triton_unpack
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -108,10 +108,13 @@ def specializations(items=None) -> list[dict]:
             rec = _Recorder()
             real = getattr(module, f"_{op}_kernel")
             setattr(module, f"_{op}_kernel", rec)
+            # the launch path on CPU tensors, as it runs for a GPU of the target's capability
+            hardware_fp8, batch.hardware_fp8 = batch.hardware_fp8, lambda device: True
             try:  # the public launch path, end to end, with the recorder as the kernel
                 getattr(module, f"{op}_many")(plan_args)
             finally:
                 setattr(module, f"_{op}_kernel", real)
+                batch.hardware_fp8 = hardware_fp8
             (kwargs,) = rec.calls
             bound, spec, options = binders[op](**kwargs)
             opts, signature, constexprs, attrs = kernels[op]._pack_args(

@@ -114,6 +114,7 @@ def test_cuda_without_triton_names_the_extra(monkeypatch):
 
     monkeypatch.setattr(dispatch.importlib.util, "find_spec",
                         lambda name: None if name == "triton" else object())
+    monkeypatch.delitem(dispatch.sys.modules, "triton", raising=False)  # not imported either
     monkeypatch.delenv("ANCHORKV_BACKEND", raising=False)
     with pytest.raises(ImportError, match=r"anchorkv\[gpu\]"):
         dispatch.backend_for(torch.device("cuda"))
