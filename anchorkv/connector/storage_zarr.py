@@ -22,13 +22,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
-from anchorkv.codec import CodecSpec, Field, LayerKind, LayerLayout, ModelLayout, Packed, PageLayout
-from anchorkv.codec.models import ROLE_ALIASES, Role
+from anchorkv.codec import (
+    CodecSpec,
+    Field,
+    LayerKind,
+    LayerLayout,
+    ModelLayout,
+    Packed,
+    PageLayout,
+)
 from anchorkv.codec.layout import dense_strides
+from anchorkv.codec.models import ROLE_ALIASES, Role
 from anchorkv.connector.config import ConnectorConfig, field_codecs
 from anchorkv.connector.plan import SaveSpec
 from anchorkv.connector.storage import EntryRef

@@ -11,6 +11,11 @@ array attributes). With anchorkv installed, `open_entry` dequantizes:
 This package imports nothing heavy (no torch, no zarr) until a submodule needs it.
 """
 
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
 from anchorkv.store.errors import (
     CorruptEntry,
     EntryNotFound,
@@ -21,15 +26,18 @@ from anchorkv.store.errors import (
     StoreError,
 )
 
+if TYPE_CHECKING:
+    from anchorkv.store.reading import EntryValues
 
-def open_entry(path):
+
+def open_entry(path: str | os.PathLike) -> EntryValues:
     """`anchorkv.store.reading.open_entry` (imported on first use)."""
     from anchorkv.store.reading import open_entry as _open_entry
 
     return _open_entry(path)
 
 
-def __getattr__(name):  # keys needs blake3 and numpy: imported on first use
+def __getattr__(name: str) -> object:  # keys needs blake3 and numpy: imported on first use
     if name in ("anchor_key", "normalize_anchor", "prefix_hash", "token_key"):
         from anchorkv.store import keys
 

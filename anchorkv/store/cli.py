@@ -23,12 +23,19 @@ This module imports nothing heavy at import time (`anchorkv --help` does not imp
 from __future__ import annotations
 
 import argparse
-from datetime import datetime, timezone
 import json
 import sys
 import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
 
 from anchorkv.store.errors import EntryNotFound, StoreError
+
+if TYPE_CHECKING:
+    from anchorkv.store.format import ArrayLayout
+    from anchorkv.store.manifest import EntryInfo, Listing
+    from anchorkv.store.store import Store
 
 
 def human_bytes(n: float) -> str:
@@ -49,7 +56,7 @@ def human_age(seconds: float) -> str:
     return f"{int(s)}s"
 
 
-def codec_text(array) -> str:
+def codec_text(array: ArrayLayout) -> str:
     """``raw``, ``int8:16``, ``fp8:whole`` (a group of the whole last axis); a plug-in's id marked
     ``lowrank(plug-in)``, or ``lowrank(plug-in MISSING)`` when it is not installed here."""
     c = array.codec
@@ -60,7 +67,7 @@ def codec_text(array) -> str:
     return f"{c.format.value}:{'whole' if c.group == array.shape[-1] else c.group}"
 
 
-def codecs_text(info) -> str:
+def codecs_text(info: EntryInfo) -> str:
     """``conv=int8:8 latent=fp8:whole recurrent=int8:16``."""
     return " ".join(f"{f}={codec_text(a)}" for f, a in sorted(info.arrays().items()))
 
@@ -72,7 +79,7 @@ def _escape(text: str) -> str:
     return escape(text)
 
 
-def missing_plugins(info) -> list[str]:
+def missing_plugins(info: EntryInfo) -> list[str]:
     """The codec plug-ins an entry needs that are not installed here (sorted ids)."""
     return sorted({a.codec.id for a in info.arrays().values() if a.codec.plugin and not a.codec.installed})
 
@@ -83,7 +90,7 @@ def _default_store() -> str:
     return DEFAULT_STORE
 
 
-def _open(args, *, write: bool = False):
+def _open(args: argparse.Namespace, *, write: bool = False) -> Store:
     """The store of `--store`. Read-only commands open it without writing anything."""
     from anchorkv.store.store import Store
 
@@ -91,7 +98,7 @@ def _open(args, *, write: bool = False):
     return Store.open(url, create=write)
 
 
-def resolve(store, text: str, entries: list | None = None):
+def resolve(store: Store, text: str, entries: list[Listing] | None = None) -> Listing:
     """The `Listing` named by `text`: a full id (as `ls` prints it), ``<key prefix>/<name>``,
     an anchor with exactly one entry, or a unique prefix (>= 8 characters) of an id."""
     entries = store.scan() if entries is None else entries
@@ -131,13 +138,19 @@ def _console(stderr: bool = False):
 
 
 def _progress(enabled: bool = True):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), console=_console(stderr=True), transient=False, disable=not enabled)
 
 
-def _summary(e, t: float) -> dict:
+def _summary(e: Listing, t: float) -> dict:
     """One entry as `ls --json` gives it (sizes in bytes, times in seconds)."""
     out = {"id": e.id, "state": e.state, "stored_bytes": e.stored_bytes, "created": e.created,
            "age_s": round(t - e.created, 3)}
@@ -149,14 +162,14 @@ def _summary(e, t: float) -> dict:
             "missing_plugins": missing_plugins(i)}
 
 
-def _print_json(obj) -> None:
+def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=1))
 
 
 # ----------------------------------------------------------------------------- commands
 
 
-def cmd_ls(args) -> int:
+def cmd_ls(args: argparse.Namespace) -> int:
     store = _open(args)
     entries, t = store.scan(), time.time()
     if args.json:
@@ -191,7 +204,7 @@ def cmd_ls(args) -> int:
     return 0
 
 
-def cmd_inspect(args) -> int:
+def cmd_inspect(args: argparse.Namespace) -> int:
     store = _open(args)
     e = resolve(store, args.entry)
     if e.info is None:
@@ -244,7 +257,7 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def cmd_verify(args) -> int:
+def cmd_verify(args: argparse.Namespace) -> int:
     store = _open(args)
     entries = store.scan()
     chosen = [resolve(store, e, entries) for e in args.entry] if args.entry else entries
@@ -276,7 +289,7 @@ def cmd_verify(args) -> int:
     return 1 if bad else 0
 
 
-def cmd_rm(args) -> int:
+def cmd_rm(args: argparse.Namespace) -> int:
     store = _open(args, write=True)
     entries = store.scan()
     chosen = [resolve(store, e, entries) for e in args.entry]
@@ -304,7 +317,7 @@ def _capacity(text: str) -> int:
     return parse_size(text, "--capacity")
 
 
-def cmd_gc(args) -> int:
+def cmd_gc(args: argparse.Namespace) -> int:
     capacity = None if args.capacity is None else _capacity(args.capacity)
     store = _open(args, write=not args.dry_run)
     if capacity is not None:
@@ -327,7 +340,7 @@ def cmd_gc(args) -> int:
     return 0
 
 
-def store_totals(store, capacity: int | None = None) -> dict:
+def store_totals(store: Store, capacity: int | None = None) -> dict:
     """The totals of a store as `stats --json` gives them (sizes in bytes, times in seconds
     since the epoch): entries by state, tokens, stored and logical bytes, stored bytes per
     field and codec, the oldest and newest entry, and the usage of `capacity` if given."""
@@ -362,7 +375,7 @@ def store_totals(store, capacity: int | None = None) -> dict:
     return out
 
 
-def cmd_stats(args) -> int:
+def cmd_stats(args: argparse.Namespace) -> int:
     if args.store_arg and args.store and args.store_arg != args.store:
         raise ValueError(f"two stores given ({args.store_arg!r} and --store {args.store!r}); give one")
     args.store = args.store or args.store_arg
@@ -422,8 +435,8 @@ def report_error(command: str, e: BaseException, url: str | None) -> int:
     return 2
 
 
-def _run(fn):
-    def run(args) -> int:
+def _run(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
         try:
             return fn(args)
         except (StoreError, ValueError, OSError, ImportError) as e:
@@ -433,7 +446,7 @@ def _run(fn):
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    def add(name: str, fn, help: str) -> argparse.ArgumentParser:
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
         p.add_argument("--store", metavar="PATH_OR_URL", default=None,
                        help="local directory or s3://bucket/prefix (default: ~/.cache/anchorkv)")

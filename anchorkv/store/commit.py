@@ -12,7 +12,7 @@ down to its capacity).
 from __future__ import annotations
 
 import json
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -28,7 +28,13 @@ from anchorkv.store.manifest import (
     now,
     parse_group,
 )
-from anchorkv.store.paths import entry_path, key_path, parts_prefix, staging_path, zarr_json
+from anchorkv.store.paths import (
+    entry_path,
+    key_path,
+    parts_prefix,
+    staging_path,
+    zarr_json,
+)
 
 #: What a commit tells its caller: the entry it published (or the one another write published
 #: first, which the caller keeps).

@@ -4,9 +4,9 @@ encoded bytes as arrays (`Encoded`); `anchorkv.store.format` (built-in formats) 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
-import math
 
 import numpy as np
 import torch

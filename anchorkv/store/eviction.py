@@ -17,19 +17,29 @@ Last use is at most a minute stale per process, which is fine for LRU at cache s
 
 from __future__ import annotations
 
-from collections import Counter
 import contextlib
 import json
 import os
 import threading
 import time
-from typing import Callable, Iterator, NamedTuple, Protocol
 import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import NamedTuple, Protocol
 
 from anchorkv.store.backends import Backend
 from anchorkv.store.errors import EntryNotFound
 from anchorkv.store.manifest import EntryInfo, Listing, parse_entry_name
-from anchorkv.store.paths import BEGUN, ENTRIES, LEASES, STAGING, key_path, lease_path, staging_path, zarr_json
+from anchorkv.store.paths import (
+    BEGUN,
+    ENTRIES,
+    LEASES,
+    STAGING,
+    key_path,
+    lease_path,
+    staging_path,
+    zarr_json,
+)
 
 LEASE_TTL = 600.0
 
@@ -186,7 +196,7 @@ def gc(store: Entries, stale_after: float, progress: Callable[[str, int], None] 
             live_data.update(datas)
             continue
 
-        def drop(wid=wid, datas=datas) -> None:
+        def drop(wid: str = wid, datas: list[str] = datas) -> None:
             for data in datas:
                 if not backend.atomic_publish and not backend.exists(zarr_json(data)):
                     backend.delete_tree(data)
@@ -232,7 +242,8 @@ def gc(store: Entries, stale_after: float, progress: Callable[[str, int], None] 
     return report
 
 
-def _remove_orphans(store: Entries, stale_after: float, live_data: set[str], t: float, remove) -> None:
+def _remove_orphans(store: Entries, stale_after: float, live_data: set[str], t: float,
+                    remove: Callable[[str, str, int, Callable[[], object]], None]) -> None:
     """Remove what no entry owns under ``entries/<key>/``: on an object store, prefixes with
     chunks but no group ``zarr.json`` (a write or a delete killed half-way) that no write in
     progress claims; on both, temp files of atomic writes whose process died."""

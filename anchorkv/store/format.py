@@ -66,10 +66,10 @@ make the groups depend on the tp the entry was written at.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import functools
-from functools import cached_property
 import math
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -208,7 +208,7 @@ class ChunkCodec(ChunkGeometry):
         payload, scales = reference.quantize(x, self.format, self.group)
         return payload.numpy().tobytes() + scales.contiguous().numpy().astype("<f4", copy=False).tobytes()
 
-    def decode(self, data, shape: tuple[int, ...]) -> np.ndarray:
+    def decode(self, data: bytes | bytearray | memoryview | np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         """The logical float32 values of one encoded chunk of `shape`."""
         enc = self.split(data, shape)
         payload = torch.from_numpy(np.require(enc.payload, requirements=["C", "W"]).reshape(-1))
@@ -461,7 +461,7 @@ def parse_shard_index(data: bytes, chunks_per_shard: tuple[int, ...]) -> np.ndar
     return np.frombuffer(body, dtype="<u8").reshape(*chunks_per_shard, 2)
 
 
-def crc32c(data, value: int = 0) -> int:
+def crc32c(data: bytes | bytearray | memoryview | np.ndarray, value: int = 0) -> int:
     """The crc32c of `data` (any buffer), continuing from `value` (google-crc32c, which zarr
     itself uses for its ``crc32c`` codec: one crc32c library)."""
     import google_crc32c

@@ -21,7 +21,7 @@ Without a scope every hash is what it was before scopes existed.
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import blake3
 import numpy as np

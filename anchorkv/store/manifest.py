@@ -24,12 +24,12 @@ relies on before an entry is used.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import functools
 import json
 import math
 import re
 import time
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from anchorkv.store.errors import CorruptEntry, OtherFormat
@@ -80,8 +80,8 @@ def array_json(array: ArrayLayout, compressor: dict[str, Any] | None) -> dict[st
 @functools.lru_cache(maxsize=256)
 def _array_json(array: ArrayLayout, compressor_key: str) -> dict[str, bytes]:
     compressor = json.loads(compressor_key)
-    from zarr.storage import MemoryStore
     import zarr
+    from zarr.storage import MemoryStore
 
     out = {}
     for part in array.parts:

@@ -5,8 +5,8 @@ plug-in protocol)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -14,8 +14,9 @@ import torch
 
 from anchorkv.codec.packed import dtype_name
 from anchorkv.codec.spec import CodecSpec, canonical_json
-from anchorkv.store.errors import FormatError, StoreError
 from anchorkv.store.encoded import SOURCE_DTYPES, ChunkGeometry
+from anchorkv.store.errors import FormatError, StoreError
+
 
 class MissingCodec(StoreError):
     """An entry's field is encoded by a codec plug-in that is not installed (or failed to load)."""
@@ -179,7 +180,7 @@ class PluginChunkCodec(ChunkGeometry):
         return (payload.cpu().contiguous().view(torch.uint8).numpy().tobytes()
                 + scales.cpu().contiguous().to(torch.float32).numpy().astype("<f4", copy=False).tobytes())
 
-    def decode(self, data, shape: tuple[int, ...]) -> np.ndarray:
+    def decode(self, data: bytes | bytearray | memoryview | np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         """The logical float32 values of one encoded chunk of `shape` (with the plug-in)."""
         enc = self.split(data, shape)
         payload = torch.from_numpy(np.require(enc.payload, requirements=["C", "W"]).reshape(-1))

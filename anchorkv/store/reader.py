@@ -11,7 +11,15 @@ import numpy as np
 
 from anchorkv.store.backends import Backend
 from anchorkv.store.errors import CorruptEntry
-from anchorkv.store.format import EMPTY, ArrayLayout, Encoded, Part, crc32c, index_nbytes, parse_shard_index
+from anchorkv.store.format import (
+    EMPTY,
+    ArrayLayout,
+    Encoded,
+    Part,
+    crc32c,
+    index_nbytes,
+    parse_shard_index,
+)
 from anchorkv.store.manifest import EntryInfo, numcodecs_compressor
 from anchorkv.store.plan import ChunkSlice
 
@@ -37,6 +45,7 @@ class _RangeRead(NamedTuple):
 
 
 def copy_into(dst: Encoded, src: Encoded) -> None:
+    """Copy an encoded block into another's place (`src` broadcasts, e.g. one zero row to many)."""
     np.copyto(dst.payload, src.payload)
     if dst.scales.size:
         np.copyto(dst.scales, src.scales)

@@ -9,19 +9,25 @@ quantized ones. `open_entry` adds the dequantization, so a field reads as its lo
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from anchorkv.store.format import SCALES_SUFFIX
+from anchorkv.store.manifest import ATTR
 
-ATTR = "anchorkv"
+if TYPE_CHECKING:
+    import torch
+    import zarr
+
+#: What indexes the leading axes of a field (as numpy and zarr take it).
+Index = int | slice | tuple[int | slice, ...]
 
 
 class FieldValues:
     """One field of an entry; indexing the leading axes (not the last) gives float32 values."""
 
-    def __init__(self, group, name: str) -> None:
+    def __init__(self, group: zarr.Group, name: str) -> None:
         self.codes = group[name]
         self.meta: dict[str, Any] = dict(self.codes.attrs[ATTR])
         self.scales = group[name + SCALES_SUFFIX] if "scales" in self.meta else None
@@ -37,7 +43,7 @@ class FieldValues:
     def attrs(self) -> dict[str, Any]:
         return self.meta
 
-    def __getitem__(self, index) -> np.ndarray:
+    def __getitem__(self, index: Index) -> np.ndarray:
         import torch
 
         from anchorkv.codec.packed import dtype_from_name
@@ -66,7 +72,7 @@ class FieldValues:
         return out.to(torch.float32).numpy()
 
 
-    def _plugin_values(self, index, codes: np.ndarray, dtype) -> np.ndarray:
+    def _plugin_values(self, index: tuple[int | slice, ...], codes: np.ndarray, dtype: torch.dtype) -> np.ndarray:
         """Values of a field a codec plug-in encoded: decoded by that plug-in (`MissingCodec`,
         one line naming it, when it is not installed)."""
         import torch
@@ -93,7 +99,7 @@ class FieldValues:
 class EntryValues:
     """An entry opened for reading values: ``entry["recurrent"][3]``, ``entry.manifest``."""
 
-    def __init__(self, group) -> None:
+    def __init__(self, group: zarr.Group) -> None:
         self.group = group
         self.manifest: dict[str, Any] = dict(group.attrs[ATTR])
 

@@ -8,15 +8,16 @@ nothing.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 import contextlib
 import json
 import logging
 import os
 import re
 import threading
-from typing import Any, Callable, Iterator, Literal, Mapping, NamedTuple, Sequence
 import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -40,11 +41,17 @@ from anchorkv.store.errors import (
 from anchorkv.store.format import (
     FORMAT_VERSION,
     ArrayLayout,
-    Encoded,
     array_layouts,
     zero_chunk,
 )
-from anchorkv.store.keys import PrefixHasher, TOKEN_BLOCK, anchor_key, check_key, normalize_anchor, token_key
+from anchorkv.store.keys import (
+    TOKEN_BLOCK,
+    PrefixHasher,
+    anchor_key,
+    check_key,
+    normalize_anchor,
+    token_key,
+)
 from anchorkv.store.manifest import (
     EntryInfo,
     Listing,
@@ -57,9 +64,17 @@ from anchorkv.store.manifest import (
     parse_entry_name,
     parse_group,
 )
-from anchorkv.store.paths import ENTRIES, PROBE, ZARR_JSON, begun_marker, entry_path, key_path, zarr_json
+from anchorkv.store.paths import (
+    ENTRIES,
+    PROBE,
+    ZARR_JSON,
+    begun_marker,
+    entry_path,
+    key_path,
+    zarr_json,
+)
 from anchorkv.store.plan import ChunkSlice, chunk_plan, rank_region
-from anchorkv.store.reader import read_chunks, verify_shard
+from anchorkv.store.reader import copy_into, read_chunks, verify_shard
 from anchorkv.store.writer import EntryWriter
 
 log = logging.getLogger("anchorkv.store")
@@ -90,7 +105,7 @@ class Store:
 
     @classmethod
     def open(cls, url: str | os.PathLike, *, capacity_bytes: int | None = None, io_threads: int = 4,
-             create: bool = True, **options) -> "Store":
+             create: bool = True, **options: Any) -> "Store":
         """Open the store at a local path or ``s3://bucket/prefix``.
 
         create=True (what a writer needs): create it if needed and check that it is writable
@@ -142,7 +157,8 @@ class Store:
         return hit[1]
 
     @staticmethod
-    def key_for(fingerprint_hash: str, *, anchor: str | None = None, tokens=None, scope: str | None = None) -> str:
+    def key_for(fingerprint_hash: str, *, anchor: str | None = None, tokens: Sequence[int] | np.ndarray | None = None,
+                scope: str | None = None) -> str:
         """The key of an anchor (or, without one, of the prompt's first token block), within
         `scope` (an opaque isolation scope, e.g. a digest of a tenant's salt; None: unscoped)."""
         if anchor is not None:
@@ -223,8 +239,8 @@ class Store:
             eviction.evict(self, self.capacity_bytes, keep={info.id})
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, *, fingerprint_hash: str, tokens=None, anchor: str | None = None,
-               mode: Mode = "exact", max_tokens: int | None = None,
+    def lookup(self, *, fingerprint_hash: str, tokens: Sequence[int] | np.ndarray | None = None,
+               anchor: str | None = None, mode: Mode = "exact", max_tokens: int | None = None,
                multiple_of: int = 1, scope: str | None = None,
                why: list[str] | None = None) -> EntryInfo | None:
         """The best committed entry for a request, or None. No side effects.
@@ -406,7 +422,7 @@ class Store:
                 if region[1].stop > end:
                     lo = max(0, end - start_token)
                     tail = out.region((slice(0, 1), slice(lo, block[1]), *[slice(0, n) for n in block[2:]]))
-                    _copy(tail, zero_chunk(codec, (1, 1, *block[2:])), broadcast=True)
+                    copy_into(tail, zero_chunk(codec, (1, 1, *block[2:])))  # broadcast over the rows
             self._touch(info.id)
         cols = codec.columns
         return Packed(codec.spec, shape, lf.dtype, torch.from_numpy(payload),
@@ -435,7 +451,7 @@ class Store:
             raise CorruptEntry(info.id, f"field {array.field!r}: " + "; ".join(problems) + "; recompute")
         self._checked.add(ok_key)
 
-    def load_async(self, *args, **kwargs) -> Future:
+    def load_async(self, *args: Any, **kwargs: Any) -> Future:
         """`load` on the I/O pool: a future of the `Packed`."""
         return self.submit(self.load, *args, **kwargs)
 
@@ -534,14 +550,14 @@ class Store:
         return eviction.gc(self, stale_after, progress, dry_run=dry_run)
 
     # ------------------------------------------------------------------ threads
-    def submit(self, fn: Callable[..., Any], *args, **kwargs) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
         """Run `fn(*args, **kwargs)` on the store's I/O threads."""
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="anchorkv-io")
         return self._pool.submit(fn, *args, **kwargs)
 
-    def _chunk_submit(self, fn: Callable[..., Any], *args) -> Future:
+    def _chunk_submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """`fn(*args)` on a chunk thread (not the I/O pool, whose tasks call this); the caller
         must wait for the future. With CHUNK_THREADS < 2 it runs here, at once."""
         if CHUNK_THREADS < 2:
@@ -567,7 +583,7 @@ class Store:
     def __enter__(self) -> "Store":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -583,9 +599,3 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 #: What a Zarr reader takes from an array's zarr.json (`verify` compares them with the manifest's).
 _ARRAY_KEYS = ("zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
                "fill_value", "codecs")
-
-
-def _copy(dst: Encoded, src: Encoded, broadcast: bool = False) -> None:
-    np.copyto(dst.payload, src.payload)
-    if dst.scales.size:
-        np.copyto(dst.scales, src.scales)

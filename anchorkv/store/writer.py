@@ -10,10 +10,15 @@ Protocol (multi-process safe; ranks may be separate processes or machines):
 2. `finish_rank` puts the rank's part marker ``.staging/<write id>/parts/rank-R-of-T.json``
    (the entry header plus the crc32c, size and offset of each inner chunk the rank wrote and
    the crc32c and size of each shard file), atomically;
-3. one process (rank 0, or the scheduler with `Store.commit_staged`) calls `commit`: it
-   checks that all T markers are there and that together they cover every shard and inner
-   chunk of every array, writes the arrays' ``zarr.json`` and last the group ``zarr.json`` holding the
-   manifest, and publishes (local: one directory rename; object store: the manifest put).
+3. one process (rank 0, or the scheduler with `Store.commit_staged`) calls `commit`
+   (`anchorkv.store.commit`): it checks that all T markers are there and that together they
+   cover every shard and inner chunk of every array, writes the arrays' ``zarr.json`` and last
+   the group ``zarr.json`` holding the manifest, and publishes (local: one directory rename;
+   object store: the manifest put).
+
+Paths are those of `anchorkv.store.paths`; which chunks and shards a rank writes, those of
+`anchorkv.store.plan`. The writer knows nothing of `Store`: it gets a `Backend`, where to compute
+checksums (`chunk_submit`) and what to call once the entry is committed (`on_commit`).
 
 A kill -9 anywhere before the publication leaves only staging garbage, which lookups never
 see and `Store.gc` removes. Two writers of the same entry: locally the second rename fails and
@@ -23,10 +28,11 @@ the oldest (gc removes the other).
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 import functools
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +68,7 @@ def _index(k: tuple[int, ...], slots: tuple) -> bytes:
     return shard_index(k, dict(slots))
 
 
-def _checksums(placed: list, index: bytes, combine) -> tuple[dict[str, list[int]], int]:
+def _checksums(placed: list, index: bytes, combine: Callable[[int, int, int], int]) -> tuple[dict[str, list[int]], int]:
     """({inner chunk: [crc32c, nbytes, offset]}, crc32c of the whole shard) of a shard's
     chunks `(name, buffers, nbytes, offset)` followed by its index."""
     sums: dict[str, list[int]] = {}

@@ -17,9 +17,9 @@ neighbours, and a published entry is readable where the backend says it lives.
 
 from __future__ import annotations
 
-from array import array
 import json
 import time
+from array import array
 
 import pytest
 
@@ -69,7 +69,8 @@ class BackendTests:
     def test_write_then_read_gives_the_bytes_back(self, backend: Backend, atomic: bool) -> None:
         backend.ensure_root()
         words = array("I", [1, 2, 0xDEADBEEF])  # a buffer of 4-byte items: written as its bytes
-        buffers = [b"head", bytearray(_payload(1000)), memoryview(_payload(7, 1)), memoryview(words), b""]
+        buffers: list[bytes | bytearray | memoryview] = [
+            b"head", bytearray(_payload(1000)), memoryview(_payload(7, 1)), memoryview(words), b""]
         backend.write("a/b/c.bin", buffers, atomic=atomic)
         assert backend.read("a/b/c.bin") == b"head" + _payload(1000) + _payload(7, 1) + words.tobytes()
 
@@ -127,7 +128,8 @@ class BackendTests:
         backend.ensure_root()
         assert backend.mtime("m/obj") is None
         backend.write("m/obj", [b"x"])
-        assert abs(backend.mtime("m/obj") - time.time()) < CLOCK_SLACK
+        mtime = backend.mtime("m/obj")
+        assert mtime is not None and abs(mtime - time.time()) < CLOCK_SLACK
 
     # ------------------------------------------------------------------ prefixes
     def test_list_dir_is_one_level_and_sorted(self, backend: Backend) -> None:
@@ -157,7 +159,8 @@ class BackendTests:
         backend.write("s/b/c", [_payload(25), _payload(5)])
         backend.write("s2/not-counted", [_payload(1000)])
         assert backend.tree_size("s") == 40
-        assert abs(backend.newest_mtime("s") - time.time()) < CLOCK_SLACK
+        newest = backend.newest_mtime("s")
+        assert newest is not None and abs(newest - time.time()) < CLOCK_SLACK
 
     def test_remove_empty_dir_keeps_a_key_that_holds_entries(self, backend: Backend) -> None:
         backend.ensure_root()

@@ -8,7 +8,15 @@ import threading
 import pytest
 import torch
 
-from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, CodecSpec, Field, PageLayout, custom_layout, kimi_linear_layout, pack
+from anchorkv.codec import (
+    KIMI_LINEAR_48B_CONFIG,
+    CodecSpec,
+    Field,
+    PageLayout,
+    custom_layout,
+    kimi_linear_layout,
+    pack,
+)
 from anchorkv.codec.layout import CacheView, Region, dense_strides
 from anchorkv.connector.config import ConnectorConfig
 from anchorkv.connector.plan import SaveSpec

@@ -14,8 +14,8 @@ import pytest
 
 from anchorkv.cli import main
 from anchorkv.store.cli import human_age, human_bytes
+from anchorkv.store.paths import STAGING
 from anchorkv.store.store import Store
-from anchorkv.store.writer import STAGING
 from tests.store.helpers import CODECS, RAW_CODECS, all_packed, tiny_layout, tokens
 
 ROOT = Path(__file__).resolve().parents[2]

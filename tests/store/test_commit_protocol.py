@@ -25,9 +25,8 @@ import torch
 import zarr
 
 from anchorkv.store import EntryNotFound
-from anchorkv.store.manifest import ENTRIES
+from anchorkv.store.paths import ENTRIES, STAGING
 from anchorkv.store.store import Store
-from anchorkv.store.writer import STAGING
 from tests.store.helpers import CODECS, all_packed, tiny_layout, tokens
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,6 +16,7 @@ prefix is invisible garbage that `gc` removes.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from anchorkv.store.backends._local import LocalBackend
 from anchorkv.store.backends._object import ObjectBackend
@@ -24,7 +25,7 @@ from anchorkv.store.errors import StoreUnavailable
 from anchorkv.store.paths import TRASH
 
 
-def open_backend(url: str | os.PathLike, **options) -> Backend:
+def open_backend(url: str | os.PathLike, **options: Any) -> Backend:
     """A backend for a path (local) or an ``s3://`` URL."""
     text = os.fspath(url)
     if text.startswith("s3://"):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import errno
 import os
-from pathlib import Path
 import shutil
-from typing import TYPE_CHECKING
 import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from anchorkv.store.backends._protocol import Buffers
 from anchorkv.store.errors import StoreUnavailable

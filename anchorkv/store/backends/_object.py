@@ -9,7 +9,7 @@ first use (the S3 extra), so a local store never needs it.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
 
 from anchorkv.store.backends._protocol import Buffers
@@ -30,7 +30,7 @@ class ObjectBackend:
 
     atomic_publish = False
 
-    def __init__(self, url: str, **options) -> None:
+    def __init__(self, url: str, **options: Any) -> None:
         parsed = urlparse(url)
         if parsed.scheme != "s3" or not parsed.netloc:
             raise StoreUnavailable(f"an object-store URL looks like s3://bucket/prefix, found {url!r}")
