@@ -182,6 +182,8 @@ def _write_results(quick):
     }, indent=1) + "\n")
 
 
+# torch.compile (torch 2.11) goes through torch.jit.script_method, which warns it is deprecated
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("tp", [1, 4])
 @pytest.mark.parametrize("provider", ["ours", "copy", "eager", "compile"])
 @pytest.mark.parametrize("op", ["pack", "unpack"])

@@ -67,6 +67,8 @@ def main(argv=None) -> int:
             print(f"   {cnt/args.iters:5.1f}x {us/args.iters:9.1f} us  {k}")
         if name != "copy":
             _per_launch(name, req, prof, args.iters)
+        if name == "pack":
+            _host_breakdown(req)
         if name != "copy":
             pr = cProfile.Profile()
             pr.enable()
@@ -78,6 +80,50 @@ def main(argv=None) -> int:
             pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
             print("\n".join(s.getvalue().splitlines()[:50]))
     return 0
+
+
+def _host_breakdown(req, iters: int = 200) -> None:
+    """Host microseconds of each step of one `pack_many` call of the request (no profiler:
+    perf_counter over `iters` calls, the GPU left to run behind)."""
+    from anchorkv import kernels
+    from anchorkv.kernels import batch as B, triton_pack as tp
+
+    items = req.items
+
+    def per_call(fn) -> float:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        host = (time.perf_counter() - t) / iters * 1e6
+        torch.cuda.synchronize()
+        return host
+
+    ids = B.check_all_ids(items)
+    plan = tp._plan_for(items, ids)
+    launches, real = [], tp._pack_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda **kw: launches.append((grid, kw))
+
+    steps = {"kernels.pack_many (all of it)": lambda: kernels.pack_many(items),
+             "check the block ids": lambda: B.check_all_ids(items),
+             "find the cached plan": lambda: tp._plan_for(items, ids)}
+    tp._pack_kernel = Recorder()
+    try:
+        steps["plan.run without the launches"] = lambda: plan.run(ids)
+        host = {k: per_call(v) for k, v in steps.items()}
+    finally:
+        tp._pack_kernel = real
+    last = launches[-len([l for l in plan.launches if l.runs]):]
+    host[f"the {len(last)} Triton launches alone"] = per_call(
+        lambda: [real[g](**kw) for g, kw in last])
+    print("   host time per pack_many call, by step:")
+    for k, us in host.items():
+        print(f"     {k:40s} {us:8.1f} us")
 
 
 def _per_launch(name, req, prof, iters) -> None:

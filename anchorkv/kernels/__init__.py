@@ -71,9 +71,20 @@ def _split_by_backend(items) -> tuple[list[int], list[int]]:
     return triton_idx, reference_idx
 
 
+def _all_triton(items) -> bool:
+    """Whether every item is a CUDA tensor that the Triton kernels take (the common case, checked
+    without building a device object per item)."""
+    return (bool(items) and all(it.buffer.is_cuda for it in items)
+            and backend_for(items[0].buffer.device) == "triton")
+
+
 def pack_many(items: Sequence[PackItem]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`pack` of every item, in order; Triton items share launches (see `kernels.triton_pack.pack_many`)."""
     items = list(items)
+    if _all_triton(items):
+        from anchorkv.kernels.triton_pack import pack_many as triton_pack_many
+
+        return triton_pack_many(items)
     out: list = [None] * len(items)
     triton_idx, reference_idx = _split_by_backend(items)
     if triton_idx:
@@ -90,6 +101,10 @@ def pack_many(items: Sequence[PackItem]) -> list[tuple[torch.Tensor, torch.Tenso
 def unpack_many(items: Sequence[UnpackItem]) -> None:
     """`unpack` of every item; their targets must not overlap."""
     items = list(items)
+    if _all_triton(items):
+        from anchorkv.kernels.triton_unpack import unpack_many as triton_unpack_many
+
+        return triton_unpack_many(items)
     triton_idx, reference_idx = _split_by_backend(items)
     if triton_idx:
         from anchorkv.kernels.triton_unpack import unpack_many as triton_unpack_many

@@ -231,6 +231,13 @@ def check_all_ids(items, *, distinct: bool = False) -> list[tuple[int, ...]]:
     return out
 
 
+def plan_key(items, ids: list[tuple[int, ...]]) -> tuple:
+    """What a launch plan of `items` depends on: each item's device (type and index), region
+    address, field, format, group and number of block ids."""
+    return tuple((it.buffer.is_cuda, it.buffer.get_device(), it.buffer.data_ptr(), it.field,
+                  QUANT[it.fmt], it.group, len(i)) for it, i in zip(items, ids))
+
+
 def byte_address(t: torch.Tensor) -> int:
     """Address of the first byte of `t` (its storage start plus its storage offset)."""
     return t.data_ptr()

@@ -325,8 +325,7 @@ _plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
 def _plan_for(items: Sequence[B.PackItem], ids: list[tuple[int, ...]]) -> _Plan:
     """The cached plan of `items` (keyed by what a plan depends on: each item's device, region
     address, field, format, group and number of ids)."""
-    key = tuple((it.buffer.device, it.buffer.data_ptr(), it.field, B.QUANT[it.fmt], it.group,
-                 len(i)) for it, i in zip(items, ids))
+    key = B.plan_key(items, ids)
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _Plan(items, ids)
@@ -352,11 +351,11 @@ def pack_many(items: Sequence[B.PackItem]) -> list[tuple[torch.Tensor, torch.Ten
     if not items:
         return []
     ids = B.check_all_ids(items)
-    device = items[0].buffer.device
-    if all(it.buffer.device == device for it in items):
+    device = items[0].buffer.get_device()  # (an int: cheaper than a device object per item)
+    if all(it.buffer.get_device() == device for it in items):
         return _plan_for(items, ids).run(ids)
     out: list = [None] * len(items)  # several devices: one plan each
-    for members in B.group_items([it.buffer.device for it in items]):
+    for members in B.group_items([it.buffer.get_device() for it in items]):
         sub_ids = [ids[i] for i in members]
         for i, result in zip(members, _plan_for([items[i] for i in members], sub_ids).run(sub_ids)):
             out[i] = result

@@ -193,8 +193,7 @@ _plans: "OrderedDict[tuple, list[_Launch]]" = OrderedDict()
 
 
 def _plan_for(items: Sequence[B.UnpackItem], ids: list[tuple[int, ...]]) -> list[_Launch]:
-    key = tuple((it.buffer.device, it.buffer.data_ptr(), it.field, B.QUANT[it.fmt], it.group,
-                 len(i)) for it, i in zip(items, ids))
+    key = B.plan_key(items, ids)
     plan = _plans.get(key)
     if plan is None:
         keys = [B.signature(it.buffer.device, it.field, i, it.fmt, it.group)
