@@ -127,7 +127,15 @@ class Field:
         return tuple(out)
 
     def geometry(self, block_stride: int) -> StridedField:
-        return StridedField(self.dtype, self.shape, self.strides, self.offset, block_stride)
+        # one object per block stride, kept on the instance (outside the dataclass fields, so
+        # equality and hashing do not see it): the connector asks for it every step, and the
+        # kernels' launch plans compare it to the one they were built from (identity first)
+        cache = self.__dict__.setdefault("_geometries", {})
+        out = cache.get(block_stride)
+        if out is None:
+            out = cache[block_stride] = StridedField(self.dtype, self.shape, self.strides,
+                                                     self.offset, block_stride)
+        return out
 
 
 def tp_slice(length: int, tp_size: int, tp_rank: int) -> slice:
