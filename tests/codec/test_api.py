@@ -17,10 +17,10 @@ from anchorkv.codec import (
     pack,
     pack_many,
     register_codec,
+    registry,
     unpack,
     unpack_many,
 )
-from anchorkv.codec import registry
 from anchorkv.kernels import dispatch
 
 
@@ -63,7 +63,8 @@ def test_mla_fp8_restore_clears_floor_and_keeps_kda(kimi_views):
 def test_unpack_refuses_wrong_shape_or_dtype(kimi_views):
     _, kda, _ = kimi_views
     packed = pack(kda, "recurrent", [1, 2], "int8")
-    with pytest.raises(ValueError, match=r"field 'recurrent': it expects torch.float32 \[1, 4, 128, 128\].*\[2, 4, 128, 128\]"):
+    expects = r"field 'recurrent': it expects torch.float32 \[1, 4, 128, 128\].*\[2, 4, 128, 128\]"
+    with pytest.raises(ValueError, match=expects):
         unpack(packed, kda, "recurrent", [4])
     with pytest.raises(ValueError, match="cannot unpack into field 'conv'"):
         unpack(packed, kda, "conv", [4, 5])
@@ -201,7 +202,7 @@ def test_pack_many_and_unpack_many_equal_one_by_one(kimi_views, monkeypatch):
                 (mla, "latent", [5], "int4:64"), (kda, "conv", [1], "raw")]
     many = pack_many(requests)
     assert len(many) == len(requests)
-    for got, (view, field, ids, codec) in zip(many, requests):
+    for got, (view, field, ids, codec) in zip(many, requests, strict=True):
         assert _same(got, pack(view, field, ids, codec)), (field, codec)
     targets = [[4], [0, 5], [0, 1], [3], [2], [0]]
     fields = [(r[0], r[1]) for r in requests]
@@ -210,9 +211,10 @@ def test_pack_many_and_unpack_many_equal_one_by_one(kimi_views, monkeypatch):
     for lo, hi in ((0, 3), (3, 6)):
         expect = buf.clone()
         exp_views = {id(v): CacheView(Region(expect, 6, v.region.block_stride), v.page, v.name) for v in (kda, mla)}
-        for p, (view, field), ids in zip(many[lo:hi], fields[lo:hi], targets[lo:hi]):
+        batch = list(zip(many[lo:hi], fields[lo:hi], targets[lo:hi], strict=True))
+        for p, (view, field), ids in batch:
             unpack(p, exp_views[id(view)], field, ids)
-        unpack_many([(p, view, field, ids) for p, (view, field), ids in zip(many[lo:hi], fields[lo:hi], targets[lo:hi])])
+        unpack_many([(p, view, field, ids) for p, (view, field), ids in batch])
         assert torch.equal(buf, expect)
 
 

@@ -21,10 +21,10 @@ from anchorkv.codec import (
     kimi_linear_layout,
     pack,
     pack_many,
+    registry,
     unpack,
     unpack_many,
 )
-from anchorkv.codec import registry
 from anchorkv.kernels import reference
 from anchorkv.kernels.formats import Quant, payload_nbytes
 from anchorkv.kernels.reference import dequantize, quantize, round_to_bf16
@@ -194,7 +194,7 @@ def test_pack_many_mixes_bf16_with_kernel_formats(kda):
     buf, view = kda
     requests = [(view, "recurrent", [0], "bf16"), (view, "conv", [1], "fp8:64"), (view, "recurrent", [1], "int8")]
     many = pack_many(requests)
-    for got, (v, field, ids, codec) in zip(many, requests):
+    for got, (v, field, ids, codec) in zip(many, requests, strict=True):
         one = pack(v, field, ids, codec)
         assert got.codec == one.codec and torch.equal(got.payload, one.payload)
     expect = buf.clone()

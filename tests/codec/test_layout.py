@@ -39,8 +39,8 @@ def test_kimi_sizes_match_vllm(tp, block_size, page, state):
 
 def test_kimi_layer_kinds_follow_config():
     layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG)
-    assert [l.index for l in layout.of_kind(LayerKind.STATE)] == KDA_LAYERS
-    assert [l.index for l in layout.of_kind("paged")] == MLA_LAYERS
+    assert [layer.index for layer in layout.of_kind(LayerKind.STATE)] == KDA_LAYERS
+    assert [layer.index for layer in layout.of_kind("paged")] == MLA_LAYERS
     assert layout.layers[26].name == "model.layers.26.self_attn"
 
 

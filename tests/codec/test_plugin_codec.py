@@ -8,8 +8,8 @@ real ``importlib.metadata`` distribution on `sys.path`), and the example plug-in
 from __future__ import annotations
 
 import math
-from pathlib import Path
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,7 +98,8 @@ def test_builtin_ids_agree_with_the_formats():
 @pytest.mark.parametrize("text,spec", [
     ("lowrank", CodecSpec("lowrank", None)),
     ("lowrank:rank=16,code_dtype=float16", CodecSpec("lowrank", None, {"rank": 16, "code_dtype": "float16"})),
-    ("lowrank:rank=16,group=64,x=1.5,y=true,z=null", CodecSpec("lowrank", 64, {"rank": 16, "x": 1.5, "y": True, "z": None})),
+    ("lowrank:rank=16,group=64,x=1.5,y=true,z=null",
+     CodecSpec("lowrank", 64, {"rank": 16, "x": 1.5, "y": True, "z": None})),
     ("int8:64", CodecSpec("int8", 64)),
     ("fp8", CodecSpec("fp8", 128)),
 ])

@@ -30,10 +30,10 @@ def _nearest_e4m3(v: torch.Tensor) -> torch.Tensor:
     out = []
     for x in v.double().tolist():
         sign = 0x80 if math.copysign(1.0, x) < 0 else 0
-        candidates = [c for c in range(sign, sign + 0x7F)]  # same-sign finite codes
+        candidates = list(range(sign, sign + 0x7F))  # same-sign finite codes
         dist = [abs(table[c].item() - x) for c in candidates]
         best = min(dist)
-        tied = [c for c, d in zip(candidates, dist) if d == best]
+        tied = [c for c, d in zip(candidates, dist, strict=True) if d == best]
         out.append(next((c for c in tied if c % 2 == 0), tied[0]))
     return torch.tensor(out, dtype=torch.uint8)
 

@@ -19,7 +19,7 @@ def itemsize(dtype: torch.dtype) -> int:
 def make_field(dtype, shape, strides, *, offset_elems=3, pad_bytes=40) -> StridedField:
     """A field at an odd element offset in a page padded by `pad_bytes` (kept 8-aligned)."""
     size = itemsize(dtype)
-    extent = (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * size
+    extent = (sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1) * size
     offset = offset_elems * size
     block_stride = offset + extent + pad_bytes
     block_stride += (-block_stride) % 8

@@ -20,12 +20,12 @@ target (unpack) is 16 bytes wide; only item-table (b64) and scale (b32) accesses
 from __future__ import annotations
 
 import argparse
-from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
 import json
 import os
 import re
 import sys
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -91,10 +91,11 @@ class _Recorder:
 
 def specializations(items=None) -> list[dict]:
     """Every distinct (kernel, specialization) the launch path produces, with its labels."""
-    from anchorkv.kernels import batch, triton_pack, triton_unpack
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
+
+    from anchorkv.kernels import batch, triton_pack, triton_unpack
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
@@ -262,7 +263,7 @@ def main(argv=None) -> int:
         specs = specs[: args.limit]
     work = [(s["op"], *s.pop("_compile")) for s in specs]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for s, acc in zip(specs, pool.map(_compile, work)):
+        for s, acc in zip(specs, pool.map(_compile, work), strict=True):
             s["accesses"] = acc
             s["problem"] = check(s)
     failed = [s for s in specs if s["problem"]]

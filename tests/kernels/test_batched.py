@@ -71,12 +71,12 @@ def test_pack_many_equals_reference_item_by_item(codecs):
     items = _request(regions, codecs)
     before = [r.clone() for r in regions]
     results = pack_many(items)
-    for item, (payload, scales) in zip(items, results):
+    for item, (payload, scales) in zip(items, results, strict=True):
         want_p, want_s = reference.pack(item.buffer, item.field, item.block_ids, item.num_blocks,
                                         item.fmt, item.group)
         assert torch.equal(payload, want_p)
         assert torch.equal(scales.view(torch.int32), want_s.view(torch.int32))
-    assert all(torch.equal(a, b) for a, b in zip(regions, before))
+    assert all(torch.equal(a, b) for a, b in zip(regions, before, strict=True))
 
 
 def test_pack_many_uses_one_launch_per_signature(monkeypatch):
@@ -106,25 +106,25 @@ def test_unpack_many_writes_reference_bytes_and_nothing_else():
     targets = _regions(4, seed=4)
     index = {id(b): k for k, b in enumerate(src)}
     moves = []
-    for item, (payload, scales) in zip(items, packed):
+    for item, (payload, scales) in zip(items, packed, strict=True):
         dst_ids = [(b + 1) % 3 for b in item.block_ids] if item.field.dtype == torch.float32 or \
             item.field.shape[0] == TAPS else [4, 5, 3]
         moves.append(UnpackItem(targets[index[id(item.buffer)]], item.field, dst_ids, BLOCKS,
                                 payload, scales, item.fmt, item.group))
     want = [t.clone() for t in targets]
-    want_by_id = {id(t): w for t, w in zip(targets, want)}
+    want_by_id = {id(t): w for t, w in zip(targets, want, strict=True)}
     for m in moves:
         reference.unpack(want_by_id[id(m.buffer)], m.field, m.block_ids, m.num_blocks, m.payload,
                          m.scales, m.fmt, m.group)
     before = [t.clone() for t in targets]
     unpack_many(moves)
-    for t, w, b in zip(targets, want, before):
+    for t, w in zip(targets, want, strict=True):
         assert torch.equal(t, w)
     for m in moves:  # outside every item's target bytes nothing changed
         k = [id(t) for t in targets].index(id(m.buffer))
         mask = touched(m.buffer, m.field, BLOCKS, m.block_ids)
         assert torch.equal(targets[k][mask], want[k][mask])
-    assert not any(torch.equal(t, b) for t, b in zip(targets, before))
+    assert not any(torch.equal(t, b) for t, b in zip(targets, before, strict=True))
 
 
 def test_public_entry_falls_back_to_the_reference(monkeypatch):
@@ -133,14 +133,15 @@ def test_public_entry_falls_back_to_the_reference(monkeypatch):
     ref = kernels.pack_many(items)
     monkeypatch.setenv("ANCHORKV_BACKEND", "triton")
     tri = kernels.pack_many(items)
-    for (a, b), (c, d) in zip(ref, tri):
+    for (a, b), (c, d) in zip(ref, tri, strict=True):
         assert torch.equal(a, c) and torch.equal(b.view(torch.int32), d.view(torch.int32))
 
 
 def test_codec_api_through_the_triton_backend(monkeypatch):
     """`anchorkv.codec.pack`/`unpack` on a Kimi layout give the same bytes on both backends."""
-    from anchorkv.codec import CacheView, KIMI_LINEAR_48B_CONFIG, Region, kimi_linear_layout
-    from anchorkv.codec import pack as codec_pack, unpack as codec_unpack
+    from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, CacheView, Region, kimi_linear_layout
+    from anchorkv.codec import pack as codec_pack
+    from anchorkv.codec import unpack as codec_unpack
 
     layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=8, conv_layout="DS")
     kda = layout.of_kind("state")[0].page
@@ -157,4 +158,4 @@ def test_codec_api_through_the_triton_backend(monkeypatch):
         target = buf.clone()
         codec_unpack(packed, CacheView(Region(target, 3, kda.page_bytes), kda), "conv", [2])
         out[backend] = (packed.payload, packed.scales.view(torch.int32), target)
-    assert all(torch.equal(a, b) for a, b in zip(out["reference"], out["triton"]))
+    assert all(torch.equal(a, b) for a, b in zip(out["reference"], out["triton"], strict=True))

@@ -32,7 +32,7 @@ def test_kimi_request_round_trip_equals_reference(tp, codecs):
                              device="cuda", generator=g) for _ in range(4)]
     items = []
     for buf in regions:
-        for f, codec in zip(kda.fields, codecs):
+        for f, codec in zip(kda.fields, codecs, strict=True):
             geom = f.geometry(kda.page_bytes)
             view = torch.randn((blocks, *f.shape), device="cuda", generator=g).to(f.dtype)
             field_view(buf, geom, blocks)[:6] = view[:6]
@@ -44,7 +44,7 @@ def test_kimi_request_round_trip_equals_reference(tp, codecs):
         items.append(PackItem(buf, lat, [6, 9, 7, 11], blocks, codecs[2], 64))
     results = pack_many(items)
     moves = []
-    for it, (p, s) in zip(items, results):
+    for it, (p, s) in zip(items, results, strict=True):
         wp, ws = reference.pack(it.buffer, it.field, it.block_ids, blocks, it.fmt, it.group)
         assert torch.equal(p, wp) and torch.equal(s.view(torch.int32), ws.view(torch.int32))
         dst = [3] if len(it.block_ids) == 1 else [8, 10, 6, 7]
@@ -54,4 +54,4 @@ def test_kimi_request_round_trip_equals_reference(tp, codecs):
         reference.unpack(want[[id(r) for r in regions].index(id(m.buffer))], m.field,
                          m.block_ids, blocks, m.payload, m.scales, m.fmt, m.group)
     unpack_many(moves)
-    assert all(torch.equal(r, w) for r, w in zip(regions, want))
+    assert all(torch.equal(r, w) for r, w in zip(regions, want, strict=True))
