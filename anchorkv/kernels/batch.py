@@ -24,6 +24,7 @@ import torch
 from anchorkv.kernels import reference
 from anchorkv.kernels.formats import (
     ELEMENTWISE,
+    KERNEL_FORMAT,
     SCALE_COLUMNS,
     Quant,
     payload_nbytes,
@@ -34,11 +35,12 @@ from anchorkv.kernels.geometry import StridedField
 #: Same-size integer dtype used to move the bits of a field element.
 INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-#: `SRC`/`DST` constexpr of the kernels for each quantizable source dtype (see `bits.widen`).
+#: `SRC`/`DST` constexpr of the kernels for each quantizable source dtype (`bits.BF16`,
+#: `bits.FP16`, `bits.FP32`; see `bits.widen`).
 FLOAT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
-#: `FMT` constexpr of the kernels.
-FMT_CODE = {Quant.RAW: 0, Quant.FP8: 1, Quant.INT8: 2, Quant.INT4: 3, Quant.BF16: 4}
+#: `FMT` constexpr of the kernels (`bits.FMT_*`).
+FMT_CODE = KERNEL_FORMAT
 
 #: Leading axes the kernels unravel a row index into (after merging mergeable axes).
 MAX_LEADING_AXES = 3

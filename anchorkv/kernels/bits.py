@@ -19,22 +19,40 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from anchorkv.kernels.formats import BF16_NAN_BITS, FP16_NAN_BITS, FP32_NAN_BITS, KERNEL_FORMAT, Quant
+
 #: 1.5 * 2**23: adding and subtracting it rounds an fp32 of magnitude < 2**22 to an integer, RNE.
-RNE_MAGIC = 12582912.0
+RNE_MAGIC = tl.constexpr(12582912.0)
+
+#: The kernels' `FMT` constexpr values (`formats.KERNEL_FORMAT`).
+FMT_RAW = tl.constexpr(KERNEL_FORMAT[Quant.RAW])
+FMT_FP8 = tl.constexpr(KERNEL_FORMAT[Quant.FP8])
+FMT_INT8 = tl.constexpr(KERNEL_FORMAT[Quant.INT8])
+FMT_INT4 = tl.constexpr(KERNEL_FORMAT[Quant.INT4])
+FMT_BF16 = tl.constexpr(KERNEL_FORMAT[Quant.BF16])
+
+#: The `SRC` / `DST` constexpr values: the float dtype of a field (`batch.FLOAT_KIND`).
+BF16 = tl.constexpr(0)
+FP16 = tl.constexpr(1)
+FP32 = tl.constexpr(2)
+
+_BF16_NAN = tl.constexpr(BF16_NAN_BITS)
+_FP16_NAN = tl.constexpr(FP16_NAN_BITS)
+_FP32_NAN = tl.constexpr(FP32_NAN_BITS)
 
 
 @triton.jit
 def rne(x):
     """Round to the nearest integer, ties to even; `x` must satisfy |x| < 2**22."""
-    return (x + 12582912.0) - 12582912.0
+    return (x + RNE_MAGIC) - RNE_MAGIC
 
 
 @triton.jit
 def widen(bits, SRC: tl.constexpr):
-    """Integer bits of a bf16 (SRC=0), fp16 (1) or fp32 (2) element -> its exact fp32 value."""
-    if SRC == 0:
+    """Integer bits of a bf16, fp16 or fp32 element (SRC) -> its exact fp32 value."""
+    if SRC == BF16:
         x = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    elif SRC == 1:
+    elif SRC == FP16:
         x = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     else:
         x = bits.to(tl.int32).to(tl.float32, bitcast=True)
@@ -43,25 +61,25 @@ def widen(bits, SRC: tl.constexpr):
 
 @triton.jit
 def narrow(x, DST: tl.constexpr):
-    """fp32 -> integer bits of bf16 (DST=0), fp16 (1) or fp32 (2), RNE, NaN canonical.
+    """fp32 -> integer bits of bf16, fp16 or fp32 (DST), RNE, NaN canonical.
 
     The canonical NaNs are those torch writes on a CPU for an fp32 NaN of bits 0x7FC00000:
     bf16 0x7FC0, fp16 0x7E00, fp32 0x7FC00000.
     """
     is_nan = x != x
     u = x.to(tl.int32, bitcast=True)
-    if DST == 0:
+    if DST == BF16:
         # c10::round_to_nearest_even, done in int32 with logical shifts
         lsb = (u >> 16) & 1
         r = ((u + 0x7FFF + lsb) >> 16) & 0xFFFF
-        r = tl.where(is_nan, 0x7FC0, r)
+        r = tl.where(is_nan, _BF16_NAN, r)
         out = r.to(tl.int16)
-    elif DST == 1:
+    elif DST == FP16:
         h = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        h = tl.where(is_nan, 0x7E00, h)
+        h = tl.where(is_nan, _FP16_NAN, h)
         out = h.to(tl.int16)
     else:
-        out = tl.where(is_nan, 0x7FC00000, u)
+        out = tl.where(is_nan, _FP32_NAN, u)
     return out
 
 
@@ -92,7 +110,7 @@ def fp8_decode(code):
     sub_bits = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
     normal_bits = ((e + 120) << 23) | (m << 20)
     bits = tl.where(e == 0, sub_bits, normal_bits)
-    bits = tl.where((e == 15) & (m == 7), 0x7FC00000, bits)
+    bits = tl.where((e == 15) & (m == 7), _FP32_NAN, bits)
     return (bits | sign).to(tl.float32, bitcast=True)
 
 

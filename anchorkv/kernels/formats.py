@@ -36,6 +36,14 @@ ELEMENTWISE = frozenset({Quant.RAW, Quant.BF16})
 BF16_ITEMSIZE = 2
 BF16_NAN_BITS = 0x7FC0
 
+#: The canonical quiet NaN written for a NaN result, by dtype (what torch writes on a CPU for an
+#: fp32 NaN of bits 0x7FC00000): the reference and the kernels both take them from here.
+FP16_NAN_BITS = 0x7E00
+FP32_NAN_BITS = 0x7FC00000
+
+#: The kernels' `FMT` constexpr of each format (named `FMT_*` constexprs in `kernels.bits`).
+KERNEL_FORMAT = {Quant.RAW: 0, Quant.FP8: 1, Quant.INT8: 2, Quant.INT4: 3, Quant.BF16: 4}
+
 #: The bit pattern written as the scale of a group that held a NaN or an infinity. Its payload
 #: bytes are all zero; decoding gives NaN for the whole group, never a plausible finite value.
 POISON_SCALE_BITS = 0x7FC00000

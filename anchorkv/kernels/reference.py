@@ -38,6 +38,8 @@ import torch
 from anchorkv.kernels.formats import (
     BF16_NAN_BITS,
     FP8_MAX,
+    FP16_NAN_BITS,
+    FP32_NAN_BITS,
     INT4_LEVELS,
     INT8_MAX,
     POISON_SCALE_BITS,
@@ -51,9 +53,9 @@ _POISON = torch.tensor([POISON_SCALE_BITS], dtype=torch.int32).view(torch.float3
 
 #: The NaN written by a decode, per field dtype, as (same-size int dtype, bits).
 _CANONICAL_NAN = {
-    torch.bfloat16: (torch.int16, 0x7FC0),
-    torch.float16: (torch.int16, 0x7E00),
-    torch.float32: (torch.int32, 0x7FC00000),
+    torch.bfloat16: (torch.int16, BF16_NAN_BITS),
+    torch.float16: (torch.int16, FP16_NAN_BITS),
+    torch.float32: (torch.int32, FP32_NAN_BITS),
 }
 
 

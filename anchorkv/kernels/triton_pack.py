@@ -21,7 +21,18 @@ import triton
 import triton.language as tl
 
 from anchorkv.kernels import batch as B
-from anchorkv.kernels.bits import fp8_encode, narrow, rne, row_max, row_min, widen
+from anchorkv.kernels.bits import (
+    FMT_BF16,
+    FMT_FP8,
+    FMT_INT4,
+    FMT_RAW,
+    fp8_encode,
+    narrow,
+    rne,
+    row_max,
+    row_min,
+    widen,
+)
 from anchorkv.kernels.formats import FP8_MAX, INT4_LEVELS, INT8_MAX, POISON_SCALE_BITS, Quant
 from anchorkv.kernels.geometry import StridedField
 
@@ -81,8 +92,8 @@ def _pack_kernel(
     TD,
     NUMEL,
     TAB_W,
-    FMT: tl.constexpr,  # 0 raw, 1 fp8, 2 int8, 3 int4, 4 bf16
-    SRC: tl.constexpr,  # 0 bf16, 1 fp16, 2 fp32 (unused for raw)
+    FMT: tl.constexpr,  # bits.FMT_RAW, FMT_FP8, FMT_INT8, FMT_INT4 or FMT_BF16
+    SRC: tl.constexpr,  # bits.BF16, FP16 or FP32 (unused for raw)
     G: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_G: tl.constexpr,  # next power of two of G
@@ -105,7 +116,7 @@ def _pack_kernel(
     o_out = i_b * NUMEL + o_grp * G  # first element of each group in the packed [N, *F] order
     o_scale = i_b * GROUPS + o_grp
 
-    if FMT == 3:
+    if FMT == FMT_INT4:
         x = widen(tl.load(p_src, mask=m, other=0), SRC)
         ok = tl.abs(x) < float("inf")
         # one max and one min per group: a non-finite element makes the max +inf (the group is
@@ -137,9 +148,9 @@ def _pack_kernel(
     else:
         b_x = tl.load(p_src, mask=m, other=0)
         p_out = payload + o_out[:, None] + o_col[None, :]
-        if FMT == 0:
+        if FMT == FMT_RAW:
             tl.store(p_out, b_x, mask=m)
-        elif FMT == 4:  # bf16 bits of each value, RNE, NaN canonical (as `narrow`)
+        elif FMT == FMT_BF16:  # bf16 bits of each value, RNE, NaN canonical (as `narrow`)
             tl.store(p_out, narrow(widen(b_x, SRC), 0), mask=m)
         else:
             x = widen(b_x, SRC)
@@ -150,7 +161,7 @@ def _pack_kernel(
             bad = amax == float("inf")
             amax = tl.where(bad, 0.0, amax)
             clean = tl.where(ok, x, 0.0)
-            if FMT == 1:
+            if FMT == FMT_FP8:
                 scale = tl.math.div_rn(amax, _FP8_MAX)
                 scale = tl.where(scale == 0.0, 1.0, scale)
                 v = tl.math.div_rn(clean, scale[:, None])

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from anchorkv.kernels import batch as B
-from anchorkv.kernels.bits import fp8_decode, narrow, widen
+from anchorkv.kernels.bits import FMT_BF16, FMT_FP8, FMT_INT4, FMT_RAW, fp8_decode, narrow, widen
 from anchorkv.kernels.formats import Quant
 from anchorkv.kernels.geometry import StridedField
 from anchorkv.kernels.triton_pack import PLAN_CACHE_SIZE, field_tile, launch_config
@@ -44,8 +44,8 @@ def _unpack_kernel(
     TD,
     NUMEL,
     TAB_W,
-    FMT: tl.constexpr,  # 0 raw, 1 fp8, 2 int8, 3 int4, 4 bf16
-    DST: tl.constexpr,  # 0 bf16, 1 fp16, 2 fp32 (unused for raw)
+    FMT: tl.constexpr,  # bits.FMT_RAW, FMT_FP8, FMT_INT8, FMT_INT4 or FMT_BF16
+    DST: tl.constexpr,  # bits.BF16, FP16 or FP32 (unused for raw)
     G: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_G: tl.constexpr,  # next power of two of G
@@ -70,7 +70,7 @@ def _unpack_kernel(
     o_in = i_n * NUMEL + o_grp * G  # first element of each group in the item's [N, *F] order
     o_scale = i_n * GROUPS + o_grp
 
-    if FMT == 3:
+    if FMT == FMT_INT4:
         o_half = tl.arange(0, BLOCK_G // 2).to(tl.int64)
         m_half = m_grp[:, None] & (o_half < G // 2)[None, :]
         o_in = tl.multiple_of(b_pay + o_in // 2, IN_ALIGN)  # two codes a byte
@@ -88,13 +88,13 @@ def _unpack_kernel(
     else:
         o_in = tl.multiple_of(b_pay + o_in, IN_ALIGN)
         b_q = tl.load(payload + o_in[:, None] + o_col[None, :], mask=m, other=0)
-        if FMT == 0:
+        if FMT == FMT_RAW:
             tl.store(p_dst, b_q, mask=m)
-        elif FMT == 4:  # bf16 bits -> exact fp32 -> the field's dtype, rounded once
+        elif FMT == FMT_BF16:  # bf16 bits -> exact fp32 -> the field's dtype, rounded once
             tl.store(p_dst, narrow(widen(b_q, 0), DST), mask=m)
         else:
             scale = tl.load(scales + b_sc + o_scale, mask=m_grp, other=0).to(tl.float32, bitcast=True)
-            if FMT == 1:
+            if FMT == FMT_FP8:
                 v = fp8_decode(b_q.to(tl.int32) & 0xFF)
             else:
                 v = b_q.to(tl.int8, bitcast=True).to(tl.float32)
