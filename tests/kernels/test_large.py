@@ -32,7 +32,7 @@ def test_kimi_request_round_trip_equals_reference(tp, codecs):
                              device="cuda", generator=g) for _ in range(4)]
     items = []
     for buf in regions:
-        for f, codec in zip(kda.fields, codecs, strict=True):
+        for f, codec in zip(kda.fields, codecs[:2], strict=True):  # conv, recurrent
             geom = f.geometry(kda.page_bytes)
             view = torch.randn((blocks, *f.shape), device="cuda", generator=g).to(f.dtype)
             field_view(buf, geom, blocks)[:6] = view[:6]
