@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from anchorkv.codec.packed import dtype_from_name
+from anchorkv.codec.spec import CodecSpec
 from anchorkv.store.errors import FormatError
 
 #: The cache dtypes a field may have to be stored.
@@ -24,6 +25,26 @@ class ChunkGeometry:
 
     source_dtype: str
 
+    # -- what each codec says (`ChunkCodec`, `PluginChunkCodec`)
+    @property
+    def spec(self) -> CodecSpec:
+        """The codec spec that packs values into these chunks."""
+        raise NotImplementedError
+
+    @property
+    def columns(self) -> int:
+        """Scale columns per group (0: no scales)."""
+        raise NotImplementedError
+
+    def row_bytes(self, width: int) -> int:
+        """Payload bytes of `width` consecutive elements of the last axis."""
+        raise NotImplementedError
+
+    def groups(self, width: int) -> int:
+        """Scale groups of `width` consecutive elements of the last axis."""
+        raise NotImplementedError
+
+    # -- what follows from it
     @property
     def torch_dtype(self) -> torch.dtype:
         return dtype_from_name(self.source_dtype)

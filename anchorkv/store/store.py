@@ -8,6 +8,7 @@ nothing.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 import logging
@@ -496,7 +497,7 @@ class Store:
         self._touched.pop(entry_id, None)
         self.backend.remove_empty_dir(key_path(key))
 
-    def verify(self, entry: EntryInfo | str, progress: Callable[[int], None] | None = None) -> list[str]:
+    def verify(self, entry: EntryInfo | str, progress: Callable[[int], None] | None = None) -> builtins.list[str]:
         """Read every shard of an entry and check it; returns the problems found (empty: ok).
         `progress(1)` is called per shard."""
         try:
@@ -528,7 +529,7 @@ class Store:
         """Bytes of all entries, damaged and other-format ones included."""
         return sum(e.stored_bytes for e in self.scan())
 
-    def evict(self, capacity_bytes: int | None = None) -> list[str]:
+    def evict(self, capacity_bytes: int | None = None) -> builtins.list[str]:  # `list` is a method here
         """Delete least-recently-used entries until the store holds <= capacity bytes."""
         cap = self.capacity_bytes if capacity_bytes is None else capacity_bytes
         if cap is None:
