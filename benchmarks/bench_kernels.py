@@ -24,8 +24,6 @@ same process, and all results go to `benchmarks/results/<device>-kernels.json`.
 from __future__ import annotations
 
 import json
-import platform
-import re
 import time
 from pathlib import Path
 
@@ -38,6 +36,7 @@ from anchorkv.kernels import reference
 from anchorkv.kernels.batch import PackItem, UnpackItem
 from anchorkv.kernels.dispatch import backend_for
 from anchorkv.kernels.geometry import field_view
+from benchmarks.machine import device_info, machine_name
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -48,9 +47,9 @@ _rows: list[dict] = []
 
 
 def device_name() -> str:
-    if DEVICE.type == "cuda":
-        return torch.cuda.get_device_name()
-    return f"cpu-{platform.machine()}"
+    """What the results name as the device: the GPU, or the processor and its cores."""
+    info = device_info()
+    return info.get("gpu") if DEVICE.type == "cuda" else f"cpu {info['processor']} {info['cores']} cores"
 
 
 def _sync() -> None:
@@ -172,8 +171,7 @@ def _write_results(quick):
     if not _rows or quick:  # quick numbers (1 round) must not replace the recorded ones
         return
     RESULTS.mkdir(exist_ok=True)
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", device_name()).strip("-").lower()
-    path = RESULTS / f"{name}-kernels.json"
+    path = RESULTS / f"{machine_name()}-kernels.json"
     path.write_text(json.dumps({
         "device": device_name(),
         "torch": torch.__version__,

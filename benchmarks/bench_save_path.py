@@ -59,6 +59,7 @@ from anchorkv.connector.plan import GroupInfo, GroupKind, Metadata, SaveSpec
 from anchorkv.connector.storage_zarr import ZarrEntryStore
 from anchorkv.connector.worker import WorkerSide
 from anchorkv.demo import hma_regions
+from benchmarks.machine import machine_name
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CODEC_SETS = {
@@ -239,7 +240,7 @@ def test_save_path(benchmark, codecs, provider, quick, make_request):
     info.update({
         "tokens": req.tokens, "tp": 1, "bytes": moved, "source_bytes": req.source_bytes,
         "packed_bytes": req.packed_bytes, "median_s": median, "codec_set": CODEC_SETS[codecs],
-        "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
+        "device": machine_name(),
     })
     benchmark.extra_info.update(info)
 

@@ -17,8 +17,8 @@ the junit XML and benchmark JSON of what finished:
                device-to-host copy of the packed (and of the raw) bytes
     profile    python -m benchmarks.profile_kernels: host vs kernel time (CUDA only)
 
-Writes, all directly under `--out` (default benchmarks/results), `<machine>` as `anchorkv bench`
-names it (the GPU's name): `<machine>.json` (device, versions, every step and result),
+Writes, all directly under `--out` (default benchmarks/results), `<machine>` as
+`benchmarks.machine.machine_name()` names it (the GPU's name): `<machine>.json` (device, versions, every step and result),
 `<machine>.md` (tables, targets), `<machine>.png` (GB/s vs baselines), `<machine>-tests.xml`
 (junit) and `<machine>-validate.log` (every step's output). A full run of `bench_kernels.py`
 also refreshes its own `benchmarks/results/<machine>-kernels.json`, as it always does.
@@ -68,10 +68,11 @@ def pytest_collection_modifyitems(items):
 
 
 def environment() -> tuple[str, dict, list[str]]:
-    """The machine name (`anchorkv bench`'s), device and versions, and the missing modules."""
-    from anchorkv.bench import machine_name
+    """The machine name (`benchmarks.machine`), device and versions, and the missing modules."""
+    from benchmarks.machine import device_info, machine_name
 
-    machine, device = machine_name()
+    device = device_info()
+    machine = machine_name(device)
     versions = {}
     for dist in ("torch", "triton", "numpy", "pytest", "pytest-benchmark", "hypothesis", "zarr",
                  "numcodecs", "blake3", "google-crc32c", "matplotlib"):
