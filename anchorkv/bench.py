@@ -10,9 +10,9 @@ arguments it was given (`anchorkv bench --help` lists them).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 import subprocess
 import sys
+from pathlib import Path
 
 HELP = "run the benchmarks and the fidelity study; write the report (needs a source checkout)"
 #: What the new process runs: `benchmarks.run.main` under this command's name.

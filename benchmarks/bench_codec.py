@@ -155,7 +155,7 @@ def test_scaling(benchmark, tokens, op, quick, device, sync, rounds):
     packed = do_pack()
 
     def do_unpack():
-        for p, (field, view, ids) in zip(packed, work):
+        for p, (field, view, ids) in zip(packed, work, strict=True):
             unpack(p, view, field, ids)
 
     def run():
@@ -168,7 +168,7 @@ def test_scaling(benchmark, tokens, op, quick, device, sync, rounds):
     benchmark.pedantic(run, rounds=n, iterations=1, warmup_rounds=1)
     raw = sum(p.source_nbytes for p in packed)
     copy = copy_gbs(raw, device, sync, max(n, 3))
-    latent = sum(p.source_nbytes for p, (f, _, _) in zip(packed, work) if f == "latent")
+    latent = sum(p.source_nbytes for p, (f, _, _) in zip(packed, work, strict=True) if f == "latent")
     _record(benchmark, raw, sum(p.nbytes for p in packed), copy, op=op, tokens=tokens,
             latent_bytes=latent, kda_bytes=raw - latent, codecs=dict(SCALING_CODECS),
             device=str(device))

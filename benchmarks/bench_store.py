@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 import shutil
 import statistics
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -73,7 +73,7 @@ class Request:
         self.layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=1, block_size=BLOCK)
         if kinds != ("state", "paged"):  # an entry holds every layer of its layout: keep only these
             self.layout = custom_layout("KimiLinear-" + "+".join(kinds), [
-                (l.name, l.kind.value, l.page) for l in self.layout.layers if l.kind.value in kinds
+                (layer.name, layer.kind.value, layer.page) for layer in self.layout.layers if layer.kind.value in kinds
             ], block_size=BLOCK, tp_size=1, tp_rank=0)
         page = self.layout.layers[0].page.page_bytes
         blocks = -(-tokens // BLOCK)

@@ -69,8 +69,9 @@ def main() -> int:
     for kind in args.models:
         common = {"model": str(models / kind), "prefix_caching": True}
         if args.second_turn:
-            runs.append({"name": f"{kind}/base", **common, "connector": None, "batches": _singles(turn1, n_tokens) + _singles(
-                [{"id": f"{k}.2", "extend": k, "append": new_message} for k in prompts], n_tokens)})
+            turn2 = [{"id": f"{k}.2", "extend": k, "append": new_message} for k in prompts]
+            runs.append({"name": f"{kind}/base", **common, "connector": None,
+                         "batches": _singles(turn1, n_tokens) + _singles(turn2, n_tokens)})
         for preset in PRESETS:
             runs.append({"name": f"{kind}/{preset}/cold", **common,
                          "connector": {"store": str(work / f"store-{kind}-{preset}"), "codec": preset},
@@ -104,7 +105,8 @@ def main() -> int:
             cold_same = sum(cold_reqs[k]["tokens"] == base[k]["tokens"] for k in prompts)
             for turn, ids in turns:
                 same = [reqs[k]["tokens"] == base[k]["tokens"] for k in ids]
-                share = [sum(a == b for a, b in zip(reqs[k]["tokens"], base[k]["tokens"])) / n_tokens for k in ids]
+                share = [sum(a == b for a, b in zip(reqs[k]["tokens"], base[k]["tokens"], strict=False)) / n_tokens
+                         for k in ids]
                 rows.append({"model": kind, "preset": preset, "turn": turn, "prompts": len(ids),
                              "identical": sum(same), "agreement": sum(same) / len(ids),
                              "token_agreement": sum(share) / len(ids),
@@ -131,7 +133,8 @@ def main() -> int:
           "|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['model']} ({r['mamba_cache_mode']}, block {r['block_size']}) | {r['preset']} | {r['turn']} | "
-                  f"{r['identical']}/{r['prompts']} ({100 * r['agreement']:.0f}%) | {100 * r['token_agreement']:.1f}% | "
+                  f"{r['identical']}/{r['prompts']} ({100 * r['agreement']:.0f}%) | "
+                  f"{100 * r['token_agreement']:.1f}% | "
                   f"{r['restored_requests']} / {r['restored_tokens']} | {r['cold_equal_to_baseline']}/{r['prompts']} |")
     (args.out / f"{machine}-engine-agreement.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

@@ -59,9 +59,11 @@ def main() -> int:
 
     common = {"model": str(models / "qwen3_next"), "prefix_caching": True, "max_model_len": max_len}
     plan = {"models": {"dir": str(models), "kinds": {"qwen3_next": MODEL}}, "runs": [
-        {"name": "cold", **common, "connector": {"store": str(work / "empty")}, "batches": warmup + singles(follow, "cold")},
+        {"name": "cold", **common, "connector": {"store": str(work / "empty")},
+         "batches": warmup + singles(follow, "cold")},
         {"name": "fill", **common, "connector": {"store": str(work / "store")}, "batches": singles(prefixes, "fill")},
-        {"name": "warm", **common, "connector": {"store": str(work / "store")}, "batches": warmup + singles(follow, "warm")},
+        {"name": "warm", **common, "connector": {"store": str(work / "store")},
+         "batches": warmup + singles(follow, "warm")},
     ]}
     t0 = time.time()
     machine = machine_name()

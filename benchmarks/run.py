@@ -17,11 +17,11 @@ import datetime as _dt
 import json
 import math
 import os
-from pathlib import Path
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from anchorkv.connector.config import DEFAULT_CODECS, KIMI_FIELD_ROLES, field_codecs
 from benchmarks.machine import device_info, machine_name
@@ -223,8 +223,8 @@ def render_plot(res: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    from matplotlib.lines import Line2D
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     fig, axes = plt.subplots(2, 2, figsize=(14, 10))
     ax = axes[0, 0]
@@ -251,8 +251,10 @@ def render_plot(res: dict, path: Path) -> None:
     colors = {"raw": "k", "bf16": "C4", "fp8": "C0", "int8": "C1", "int4": "C2"}
     markers = {"conv": "^", "recurrent": "o", "latent": "s"}
     panels = ((axes[0, 1], "sqnr_db", "Round-trip SQNR (dB), lowest over conditions", None),
-              (axes[1, 0], "cont_err_mean", "Continuation error, mean over steps (worst condition)", fid.get("threshold")),
-              (axes[1, 1], "cont_err_max", "Continuation error, worst step (worst condition)", fid.get("max_threshold")))
+              (axes[1, 0], "cont_err_mean", "Continuation error, mean over steps (worst condition)",
+               fid.get("threshold")),
+              (axes[1, 1], "cont_err_max", "Continuation error, worst step (worst condition)",
+               fid.get("max_threshold")))
     for ax, key, title, bound in panels:
         for name, f in (fid.get("fields") or {}).items():
             for r in f["rows"]:

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
                     key = key.rsplit(" ", 1)[0] + " raw"
                 packed = triton_pack.pack_many(items)
                 un = [UnpackItem(it.buffer, it.field, it.block_ids, it.num_blocks, p, s, it.fmt,
-                                 it.group) for it, (p, s) in zip(items, packed)]
+                                 it.group) for it, (p, s) in zip(items, packed, strict=True)]
                 nbytes = sum(len(it.block_ids) * it.field.numel * it.field.itemsize
                              for it in items) + sum(p.numel() + s.numel() * 4 for p, s in packed)
                 for tile in (1024, 4096, 16384):
@@ -71,15 +71,15 @@ def main(argv=None) -> int:
                         B.tile_elements = lambda _g, t=tile: t
                         B.num_warps = lambda _e, w=warps: w
                         triton_pack.launch_config.cache_clear()
-                        for op, fn in (("pack", lambda: triton_pack.pack_many(items)),
-                                       ("unpack", lambda: triton_unpack.unpack_many(un))):
+                        for op, fn in (("pack", lambda items=items: triton_pack.pack_many(items)),
+                                       ("unpack", lambda un=un: triton_unpack.unpack_many(un))):
                             us = _time(fn)
                             rows.append(dict(tp=tp, field=key, op=op, tile=tile, warps=warps,
                                              us=us, gbps=nbytes / us / 1e3))
                 B.tile_elements, B.num_warps = default_tile, default_warps
                 triton_pack.launch_config.cache_clear()
-                for op, fn in (("pack", lambda: triton_pack.pack_many(items)),
-                               ("unpack", lambda: triton_unpack.unpack_many(un))):
+                for op, fn in (("pack", lambda items=items: triton_pack.pack_many(items)),
+                               ("unpack", lambda un=un: triton_unpack.unpack_many(un))):
                     defaults[(tp, key, op)] = _time(fn)
     best = {}
     for r in rows:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,7 +93,8 @@ def test_markdown_has_every_row(result):
         assert any(line.startswith(f"| {field} | {codec} | {cond} | ") for line in rows), (field, codec, cond)
     for name, summary in fid["summary"].items():  # the worst case per field and codec
         for r in summary:
-            assert any(line.startswith(f"| {name} | ") and r["codec"] in line and (r["where_max"] if r["cont_err_max"] else "| - |") in line for line in rows)
+            where = r["where_max"] if r["cont_err_max"] else "| - |"
+            assert any(line.startswith(f"| {name} | ") and r["codec"] in line and where in line for line in rows)
     for e in fid["preset_eval"]:  # each shipped lossy preset in each condition
         assert any(line.startswith(f"| `{e['preset']}` | {e['fields']} | {e['condition']} | ") for line in rows)
     assert {e["preset"] for e in fid["preset_eval"]} == set(fid["preset_groups"])  # "compact = smallest"
@@ -320,7 +321,8 @@ def test_shipped_presets_are_the_rule_s_choice_on_the_recorded_study():
 
     from anchorkv.connector.config import DEFAULT_CODECS, PRESETS
 
-    recorded = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "fidelity.json").read_text())
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    recorded = json.loads((results / "fidelity.json").read_text())
     assert recorded["config"]["seeds"] == [0, 1, 2] and recorded["config"]["prefix"] >= 1024
     from anchorkv.connector.config import KIMI_FIELD_ROLES, field_codecs
 

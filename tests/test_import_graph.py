@@ -135,7 +135,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     for comp in components(graph):
         for start in comp:
             path = _closed_path(graph, comp, start)
-            key = frozenset(zip(path, path[1:]))
+            key = frozenset(zip(path, path[1:], strict=False))
             if key not in seen:
                 seen.add(key)
                 out.append(path)

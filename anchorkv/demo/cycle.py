@@ -40,8 +40,8 @@ SQNR_FLOOR = {"fp8": 28.0, "int8": 38.0, "int4": 14.0}
 def _setup(store: str, codec: dict[str, str], device: str = "cpu"):
     layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=1)
     views = hma_regions(layout, NUM_BLOCKS, device)
-    state = [l.name for l in layout.of_kind(LayerKind.STATE)]
-    paged = [l.name for l in layout.of_kind(LayerKind.PAGED)]
+    state = [layer.name for layer in layout.of_kind(LayerKind.STATE)]
+    paged = [layer.name for layer in layout.of_kind(LayerKind.PAGED)]
     groups = [GroupInfo(g, GroupKind.STATE, layout.block_size, tuple(state[g::3])) for g in range(3)]
     groups.append(GroupInfo(3, GroupKind.PAGED, layout.block_size, tuple(paged)))
     config = ConnectorConfig.from_extra_config({"store": store, "codec": codec})

@@ -34,10 +34,10 @@ def run(tp_size: int = 1, tp_rank: int = 0, seed: int = 0) -> list[dict]:
     dst = {"state": [[6], [7], [8]], "paged": [10, 9]}
     views = hma_regions(layout, num_blocks=11)
     state_layers = layout.of_kind(LayerKind.STATE)
-    ids_of = {l.name: src["state"][i % 3] for i, l in enumerate(state_layers)}
-    dst_of = {l.name: dst["state"][i % 3] for i, l in enumerate(state_layers)}
-    for l in layout.of_kind(LayerKind.PAGED):
-        ids_of[l.name], dst_of[l.name] = src["paged"], dst["paged"]
+    ids_of = {layer.name: src["state"][i % 3] for i, layer in enumerate(state_layers)}
+    dst_of = {layer.name: dst["state"][i % 3] for i, layer in enumerate(state_layers)}
+    for layer in layout.of_kind(LayerKind.PAGED):
+        ids_of[layer.name], dst_of[layer.name] = src["paged"], dst["paged"]
     g = torch.Generator().manual_seed(seed)
     for name, view in views.items():
         fill_realistic(view, ids_of[name], g)
@@ -46,27 +46,27 @@ def run(tp_size: int = 1, tp_rank: int = 0, seed: int = 0) -> list[dict]:
     rows = []
     for codec in CODECS:
         for field in GROUPS:
-            layers = [l for l in layout.layers if field in l.page.names]
+            layers = [layer for layer in layout.layers if field in layer.page.names]
             spec = codec if codec == "raw" else f"{codec}:{GROUPS[field]}"
             t0 = time.perf_counter()
-            packed = [pack(views[l.name], field, ids_of[l.name], spec) for l in layers]
+            packed = [pack(views[layer.name], field, ids_of[layer.name], spec) for layer in layers]
             t1 = time.perf_counter()
-            for l, p in zip(layers, packed):
-                unpack(p, views[l.name], field, dst_of[l.name])
+            for layer, p in zip(layers, packed, strict=True):
+                unpack(p, views[layer.name], field, dst_of[layer.name])
             t2 = time.perf_counter()
             worst, identical, untouched = math.inf, True, True
-            for l, p in zip(layers, packed):
-                view = views[l.name]
-                x = view.tensor(field)[ids_of[l.name]]
-                y = view.tensor(field)[dst_of[l.name]]
+            for layer, p in zip(layers, packed, strict=True):
+                view = views[layer.name]
+                x = view.tensor(field)[ids_of[layer.name]]
+                y = view.tensor(field)[dst_of[layer.name]]
                 # the restored bytes are exactly the decoded packed values (raw: the source)
                 expected = dequantize(p.payload, p.scales, p.codec.id, p.codec.group, p.shape, p.dtype)
                 identical &= torch.equal(_bytes(expected), _bytes(y))
                 worst = min(worst, sqnr_db(x, y))
                 untouched &= torch.equal(  # the source blocks are unchanged
                     _bytes(x),
-                    _bytes(CacheView(Region(snapshot[l.name], view.region.num_blocks,
-                                            view.region.block_stride), view.page).tensor(field)[ids_of[l.name]]),
+                    _bytes(CacheView(Region(snapshot[layer.name], view.region.num_blocks,
+                                            view.region.block_stride), view.page).tensor(field)[ids_of[layer.name]]),
                 )
             before = sum(p.source_nbytes for p in packed)
             after = sum(p.nbytes for p in packed)

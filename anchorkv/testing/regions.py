@@ -18,8 +18,8 @@ def hma_regions(layout: ModelLayout, num_blocks: int, device: str = "cpu") -> di
     Layers are dealt into groups (three KDA groups, one MLA group); layer j of every group
     shares region j, each through its own page layout.
     """
-    state = [l for l in layout.layers if l.kind is LayerKind.STATE]
-    paged = [l for l in layout.layers if l.kind is LayerKind.PAGED]
+    state = [layer for layer in layout.layers if layer.kind is LayerKind.STATE]
+    paged = [layer for layer in layout.layers if layer.kind is LayerKind.PAGED]
     groups = [state[g::3] for g in range(3)] + [paged]
     n_regions = max(len(g) for g in groups)
     page = layout.layers[0].page.page_bytes

@@ -13,7 +13,7 @@ files import only torch and einops. Install: ``pip install -e .[bench]`` (or ``[
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from importlib import metadata, util
 from pathlib import Path
 from types import ModuleType
@@ -47,7 +47,7 @@ def _root() -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-@lru_cache(maxsize=None)
+@cache
 def _module(kind: str) -> ModuleType:
     path = _root() / _FILES[kind]
     mod_spec = util.spec_from_file_location(f"_anchorkv_fla_naive_{kind}", path)
@@ -69,7 +69,7 @@ def naive_recurrent_gated_delta_rule(*args, **kwargs):
     return _module("gdn").naive_recurrent_gated_delta_rule(*args, **kwargs)
 
 
-@lru_cache(maxsize=None)
+@cache
 def naive_gate(kind: str):
     """fla's torch reference of the forget gate: `naive_kda_gate(g [..., H, K], A_log [H],
     dt_bias [H*K])` or `naive_gdn_gate(g [..., H], A_log [H], dt_bias [H])`, both

@@ -22,8 +22,8 @@ Shapes: T tokens, H heads, D = K = V head dim, C = H*D channels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +44,7 @@ class LayerParams:
     dt_bias: torch.Tensor  # [H, D] (kda) or [H] (gdn)
 
     @classmethod
-    def random(cls, kind: str, heads: int, head_dim: int, g: torch.Generator) -> "LayerParams":
+    def random(cls, kind: str, heads: int, head_dim: int, g: torch.Generator) -> LayerParams:
         """A_log = log U(1, 16) and dt in [1e-3, 1e-1] (Mamba's init, which fla's KDA and GDN
         layers use); `calibrate` then sets the decay regime."""
         if kind not in KINDS:
@@ -58,7 +58,7 @@ class LayerParams:
         dt_bias = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
         return cls(kind, conv_w, A_log, dt_bias)
 
-    def calibrate(self, gate_in: torch.Tensor, median_decay: float) -> "LayerParams":
+    def calibrate(self, gate_in: torch.Tensor, median_decay: float) -> LayerParams:
         """The same layer with exp(A_log) scaled so that the median decay a = exp(g) over
         `gate_in` is `median_decay` (exact: a^c has median m^c, so c = log(target) / log(m))."""
         m = gate(gate_in, self).exp().median().item()

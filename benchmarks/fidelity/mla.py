@@ -8,8 +8,9 @@ Two query models. `isotropic` (the default, used by the rule): the query and W_u
 the cache's own coordinates, so the outlier channels weigh in as much as their size says.
 `equalized` (a stress test): they are drawn so that every latent channel contributes alike once
 the norm weight (`gamma`) is undone, the pessimistic case for group scales shared between an
-outlier channel and ordinary ones (absolute-step codecs, int8/int4, suffer most). The logit scale is calibrated so the logits of a
-query spread with a standard deviation of `logit_std` (about 3: peaked but not one-hot).
+outlier channel and ordinary ones (absolute-step codecs, int8/int4, suffer most). The logit
+scale is calibrated so the logits of a query spread with a standard deviation of `logit_std`
+(about 3: peaked but not one-hot).
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ def choose(rows: list[dict], mean_bound: float, step_bound: float) -> dict | Non
 
 
 def choose_presets(summary: dict[str, list[dict]]) -> dict[str, dict[str, str]]:
-    out = {"exact": {f: "raw" for f in FIELDS}}
+    out = {"exact": dict.fromkeys(FIELDS, "raw")}
     for name, (m, s) in LEVELS.items():
         out[name] = {}
         for fname in FIELDS:

@@ -3,8 +3,8 @@ machine-readable copies and per-condition statistics, which are here too)."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 import math
+from collections import defaultdict
 
 from .presets import FIELDS, LEVELS, condition
 
@@ -126,8 +126,13 @@ def render(res: dict) -> list[str]:
             groups[(r["field"], r["codec"], condition(r))].append(r)
     order = {f: {cd: i for i, cd in enumerate(dict.fromkeys(r["codec"] for r in res["rows"] if r["field"] == f))}
              for f in FIELDS}
+
+    def by_field_codec_condition(kv):
+        (field, codec, cond), _ = kv
+        return FIELDS.index(field), order[field][codec], cond
+
     rows = []
-    for (f, codec, cond), rs in sorted(groups.items(), key=lambda kv: (FIELDS.index(kv[0][0]), order[kv[0][0]][kv[0][1]], kv[0][2])):
+    for (f, codec, cond), rs in sorted(groups.items(), key=by_field_codec_condition):
         rs = sorted(rs, key=lambda r: r["seed"])
         rows.append([f, codec, cond, " / ".join(_num(r["sqnr_db"], ".1f") for r in rs),
                      _seeds([r["max_rel_err"] for r in rs]),

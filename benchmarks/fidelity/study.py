@@ -20,11 +20,10 @@ The named presets shipped in `anchorkv.connector.config.PRESETS` are also restor
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-import math
 import multiprocessing
 import time
 import zlib
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -75,12 +74,12 @@ class StudyConfig:
     jobs: int = 2
 
     @classmethod
-    def quick(cls) -> "StudyConfig":
+    def quick(cls) -> StudyConfig:
         """CI's smoke run: every condition, one seed, small sizes (tens of seconds)."""
         return cls(heads=2, prefix=256, steps=32, mla_prefix=512, mla_heads=4, mla_queries=32, seeds=(0,))
 
     @classmethod
-    def tiny(cls) -> "StudyConfig":
+    def tiny(cls) -> StudyConfig:
         """For tests: seconds."""
         return cls(heads=1, head_dim=32, prefix=24, steps=6, mla_prefix=40, mla_heads=1,
                    mla_queries=6, seeds=(0,), jobs=1)
@@ -205,7 +204,8 @@ def latent_condition(cfg: StudyConfig, inputs: str, seed: int) -> dict:
                                     "latent_rms": prefix[:, :512].float().pow(2).mean().sqrt().item(),
                                     "latent_absmax": prefix[:, :512].float().abs().max().item(),
                                     "bf16_output_noise": rel_err_per_step(
-                                        refs[(3.0, "isotropic")], refs[(3.0, "isotropic")].to(torch.bfloat16)).mean().item()}}
+                                        refs[(3.0, "isotropic")],
+                                        refs[(3.0, "isotropic")].to(torch.bfloat16)).mean().item()}}
 
 
 # ----------------------------------------------------------------------------- driver

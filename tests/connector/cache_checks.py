@@ -45,7 +45,7 @@ def touched(eng: E.Engine, rank: E.Rank, spec) -> dict[int, torch.Tensor]:
             stride = view.region.block_stride
             mask = masks[t.untyped_storage().data_ptr()]
             for f in view.page.fields:
-                for i, b in enumerate(ids):
+                for b in ids:
                     start = base + b * stride + f.offset
                     if g.kind is GroupKind.STATE:
                         mask[start:f.extent - f.offset + start] = True

@@ -24,7 +24,7 @@ class DummyMetadata(KVConnectorMetadata):
 
 class DummyConnector(KVConnectorBase_V1, SupportsHMA):
     CALLS: list[tuple] = []
-    INSTANCES: list["DummyConnector"] = []
+    INSTANCES: list[DummyConnector] = []
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)

@@ -19,8 +19,8 @@ The cache pool starts as NaN bytes (0xFF), so a byte nobody wrote is a stale byt
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import hashlib
+from dataclasses import dataclass, field
 
 import torch
 

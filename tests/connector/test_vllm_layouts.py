@@ -19,7 +19,7 @@ from tests.connector.vllm_harness import bound_states as harness_bound_states
 
 _set_env()
 
-from anchorkv.codec import CacheView, KIMI_LINEAR_48B_CONFIG, Region, kimi_linear_layout, pack  # noqa: E402
+from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, kimi_linear_layout, pack  # noqa: E402
 from anchorkv.connector import vllm_layout as VL  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -45,7 +45,12 @@ def conv_layout_env(monkeypatch):
 def _vllm():
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as S
     from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MambaSpec, MLAAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        MambaSpec,
+        MLAAttentionSpec,
         create_kv_cache_views,
     )
     from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -115,7 +120,8 @@ def make(config: dict, tp: int, *, state_layers=(0, 2), paged_layers=(1, 3), pag
         n = len(g.layer_names)
         raw = torch.zeros(BLOCKS * page * n, dtype=torch.int8)
         t = KVCacheTensor(size=raw.numel(), layers=list(g.layer_names), layer_stride=page * BLOCKS, block_stride=page)
-        views.update(zip(g.layer_names, create_kv_cache_views(raw, g.kv_cache_spec, BLOCKS, KVCacheLayout[layout], t)))
+        views.update(zip(g.layer_names, create_kv_cache_views(raw, g.kv_cache_spec, BLOCKS, KVCacheLayout[layout], t),
+                          strict=True))
         tensors.append(t)
     return KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=groups), views, shapes
 
@@ -360,7 +366,8 @@ def test_qwen3_next_entry_saved_at_tp2_restores_at_tp1(tmp_path):
     for layer in layout1.layers:
         for f in layer.page.fields:
             kind = layer.kind.value
-            p = es.load(ref.entry_id, layer.name, f.name, tp_size=1, tp_rank=0, rows=None if kind == "state" else (0, n))
+            p = es.load(ref.entry_id, layer.name, f.name, tp_size=1, tp_rank=0,
+                        rows=None if kind == "state" else (0, n))
             if kind == "paged":
                 p = p.reshape(3, BLOCK, *p.shape[1:])
             unpack(p, cviews1[layer.name], f.name, dst[kind])
@@ -393,8 +400,8 @@ def test_cpu_kv_pages_are_saved_as_whole_blocks():
     cut = attn_only._whole_blocks(spec)
     assert (cut.num_tokens, cut.token_ids, cut.blocks, cut.release_blocks) == (32, tuple(range(32)), ((7, 8),), True)
     assert attn_only._whole_blocks(SaveSpec("r", None, tuple(range(10)), 10, ((7,),))) is None
-    hybrid = WorkerSide(None, [GroupInfo(0, GroupKind.STATE, BLOCK, ("s",)), GroupInfo(1, GroupKind.PAGED, BLOCK, ("a",))],
-                        "align", None, 1, 0, granularity=BLOCK)
+    groups = [GroupInfo(0, GroupKind.STATE, BLOCK, ("s",)), GroupInfo(1, GroupKind.PAGED, BLOCK, ("a",))]
+    hybrid = WorkerSide(None, groups, "align", None, 1, 0, granularity=BLOCK)
     assert hybrid._whole_blocks(SaveSpec("r", None, tuple(range(40)), 40, ((3,), (7, 8, 9)))) is None
     whole = SaveSpec("r", None, tuple(range(32)), 32, ((3,), (7, 8)))
     assert hybrid._whole_blocks(whole) is whole

@@ -231,9 +231,7 @@ def kimi_linear_layer_specs(vllm_config) -> dict:
 def kimi_linear_kv_cache_groups(vllm_config) -> list:
     """The 4 groups vLLM forms for Kimi-Linear: 3 KDA groups (layers 0,4,..,24 / 1,5,..,25 /
     2,6,..,22) and 1 MLA group (3,7,..,23,26), built by hand so that any block size works."""
-    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
-
-    from vllm.v1.kv_cache_interface import MambaSpec
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
 
     specs = kimi_linear_layer_specs(vllm_config)
     kda = [i for i in range(KIMI_NUM_LAYERS) if isinstance(specs[layer_name(i)], MambaSpec)]

@@ -27,7 +27,6 @@ with the other requests of its batch (seen here), which would blur what the stor
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 

@@ -131,7 +131,7 @@ def run_engine(spec: dict, log_path: Path) -> dict:
         drain(llm)
         after = counters(llm)
         results = []
-        for req, prompt, out in zip(batch["requests"], prompts, outs):
+        for req, prompt, out in zip(batch["requests"], prompts, outs, strict=True):
             r = {"id": req["id"], "request_id": out.request_id, "prompt": prompt,
                  "tokens": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens}
             done[req["id"]] = r

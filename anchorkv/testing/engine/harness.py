@@ -52,7 +52,7 @@ def run_driver(plan: dict, workdir: Path, name: str, timeout_s: float = 900) -> 
         try:
             proc = subprocess.run([str(engine_python()), str(DRIVER), str(plan_path), str(out_path)],
                                   stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=timeout_s)
-            rc = proc.returncode
+            rc: int | str = proc.returncode
         except subprocess.TimeoutExpired:
             rc = f"timeout after {timeout_s} s"
     if rc != 0 or not out_path.exists():
