@@ -233,6 +233,23 @@ def check_all_ids(items, *, distinct: bool = False) -> list[tuple[int, ...]]:
     return out
 
 
+def region_columns(items, members: list[int], geom: Geometry):
+    """The region side of one launch, shared by pack and unpack: the anchor (an integer alias of
+    the first member's storage), each member's (field origin, block stride) in elements of it,
+    and the alignment claim over every row start (1 for a strided last axis)."""
+    itemsize = geom.itemsize
+    base = anchor(items[members[0]].buffer, INT_OF_SIZE[itemsize])
+    static, offsets = [], row_offsets(geom)
+    for m in members:
+        item = items[m]
+        origin = element_offset(field_origin(item.buffer, item.field), base, "field")
+        stride = item.field.block_stride // itemsize
+        static.append((origin, stride))
+        offsets += (origin, stride)
+    align = alignment(geom, base.data_ptr(), offsets, itemsize) if geom.td == 1 else 1
+    return base, static, align
+
+
 def plan_key(items, ids: list[tuple[int, ...]]) -> tuple:
     """What a launch plan of `items` depends on: each item's device (type and index), region
     address, field, format, group and number of block ids."""

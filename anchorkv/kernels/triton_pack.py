@@ -245,17 +245,7 @@ class _Launch:
         self.align = 1
         if not self.runs:
             return
-        itemsize = geom.itemsize
-        self.src = src = B.anchor(first.buffer, B.INT_OF_SIZE[itemsize])
-        offsets = B.row_offsets(geom)
-        for m in members:
-            item = items[m]
-            origin = B.element_offset(B.field_origin(item.buffer, item.field), src, "field")
-            stride = item.field.block_stride // itemsize
-            self.static.append((origin, stride))
-            offsets += (origin, stride)
-        if geom.td == 1:
-            self.align = B.alignment(geom, src.data_ptr(), offsets, itemsize)
+        self.src, self.static, self.align = B.region_columns(items, members, geom)
         self.grid, common = launch_config(geom, len(members), n)
         self.common = dict(common, TAB_W=2 + n, SRC=B.FLOAT_KIND.get(geom.dtype, 0),
                            ALIGN=self.align, HW_FP8=B.hardware_fp8(first.buffer.device))

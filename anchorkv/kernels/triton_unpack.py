@@ -142,17 +142,7 @@ class _Launch:
         self.align = 1
         if not self.runs:
             return
-        itemsize = geom.itemsize
-        self.dst = dst = B.anchor(first.buffer, B.INT_OF_SIZE[itemsize])
-        offsets = B.row_offsets(geom)
-        for m in members:
-            item = items[m]
-            origin = B.element_offset(B.field_origin(item.buffer, item.field), dst, "field")
-            stride = item.field.block_stride // itemsize
-            self.static.append((origin, stride))
-            offsets += (origin, stride)
-        if geom.td == 1:
-            self.align = B.alignment(geom, dst.data_ptr(), offsets, itemsize)
+        self.dst, self.static, self.align = B.region_columns(items, members, geom)
         self.grid, common = launch_config(geom, len(members), n)
         self.common = dict(common, TAB_W=4 + n, DST=B.FLOAT_KIND.get(geom.dtype, 0),
                            ALIGN=self.align)
