@@ -32,28 +32,6 @@ def find_checkout(start: Path | None = None) -> Path:
     )
 
 
-#: Names benchmarks/gpu_validate.py and tests/test_gpu_validate.py still import from here; they
-#: live in benchmarks.run and benchmarks.machine, and this shim goes once those files import
-#: them from there.
-_MOVED = ("_condense", "_num", "_table", "finite")
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        import benchmarks.run
-
-        return getattr(benchmarks.run, name)
-    if name == "machine_name":  # the old (name, device description) pair
-        from benchmarks.machine import device_info, machine_name
-
-        def pair() -> tuple[str, dict]:
-            info = device_info()
-            return machine_name(info), info
-
-        return pair
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def main(args: argparse.Namespace) -> int:
     root = find_checkout()
     return subprocess.call([sys.executable, "-c", _RUN, *args.passthrough], cwd=root)

@@ -31,16 +31,15 @@ import pytest
 import torch
 
 from anchorkv import kernels
-from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, kimi_linear_layout
-from anchorkv.kernels import reference
-from anchorkv.kernels.batch import PackItem, UnpackItem
+from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, CodecSpec, kimi_linear_layout
+from anchorkv.kernels import PackItem, UnpackItem, reference
 from anchorkv.kernels.dispatch import backend_for
-from anchorkv.kernels.geometry import field_view
+from anchorkv.kernels.strided import field_view
 from benchmarks.machine import device_info, machine_name
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 RESULTS = Path(__file__).resolve().parent / "results"
-CODECS = {"conv": ("int8", 128), "recurrent": ("int8", 128), "latent": ("fp8", 64)}
+CODECS = {"conv": CodecSpec("int8", 128), "recurrent": CodecSpec("int8", 128), "latent": CodecSpec("fp8", 64)}
 MLA_BLOCKS = 4
 ROUNDS = 10 if DEVICE.type == "cuda" else 3
 _rows: list[dict] = []
@@ -73,30 +72,28 @@ class Request:
         # passes them; the launchers check a shared object once)
         state_ids = (0,)
         mla_ids = tuple(range(1 + MLA_BLOCKS, 0, -1))[:MLA_BLOCKS]
-        for i, layer in enumerate(kda):
+        for layer in kda:
             buf = torch.empty(blocks * page, dtype=torch.uint8, device=DEVICE)
             for f in layer.page.fields:
-                view = field_view(buf, f.geometry(page), blocks)
+                view = field_view(buf, f.strided(page), blocks)
                 view.copy_(torch.randn(view.shape, generator=g).to(f.dtype))
             self.regions.append(buf)
             for f in layer.page.fields:
-                fmt, group = CODECS[f.name]
-                self.items.append(PackItem(buf, f.geometry(page), state_ids, blocks, fmt, group))
+                self.items.append(PackItem(buf, f.strided(page), state_ids, blocks, CODECS[f.name]))
         for i, layer in enumerate(mla):
             buf = self.regions[i]  # the MLA layer shares the bytes of a KDA layer's region
             f = layer.page.fields[0]
-            view = field_view(buf, f.geometry(page), blocks)[1 : 1 + MLA_BLOCKS]
+            view = field_view(buf, f.strided(page), blocks)[1 : 1 + MLA_BLOCKS]
             view.copy_(torch.randn(view.shape, generator=g).to(f.dtype))
-            fmt, group = CODECS[f.name]
-            self.items.append(PackItem(buf, f.geometry(page), mla_ids, blocks, fmt, group))
+            self.items.append(PackItem(buf, f.strided(page), mla_ids, blocks, CODECS[f.name]))
         self.source_bytes = sum(
             len(it.block_ids) * it.field.numel * it.field.itemsize for it in self.items
         )
         packed = kernels.pack_many(self.items)
         self.packed_bytes = sum(p.numel() + s.numel() * 4 for p, s in packed)
         self.unpack_items = [
-            UnpackItem(it.buffer, it.field, it.block_ids, it.num_blocks, p, s, it.fmt, it.group)
-            for it, (p, s) in zip(self.items, packed)
+            UnpackItem(it.buffer, it.field, it.block_ids, it.num_blocks, it.spec, p, s)
+            for it, (p, s) in zip(self.items, packed, strict=True)
         ]
         self.copy_src = torch.empty(self.source_bytes, dtype=torch.uint8, device=DEVICE)
         self.copy_dst = torch.empty_like(self.copy_src)
@@ -123,14 +120,12 @@ def request(tp: int) -> Request:
 
 
 def _eager_pack(req: Request):
-    return [reference.pack(i.buffer, i.field, i.block_ids, i.num_blocks, i.fmt, i.group)
-            for i in req.items]
+    return [reference.pack(i) for i in req.items]
 
 
 def _eager_unpack(req: Request):
     for i in req.unpack_items:
-        reference.unpack(i.buffer, i.field, i.block_ids, i.num_blocks, i.payload, i.scales,
-                         i.fmt, i.group)
+        reference.unpack(i)
 
 
 _compiled: dict[str, object] = {}
@@ -144,13 +139,13 @@ def _compiled_fn(name):
 
 def _compile_pack(req: Request):
     fn = _compiled_fn("pack")
-    return [fn(i.buffer, i.field, i.block_ids, i.num_blocks, i.fmt, i.group) for i in req.items]
+    return [fn(i) for i in req.items]
 
 
 def _compile_unpack(req: Request):
     fn = _compiled_fn("unpack")
     for i in req.unpack_items:
-        fn(i.buffer, i.field, i.block_ids, i.num_blocks, i.payload, i.scales, i.fmt, i.group)
+        fn(i)
 
 
 PROVIDERS = {

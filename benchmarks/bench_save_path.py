@@ -2,8 +2,9 @@
 
 The request (tp=1; 20 KDA layers x conv `[3, 3, 4096]` bf16 + recurrent `[32, 128, 128]` fp32,
 one state block each, and 7 MLA layers x 7680 x 576 bf16: 105.3 MB; `--quick`: the first 3 KDA
-layers and the first MLA layer, 1920 tokens: 8.7 MB) sits in the regions vLLM's hybrid allocator gives it (`anchorkv.demo.hma_regions`:
-layer j of every group shares region j) on the benchmark's device, and is saved the way the
+layers and the first MLA layer, 1920 tokens: 8.7 MB) sits in the regions vLLM's hybrid allocator
+gives it (`anchorkv.testing.regions.hma_regions`: layer j of every group shares region j) on the
+benchmark's device, and is saved the way the
 connector saves it: `WorkerSide.save` (`anchorkv.codec.pack_many` -> `anchorkv.kernels.pack_many`
 on a side stream, then an asynchronous copy of the packed bytes to pinned host memory) and, on
 its writer thread, `ZarrEntryStore.save_part` into a local store. Each round saves new token
@@ -36,10 +37,10 @@ the "d2h" copies are host-to-host copies into ordinary memory; `--quick` (`ancho
 from __future__ import annotations
 
 import os
-from pathlib import Path
 import shutil
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,7 +59,7 @@ from anchorkv.connector.config import ConnectorConfig
 from anchorkv.connector.plan import GroupInfo, GroupKind, Metadata, SaveSpec
 from anchorkv.connector.storage_zarr import ZarrEntryStore
 from anchorkv.connector.worker import WorkerSide
-from anchorkv.demo import hma_regions
+from anchorkv.testing.regions import hma_regions
 from benchmarks.machine import machine_name
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -93,7 +94,7 @@ def request_layout(quick: bool) -> ModelLayout:
     if not quick:
         return layout
     keep = layout.of_kind(LayerKind.STATE)[:3] + layout.of_kind(LayerKind.PAGED)[:1]
-    return custom_layout("KimiLinear-quick", [(l.name, l.kind, l.page) for l in keep],
+    return custom_layout("KimiLinear-quick", [(layer.name, layer.kind, layer.page) for layer in keep],
                          block_size=layout.block_size)
 
 
@@ -105,8 +106,8 @@ class Request:
         bs = self.layout.block_size
         assert tokens % bs == 0, "whole MLA blocks: every provider moves the same bytes"
         self.tokens, paged_blocks = tokens, tokens // bs
-        state = [l.name for l in self.layout.of_kind(LayerKind.STATE)]
-        paged = [l.name for l in self.layout.of_kind(LayerKind.PAGED)]
+        state = [layer.name for layer in self.layout.of_kind(LayerKind.STATE)]
+        paged = [layer.name for layer in self.layout.of_kind(LayerKind.PAGED)]
         self.groups = [GroupInfo(g, GroupKind.STATE, bs, tuple(state[g::3])) for g in range(3)]
         self.groups.append(GroupInfo(3, GroupKind.PAGED, bs, tuple(paged)))
         # block 0 stays unused (vLLM's null block); KDA groups 1..3; the MLA group after them
@@ -252,7 +253,7 @@ def _check_stored(req: Request, spec: SaveSpec) -> None:
                              multiple_of=1, mode="exact")
     assert ref is not None and ref.num_tokens == req.tokens, ref
     expect = dict(zip([(name, f.name) for grp in req.groups for name in grp.layers
-                       for f in req.views[name].page.fields], req.pack()))
+                       for f in req.views[name].page.fields], req.pack(), strict=True))  # pack's order
     state, paged = req.groups[0].layers[0], req.groups[3].layers[0]
     for layer, fname, rows in ((state, "recurrent", None), (paged, "latent", (0, req.tokens))):
         got = req.entries.load(ref.entry_id, layer, fname, tp_size=1, tp_rank=0, rows=rows)

@@ -18,10 +18,11 @@ the junit XML and benchmark JSON of what finished:
     profile    python -m benchmarks.profile_kernels: host vs kernel time (CUDA only)
 
 Writes, all directly under `--out` (default benchmarks/results), `<machine>` as
-`benchmarks.machine.machine_name()` names it (the GPU's name): `<machine>.json` (device, versions, every step and result),
-`<machine>.md` (tables, targets), `<machine>.png` (GB/s vs baselines), `<machine>-tests.xml`
-(junit) and `<machine>-validate.log` (every step's output). A full run of `bench_kernels.py`
-also refreshes its own `benchmarks/results/<machine>-kernels.json`, as it always does.
+`benchmarks.machine.machine_name()` names it (the GPU's name): `<machine>.json` (device,
+versions, every step and result), `<machine>.md` (tables, targets), `<machine>.png` (GB/s vs
+baselines), `<machine>-tests.xml` (junit) and `<machine>-validate.log` (every step's output).
+A full run of `bench_kernels.py` also refreshes its own
+`benchmarks/results/<machine>-kernels.json`, as it always does.
 Exit status 1 when the kernel tests fail or do not finish, or a step fails or runs out of time.
 """
 
@@ -33,7 +34,6 @@ import importlib.metadata as _md
 import importlib.util
 import json
 import os
-from pathlib import Path
 import re
 import shlex
 import signal
@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 #: (step, most seconds it may take, least seconds worth starting it with), in run order.
@@ -173,7 +174,7 @@ def run_tests(args, out: Path, machine: str, limit: float, log: Path, env: dict)
 
 
 def run_bench(name: str, args, limit: float, log: Path, env: dict, tmp: Path) -> dict:
-    from anchorkv.bench import _condense
+    from benchmarks.reporting import condense
 
     js = tmp / f"{name}.json"
     cmd = [sys.executable, "-m", "pytest", f"benchmarks/bench_{name}.py", "-q", "-p", "no:cacheprovider",
@@ -183,7 +184,7 @@ def run_bench(name: str, args, limit: float, log: Path, env: dict, tmp: Path) ->
     cmd += ["-k", args.k] if args.k else []
     res, _ = run_step(name, cmd, limit, log, env)
     if js.exists():
-        res["benchmarks"] = _condense(json.loads(js.read_text()))
+        res["benchmarks"] = condense(json.loads(js.read_text()))
     rc = res["returncode"]
     res["status"] = ("timeout" if res["timed_out"] else "empty" if rc == 5
                      else "ok" if rc == 0 and res.get("benchmarks") else "failed")
@@ -264,7 +265,7 @@ def targets(rows: list[dict], on_gpu: bool) -> list[dict]:
 
 
 def render_markdown(res: dict) -> str:
-    from anchorkv.bench import _num, _table
+    from benchmarks.reporting import num, table
 
     d, v = res["device"], res["device"]["versions"]
     gpu = d.get("gpu")
@@ -286,13 +287,13 @@ def render_markdown(res: dict) -> str:
                  f"skipped in {t['seconds']:.0f} s (junit `{t['junit']}`)" if "tests" in t else "") + "."]
     lines += [f"- failed: `{name}`" for name in t.get("failed", [])]
     lines += ["", "## Steps", ""]
-    lines += _table(["step", "status", "seconds", "limit s", "results", "command"],
-                    [[n, s["status"], _num(s.get("seconds"), ".0f"), s.get("limit_s", "-"),
+    lines += table(["step", "status", "seconds", "limit s", "results", "command"],
+                    [[n, s["status"], num(s.get("seconds"), ".0f"), s.get("limit_s", "-"),
                       s.get("tests", len(s.get("benchmarks", s.get("rows", [])))), f"`{s.get('command', '-')}`"]
                      for n, s in res["steps"].items()]) + [""]
     if res["targets"]:
         lines += ["## Targets (issue 13)", ""]
-        lines += _table(["target", "value", "met"], [[t["target"], _num(t["value"], ".3f"),
+        lines += table(["target", "value", "met"], [[t["target"], num(t["value"], ".3f"),
                                                       "yes" if t["met"] else "**no**"] for t in res["targets"]])
         lines += [""]
     kern = [r for r in res["results"] if r["suite"] == "kernels"]
@@ -300,30 +301,30 @@ def render_markdown(res: dict) -> str:
         lines += ["## Kernels: pack / unpack of one Kimi-Linear request (47 items)", "",
                   "GB/s counts bytes read + written; ratio = vs a device-to-device copy of the same source "
                   "bytes, same run.", ""]
-        lines += _table(["case", "provider", "source MB", "median ms", "GB/s", "copy GB/s", "ratio vs copy",
+        lines += table(["case", "provider", "source MB", "median ms", "GB/s", "copy GB/s", "ratio vs copy",
                          "speedup vs eager"],
                         [[r["case"], r["provider"] + (f" ({r['backend']})" if r["provider"] == "ours" else ""),
-                          _num(r["bytes"] / 1e6, ".1f"), _num(r["median_s"] * 1e3, ".3f"), _num(r["gbps"], ".1f"),
-                          _num(r["baseline_gbps"], ".1f"), _num(r["ratio"], ".3f"),
-                          _num(r.get("speedup_vs_eager"), ".2f")] for r in kern]) + [""]
+                          num(r["bytes"] / 1e6, ".1f"), num(r["median_s"] * 1e3, ".3f"), num(r["gbps"], ".1f"),
+                          num(r["baseline_gbps"], ".1f"), num(r["ratio"], ".3f"),
+                          num(r.get("speedup_vs_eager"), ".2f")] for r in kern]) + [""]
     save = [r for r in res["results"] if r["suite"] == "save_path"]
     if save:
         lines += ["## Save path: GPU -> pack -> pinned host -> local store", "",
                   "GB/s = bytes delivered to the host / time (packed bytes; raw bytes for `d2h-raw`); "
                   "state GB/s = the request's raw bytes / time; ratios = baseline time / this time, same run.",
                   ""]
-        lines += _table(["case", "provider", "MB to host", "median ms", "GB/s", "state GB/s", "ratio vs d2h packed",
+        lines += table(["case", "provider", "MB to host", "median ms", "GB/s", "state GB/s", "ratio vs d2h packed",
                          "ratio vs d2h raw", "launch ms"],
-                        [[r["case"], r["provider"], _num(r["bytes"] / 1e6, ".1f"), _num(r["median_s"] * 1e3, ".3f"),
-                          _num(r["gbps"], ".2f"), _num(r["state_gbps"], ".2f"), _num(r["ratio"], ".3f"),
-                          _num(r["ratio_vs_d2h_raw"], ".3f"),
-                          _num(r["launch_s"] * 1e3, ".2f") if "launch_s" in r else "-"] for r in save]) + [""]
+                        [[r["case"], r["provider"], num(r["bytes"] / 1e6, ".1f"), num(r["median_s"] * 1e3, ".3f"),
+                          num(r["gbps"], ".2f"), num(r["state_gbps"], ".2f"), num(r["ratio"], ".3f"),
+                          num(r["ratio_vs_d2h_raw"], ".3f"),
+                          num(r["launch_s"] * 1e3, ".2f") if "launch_s" in r else "-"] for r in save]) + [""]
     prof = res["steps"].get("profile", {}).get("rows", [])
     if prof:
         lines += ["## Profile: host vs kernel time per call (`python -m benchmarks.profile_kernels`)", ""]
-        lines += _table(["op", "tp", "wall ms", "host-only ms", "kernel ms", "kernel share of wall"],
-                        [[p["op"], p["tp"], _num(p["wall_ms"], ".3f"), _num(p["host_ms"], ".3f"),
-                          _num(p["kernel_ms"], ".3f"), _num(p["kernel_ms"] / p["wall_ms"], ".2f")]
+        lines += table(["op", "tp", "wall ms", "host-only ms", "kernel ms", "kernel share of wall"],
+                        [[p["op"], p["tp"], num(p["wall_ms"], ".3f"), num(p["host_ms"], ".3f"),
+                          num(p["kernel_ms"], ".3f"), num(p["kernel_ms"] / p["wall_ms"], ".2f")]
                          for p in prof]) + [""]
     for n, s in res["steps"].items():
         if s["status"] not in ("ok", "passed", "skipped"):
@@ -341,14 +342,15 @@ def render_plot(res: dict, path: Path) -> None:
     panels = [(s, [r for r in res["results"] if r["suite"] == s]) for s in ("kernels", "save_path")]
     panels = [p for p in panels if p[1]]
     fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(8 * max(len(panels), 1), 6), squeeze=False)
-    for ax, (suite, rows) in zip(axes[0], panels):
+    # one axis per panel, and one left empty (with its note) when there is no panel
+    for ax, (suite, rows) in zip(axes[0], panels, strict=False):
         labels = [f"{r['case']}\n{r['provider']}" for r in rows]
         x = range(len(rows))
         providers = sorted({r["provider"] for r in rows})
         ax.bar(x, [r["gbps"] for r in rows], color=[f"C{providers.index(r['provider']) % 10}" for r in rows])
         ax.scatter(x, [r["baseline_gbps"] for r in rows], marker="_", s=300, c="k", zorder=3,
                    label=rows[0]["baseline"])
-        for i, r in zip(x, rows):  # the ratio to the baseline, over each bar
+        for i, r in zip(x, rows, strict=True):  # the ratio to the baseline, over each bar
             ax.annotate(f"{r['ratio']:.2f}x", (i, r["gbps"]), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(list(x), labels, rotation=90, fontsize=7)
         ax.set_yscale("log")
@@ -367,7 +369,7 @@ def render_plot(res: dict, path: Path) -> None:
 
 
 def write_report(res: dict, out: Path, plot: bool = True) -> None:
-    from anchorkv.bench import finite
+    from benchmarks.reporting import finite
 
     res["results"] = results(res["steps"])
     res["targets"] = targets(res["results"], bool(res["device"].get("gpu")))

@@ -86,7 +86,8 @@ def _host_breakdown(req, iters: int = 200) -> None:
     """Host microseconds of each step of one `pack_many` call of the request (no profiler:
     perf_counter over `iters` calls, the GPU left to run behind)."""
     from anchorkv import kernels
-    from anchorkv.kernels import batch as B, triton_pack as tp
+    from anchorkv.kernels import batch
+    from anchorkv.kernels import triton_pack as tp
 
     items = req.items
 
@@ -101,7 +102,7 @@ def _host_breakdown(req, iters: int = 200) -> None:
         torch.cuda.synchronize()
         return host
 
-    ids = B.check_all_ids(items)
+    ids = batch.check_all_ids(items)
     plan = tp._plan_for(items, ids)
     launches, real = [], tp._pack_kernel
 
@@ -110,7 +111,7 @@ def _host_breakdown(req, iters: int = 200) -> None:
             return lambda **kw: launches.append((grid, kw))
 
     steps = {"kernels.pack_many (all of it)": lambda: kernels.pack_many(items),
-             "check the block ids": lambda: B.check_all_ids(items),
+             "check the block ids": lambda: batch.check_all_ids(items),
              "find the cached plan": lambda: tp._plan_for(items, ids)}
     tp._pack_kernel = Recorder()
     try:
@@ -118,7 +119,7 @@ def _host_breakdown(req, iters: int = 200) -> None:
         host = {k: per_call(v) for k, v in steps.items()}
     finally:
         tp._pack_kernel = real
-    last = launches[-len([l for l in plan.launches if l.runs]):]
+    last = launches[-len([launch for launch in plan.launches if launch.runs]):]
     host[f"the {len(last)} Triton launches alone"] = per_call(
         lambda: [real[g](**kw) for g, kw in last])
     print("   host time per pack_many call, by step:")
@@ -136,7 +137,7 @@ def _per_launch(name, req, prof, iters) -> None:
     if not plans:
         return
     plan = next(reversed(plans.values()))
-    launches = [l for l in (plan.launches if name == "pack" else plan) if l.runs]
+    launches = [launch for launch in (plan.launches if name == "pack" else plan) if launch.runs]
     kernel = "_pack_kernel" if name == "pack" else "_unpack_kernel"
     events = sorted((ev for ev in prof.events()
                      if ev.device_type == torch.autograd.DeviceType.CUDA and kernel in ev.name),
@@ -146,11 +147,11 @@ def _per_launch(name, req, prof, iters) -> None:
         return
     for j, launch in enumerate(launches):
         us = sorted(ev.time_range.elapsed_us() for ev in events[j :: len(launches)])[iters // 2]
-        geom, count = launch.geom, len(launch.members)
-        source = count * launch.n * geom.numel * geom.itemsize
-        packed = count * launch.n * geom.payload_per_block + count * launch.n * geom.groups * geom.columns * 4
-        print(f"   launch {j}: {count} items x {launch.n} blocks {geom.fmt.value} {geom.dtype} "
-              f"g={geom.g} grid={launch.grid} warps={launch.common['num_warps']} "
+        cut, count = launch.cut, len(launch.members)
+        source = count * launch.n * cut.numel * cut.itemsize
+        packed = count * launch.n * cut.payload_per_block + count * launch.n * cut.groups * cut.columns * 4
+        print(f"   launch {j}: {count} items x {launch.n} blocks {cut.fmt.value} {cut.dtype} "
+              f"g={cut.g} grid={launch.grid} warps={launch.common['num_warps']} "
               f"BLOCK_R={launch.common['BLOCK_R']}: {us:.1f} us, "
               f"{(source + packed) / us / 1e3:.0f} GB/s (source {source / 1e6:.1f} MB)")
 

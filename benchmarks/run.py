@@ -22,9 +22,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from anchorkv.connector.config import DEFAULT_CODECS, KIMI_FIELD_ROLES, field_codecs
 from benchmarks.machine import device_info, machine_name
+from benchmarks.reporting import condense, finite, num, table
 
 #: The checkout holding these benchmarks.
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,17 +38,6 @@ def _run(cmd: list[str], root: Path, env: dict) -> tuple[int, float, str]:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
     return proc.returncode, time.perf_counter() - t0, (proc.stdout + proc.stderr)[-4000:]
-
-
-def _condense(bench_json: dict) -> list[dict]:
-    """The fields of pytest-benchmark's JSON the report uses."""
-    out = []
-    for b in bench_json.get("benchmarks", []):
-        s = b["stats"]
-        out.append({"name": b["name"], "group": b.get("group"), "params": b.get("params"),
-                    "median_s": s["median"], "mean_s": s["mean"], "stddev_s": s["stddev"],
-                    "min_s": s["min"], "rounds": s["rounds"], "extra_info": b.get("extra_info", {})})
-    return out
 
 
 def run_suites(root: Path, quick: bool, k: str | None, suites: tuple[str, ...]) -> dict:
@@ -72,10 +63,10 @@ def run_suites(root: Path, quick: bool, k: str | None, suites: tuple[str, ...]) 
             cmd += ["--quick"] if quick else []
             cmd += ["-k", k] if k else []
             rc, secs, tail = _run(cmd, root, env)
-            entry = {"returncode": rc, "seconds": secs, "command": " ".join(cmd[1:])}
+            entry: dict[str, Any] = {"returncode": rc, "seconds": secs, "command": " ".join(cmd[1:])}
             if js.exists():
                 data = json.loads(js.read_text())
-                entry["benchmarks"] = _condense(data)
+                entry["benchmarks"] = condense(data)
                 entry["machine_info"] = data.get("machine_info", {}).get("cpu", {})
             if rc == 5:
                 entry["status"] = "empty"
@@ -108,25 +99,9 @@ def run_fidelity(root: Path, quick: bool, tiny: bool = False) -> dict:
 # ----------------------------------------------------------------------------- report
 
 
-def _num(x, spec=".3g") -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, str):
-        return "exact" if x == "inf" else x
-    if isinstance(x, float) and math.isinf(x):
-        return "exact"
-    return format(x, spec)
-
-
 def _status(suite: dict) -> str:
     st = suite.get("status", "ok" if suite.get("returncode") == 0 else "failed")
     return st if st in ("ok", "empty") else f"**{st.upper()}**"
-
-
-def _table(header: list[str], rows: list[list]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return out
 
 
 def render_markdown(res: dict) -> str:
@@ -136,9 +111,9 @@ def render_markdown(res: dict) -> str:
              f"command `{res['command']}` ({res['seconds']:.0f} s).", ""]
     suites = res.get("suites") or {}
     if suites:
-        rows = [[f"`{n}`", _status(s), len(s.get("benchmarks", [])), _num(s.get("seconds"), ".0f")]
+        rows = [[f"`{n}`", _status(s), len(s.get("benchmarks", [])), num(s.get("seconds"), ".0f")]
                 for n, s in suites.items()]
-        lines += _table(["suite", "status", "results", "seconds"], rows) + [""]
+        lines += table(["suite", "status", "results", "seconds"], rows) + [""]
     fid = res.get("fidelity") or {}
     if fid and not fid.get("fields"):
         lines += [f"**Fidelity study FAILED (rc {fid.get('returncode')}); log tail in the JSON.**", ""]
@@ -151,18 +126,18 @@ def render_markdown(res: dict) -> str:
     fields = [b for b in benches if b["name"].startswith("test_field")]
     if fields:
         lines += ["## Codec throughput (one layer's field, one request)", ""]
-        rows = [[e["field"], e["tp"], e["codec"], e["op"], _num(e["bytes_raw"] / 1e6, ".2f"),
-                 _num(b["median_s"] * 1e3, ".2f"), _num(e["gbs"], ".2f"), _num(e["ratio_to_copy"], ".2f")]
+        rows = [[e["field"], e["tp"], e["codec"], e["op"], num(e["bytes_raw"] / 1e6, ".2f"),
+                 num(b["median_s"] * 1e3, ".2f"), num(e["gbs"], ".2f"), num(e["ratio_to_copy"], ".2f")]
                 for b in fields for e in [b["extra_info"]]]
-        lines += _table(["field", "tp", "codec", "op", "raw MB", "median ms", "GB/s", "vs copy"], rows) + [""]
+        lines += table(["field", "tp", "codec", "op", "raw MB", "median ms", "GB/s", "vs copy"], rows) + [""]
     scaling = [b for b in benches if b["name"].startswith("test_scaling")]
     if scaling:
         lines += ["## Scaling: one request, tp=1, latent tokens vary (KDA state constant)", ""]
-        rows = [[e["tokens"], e["op"], _num(e["bytes_raw"] / 1e6, ".1f"), _num(b["median_s"], ".3f"),
-                 _num(e["gbs"], ".2f"), _num(e["ratio_to_copy"], ".2f")]
+        rows = [[e["tokens"], e["op"], num(e["bytes_raw"] / 1e6, ".1f"), num(b["median_s"], ".3f"),
+                 num(e["gbs"], ".2f"), num(e["ratio_to_copy"], ".2f")]
                 for b in sorted(scaling, key=lambda b: (b["extra_info"]["op"], b["extra_info"]["tokens"]))
                 for e in [b["extra_info"]]]
-        lines += _table(["tokens", "op", "raw MB", "median s", "GB/s", "vs copy"], rows) + [""]
+        lines += table(["tokens", "op", "raw MB", "median s", "GB/s", "vs copy"], rows) + [""]
         for op, fit in (res.get("scaling_fit") or {}).items():
             lines.append(f"- {op}: t = {fit['fixed_s']:.3g} s + {fit['per_token_us']:.3g} us x tokens "
                          f"(least squares); knee ~ {fit['knee_tokens']:.0f} tokens (where the per-token "
@@ -173,21 +148,21 @@ def render_markdown(res: dict) -> str:
     if kern:
         lines += ["## Kernels: pack / unpack of one whole Kimi-Linear request (47 items)", ""]
         rows = [[e["op"], e["tp"], e["provider"] + (f" ({e['backend']})" if e["provider"] == "ours" else ""),
-                 _num(e["source_bytes"] / 1e6, ".1f"), _num(b["median_s"] * 1e3, ".1f"),
-                 _num(e["gbps"], ".2f"), _num(e["copy_gbps"], ".1f"), _num(e["ratio_vs_copy"], ".3f")]
+                 num(e["source_bytes"] / 1e6, ".1f"), num(b["median_s"] * 1e3, ".1f"),
+                 num(e["gbps"], ".2f"), num(e["copy_gbps"], ".1f"), num(e["ratio_vs_copy"], ".3f")]
                 for b in sorted(kern, key=lambda b: (b["extra_info"]["op"], b["extra_info"]["tp"]))
                 for e in [b["extra_info"]]]
-        lines += _table(["op", "tp", "provider", "source MB", "median ms", "GB/s", "copy GB/s",
+        lines += table(["op", "tp", "provider", "source MB", "median ms", "GB/s", "copy GB/s",
                          "vs copy"], rows) + [""]
     for name, suite in suites.items():
         if name in ("codec", "kernels") or not suite.get("benchmarks"):
             continue
         lines += [f"## Suite `{name}`", ""]
-        rows = [[b["name"], _num(b["median_s"] * 1e3, ".3f"),
-                 _num(b["extra_info"].get("gbs", b["extra_info"].get("gbps")), ".2f"),
-                 ", ".join(f"{k}={_num(v) if isinstance(v, float) else v}" for k, v in b["extra_info"].items()
+        rows = [[b["name"], num(b["median_s"] * 1e3, ".3f"),
+                 num(b["extra_info"].get("gbs", b["extra_info"].get("gbps")), ".2f"),
+                 ", ".join(f"{k}={num(v) if isinstance(v, float) else v}" for k, v in b["extra_info"].items()
                            if k not in ("gbs", "gbps"))[:200]] for b in suite["benchmarks"]]
-        lines += _table(["benchmark", "median ms", "GB/s", "extra"], rows) + [""]
+        lines += table(["benchmark", "median ms", "GB/s", "extra"], rows) + [""]
     for name, suite in suites.items():
         if suite.get("status") == "failed":
             lines += [f"**Suite `{name}` FAILED (rc {suite['returncode']}); log tail in the JSON.**", ""]
@@ -283,18 +258,6 @@ def render_plot(res: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def finite(obj):
-    """`obj` with +-inf and NaN floats as strings, so strict JSON parsers accept it
-    (a raw codec's SQNR is inf; a timing can be too)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite(v) for v in obj]
-    return obj
 
 
 def write_report(res: dict, out: Path) -> dict[str, Path]:

@@ -1,4 +1,4 @@
-"""Measure the kernels' launch geometry on a GPU: tile size x warps per program.
+"""Measure the kernels' launch configuration on a GPU: tile size x warps per program.
 
     python -m benchmarks.sweep_launch [--json OUT]
 
@@ -20,7 +20,7 @@ import torch
 
 def _time(fn, iters=10) -> float:
     """Kernel time per call in us, from the profiler's device timestamps (host launch overhead
-    and gaps between launches excluded: this sweep is about the kernels' geometry)."""
+    and gaps between launches excluded: this sweep is about the kernels' launch configuration)."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
@@ -40,43 +40,42 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("sweep_launch needs CUDA", file=sys.stderr)
         return 2
-    from anchorkv.kernels import batch as B
-    from anchorkv.kernels import triton_pack, triton_unpack
-    from anchorkv.kernels.batch import PackItem, UnpackItem
+    from anchorkv.codec import CodecSpec
+    from anchorkv.kernels import PackItem, UnpackItem, batch, triton_pack, triton_unpack
     from benchmarks.bench_kernels import request
 
-    default_tile, default_warps = B.tile_elements, B.num_warps
+    default_tile, default_warps = batch.tile_elements, batch.num_warps
     rows = []
     defaults = {}
     for tp in (1, 4):
         req = request(tp)
         by_field: dict[str, list[int]] = {}
         for i, it in enumerate(req.items):
-            key = f"{it.field.dtype} {list(it.field.shape)} {it.fmt}:{it.group}"
+            key = f"{it.field.dtype} {list(it.field.shape)} {it.spec}"
             by_field.setdefault(key, []).append(i)
         for fmt_override in (None, "raw"):
             for key, idx in by_field.items():
                 items = [req.items[i] for i in idx]
                 if fmt_override:
-                    items = [PackItem(it.buffer, it.field, it.block_ids, it.num_blocks, "raw",
-                                      None) for it in items]
+                    items = [PackItem(it.buffer, it.field, it.block_ids, it.num_blocks,
+                                      CodecSpec("raw", None)) for it in items]
                     key = key.rsplit(" ", 1)[0] + " raw"
                 packed = triton_pack.pack_many(items)
-                un = [UnpackItem(it.buffer, it.field, it.block_ids, it.num_blocks, p, s, it.fmt,
-                                 it.group) for it, (p, s) in zip(items, packed, strict=True)]
+                un = [UnpackItem(it.buffer, it.field, it.block_ids, it.num_blocks, it.spec, p, s)
+                      for it, (p, s) in zip(items, packed, strict=True)]
                 nbytes = sum(len(it.block_ids) * it.field.numel * it.field.itemsize
                              for it in items) + sum(p.numel() + s.numel() * 4 for p, s in packed)
                 for tile in (1024, 4096, 16384):
                     for warps in (2, 4, 8):
-                        B.tile_elements = lambda _g, t=tile: t
-                        B.num_warps = lambda _e, w=warps: w
+                        batch.tile_elements = lambda _g, t=tile: t
+                        batch.num_warps = lambda _e, w=warps: w
                         triton_pack.launch_config.cache_clear()
                         for op, fn in (("pack", lambda items=items: triton_pack.pack_many(items)),
                                        ("unpack", lambda un=un: triton_unpack.unpack_many(un))):
                             us = _time(fn)
                             rows.append(dict(tp=tp, field=key, op=op, tile=tile, warps=warps,
                                              us=us, gbps=nbytes / us / 1e3))
-                B.tile_elements, B.num_warps = default_tile, default_warps
+                batch.tile_elements, batch.num_warps = default_tile, default_warps
                 triton_pack.launch_config.cache_clear()
                 for op, fn in (("pack", lambda items=items: triton_pack.pack_many(items)),
                                ("unpack", lambda un=un: triton_unpack.unpack_many(un))):

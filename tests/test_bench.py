@@ -16,7 +16,8 @@ import anchorkv.bench
 from benchmarks import run as bench
 from benchmarks.fidelity import DECAYS, LOGIT_STDS, choose, choose_presets, data, fla_ref, layers, presets
 from benchmarks.fidelity.presets import FIELDS, condition
-from benchmarks.fidelity.study import StudyConfig, finite, round_trip, run_study
+from benchmarks.fidelity.study import StudyConfig, round_trip, run_study
+from benchmarks.reporting import finite
 
 pytest.importorskip("matplotlib")
 

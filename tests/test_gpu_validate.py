@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from anchorkv.bench import machine_name
 from benchmarks import gpu_validate
+from benchmarks.machine import machine_name
 
 pytest.importorskip("matplotlib")
 pytest.importorskip("pytest_benchmark")
@@ -30,7 +30,7 @@ def test_quick_cpu_run_end_to_end(tmp_path):
          "--tests-k", "test_empty_block_list or test_bad_groups_are_refused", "-k", "copy-4 or raw-d2h or raw-save"],
         capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    machine = machine_name()[0]
+    machine = machine_name()
     names = {f"{machine}{s}" for s in (".json", ".md", ".png", "-validate.log", "-tests.xml")}
     assert {p.name for p in out.iterdir()} == names
     res = json.loads((out / f"{machine}.json").read_text())

@@ -8,8 +8,8 @@ restores at the same tensor-parallel size (see `anchorkv.architectures.base`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from importlib import import_module
-from typing import Mapping
 
 from anchorkv.architectures.base import (
     Attention,

@@ -20,10 +20,10 @@ Axis letters: T taps of the conv window, C channels, H heads, N tokens of a bloc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
 import re
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -120,10 +120,6 @@ def layer_number(name: str) -> int:
 # ----------------------------------------------------------------------------- state pages
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def conv_fields(desc: ConvState, shape: Sequence[int], dtype: torch.dtype, offset: int, *,
                 conv_layout: ConvLayout, tp_size: int, tp_rank: int) -> list[Field]:
     """The fields of one conv state tensor of vLLM shape `shape` at byte `offset` of the page."""
@@ -136,10 +132,10 @@ def conv_fields(desc: ConvState, shape: Sequence[int], dtype: torch.dtype, offse
             f"conv state {tuple(shape)} ({conv_layout.value}) at tp={tp_size}: the description's "
             f"{len(desc.segments)} segments of {[s.channels for s in desc.segments]} channels "
             f"need {desc.channels // tp_size} channels per rank, vLLM allocates {local}")
-    isz = _itemsize(dtype)
+    isz = dtype.itemsize
     # element (t, c) of the rank's window: SD at t * local + c, DS at c * taps + t
     t_stride, c_stride = (local, 1) if conv_layout is ConvLayout.SD else (1, taps)
-    tp = {"tp_size": tp_size, "tp_rank": tp_rank, "role": Role.CONV_STATE.value}
+    role = Role.CONV_STATE.value
     widths = {s.channels for s in desc.segments}
     if desc.stacked is not None:
         if len(widths) != 1:
@@ -148,12 +144,13 @@ def conv_fields(desc: ConvState, shape: Sequence[int], dtype: torch.dtype, offse
         n = len(desc.segments)
         return [Field(desc.stacked, dtype, (taps, n, ch // tp_size),
                       (t_stride, ch // tp_size * c_stride, c_stride), offset,
-                      logical_shape=(taps, n, ch), shard_axis=2, **tp)]
+                      logical_shape=(taps, n, ch), shard_axis=2, tp_size=tp_size, tp_rank=tp_rank, role=role)]
     out, start = [], 0
     for seg in desc.segments:
         width = seg.channels // tp_size
         out.append(Field(seg.name, dtype, (taps, width), (t_stride, c_stride), offset + start * c_stride * isz,
-                         logical_shape=(taps, seg.channels), shard_axis=1, **tp))
+                         logical_shape=(taps, seg.channels), shard_axis=1, tp_size=tp_size, tp_rank=tp_rank,
+                         role=role))
         start += width
     return out
 
@@ -180,7 +177,7 @@ def per_rank_field(name: str, role: Role, dtype: torch.dtype, shape: Sequence[in
     local = (*shape[:at], 1, *shape[at:])
     logical = (*shape[:at], tp_size, *shape[at:])
     # the size-1 ranks axis needs a stride that keeps the field free of self-overlap
-    rank_stride = max((s * k for s, k in zip(strides, shape)), default=n)
+    rank_stride = max((s * k for s, k in zip(strides, shape, strict=True)), default=n)
     return Field(name, dtype, local, (*strides[:at], rank_stride, *strides[at:]), offset,
                  logical_shape=logical, shard_axis=at, tp_size=tp_size, tp_rank=tp_rank, role=role.value)
 
@@ -192,12 +189,12 @@ def state_page(desc: Sequence[ConvState | HeadState] | None, shapes: Sequence[Se
     back to back from byte 0, as vLLM's Mamba layers slice them). Returns (page, described):
     without a matching description every tensor is a per-rank field ``state<i>``."""
     offsets, off = [], 0
-    for shape, dtype in zip(shapes, dtypes):
+    for shape, dtype in zip(shapes, dtypes, strict=True):
         offsets.append(off)
-        off += math.prod(shape) * _itemsize(dtype)
+        off += math.prod(shape) * dtype.itemsize
     if desc is not None and len(desc) == len(shapes):
         fields: list[Field] = []
-        for d, shape, dtype, o in zip(desc, shapes, dtypes, offsets):
+        for d, shape, dtype, o in zip(desc, shapes, dtypes, offsets, strict=True):
             if isinstance(d, ConvState):
                 fields += conv_fields(d, shape, dtype, o, conv_layout=conv_layout, tp_size=tp_size, tp_rank=tp_rank)
             else:
@@ -208,7 +205,7 @@ def state_page(desc: Sequence[ConvState | HeadState] | None, shapes: Sequence[Se
                                   f"{len(shapes)} ({[tuple(s) for s in shapes]})")
     fields = [per_rank_field(f"state{i}", Role.STATE, dtype, shape, dense_strides(tuple(shape)), o,
                              tp_size=tp_size, tp_rank=tp_rank)
-              for i, (shape, dtype, o) in enumerate(zip(shapes, dtypes, offsets))]
+              for i, (shape, dtype, o) in enumerate(zip(shapes, dtypes, offsets, strict=True))]
     return PageLayout(tuple(fields), page_bytes), False
 
 
@@ -225,8 +222,9 @@ def attention_page(desc: Attention | None, *, heads: int, head_size: int, head_s
     How a backend arranges K and V in a head's `[N, 2 * head_size]` bytes differs: most split
     each cell (`[..., :head_size]` is K: `planar=False`); vLLM's CPU backend views them as
     `[2N, head_size]` rows, K in rows 0..N-1 and V in rows N..2N-1 (`planar=True`)."""
-    isz = _itemsize(dtype)
-    shards = desc is not None and heads * tp_size == desc.kv_heads
+    isz = dtype.itemsize
+    # the description's K/V heads, when this rank holds its share of them (None: per rank)
+    kv_heads = desc.kv_heads if desc is not None and heads * tp_size == desc.kv_heads else None
     if planar:
         if head_size != head_size_v or token_stride != head_size + head_size_v:
             raise DescriptionMismatch(
@@ -239,13 +237,13 @@ def attention_page(desc: Attention | None, *, heads: int, head_size: int, head_s
     out = []
     for name, role, size, at in parts:
         shape, strides = (block_size, heads, size), (token_stride, head_stride, 1)
-        if shards:
-            out.append(Field(name, dtype, shape, strides, at * isz, logical_shape=(block_size, desc.kv_heads, size),
+        if kv_heads is not None:
+            out.append(Field(name, dtype, shape, strides, at * isz, logical_shape=(block_size, kv_heads, size),
                              shard_axis=1, tp_size=tp_size, tp_rank=tp_rank, role=role.value))
         else:
             out.append(per_rank_field(name, role, dtype, shape, strides, at * isz, tp_size=tp_size,
                                       tp_rank=tp_rank, token_axis=True))
-    return PageLayout(tuple(out), page_bytes), shards
+    return PageLayout(tuple(out), page_bytes), kv_heads is not None
 
 
 def latent_page(*, width: int, dtype: torch.dtype, block_size: int, token_stride: int, page_bytes: int,

@@ -4,7 +4,6 @@ the same on every tensor-parallel rank."""
 from anchorkv.architectures.base import Description, Latent
 
 
-
 def describe(config: dict) -> Description:
     archs = config.get("architectures") or ["DeepseekV3ForCausalLM"]
     return Description(str(archs[0]), (), Latent())

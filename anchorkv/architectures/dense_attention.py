@@ -4,7 +4,6 @@
 from anchorkv.architectures.base import Attention, Description, need, text_config
 
 
-
 def describe(config: dict) -> Description:
     c = text_config(config)
     archs = c.get("architectures") or ["LlamaForCausalLM"]

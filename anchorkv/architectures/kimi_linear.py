@@ -5,7 +5,6 @@ one latent row (kv_lora_rank + rope) per token."""
 from anchorkv.architectures.base import ConvSegment, ConvState, Description, HeadState, Latent, need
 
 
-
 def describe(config: dict) -> Description:
     lin = config.get("linear_attn_config") or {}
     heads, head_dim = need(lin, "num_heads"), need(lin, "head_dim")

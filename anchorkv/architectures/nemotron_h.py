@@ -4,9 +4,14 @@ then the SSM state `[H, P, N]`. When tp does not divide `n_groups`, vLLM replica
 across ranks and the layout no longer splits evenly: those states are kept per rank."""
 
 from anchorkv.architectures.base import (
-    Attention, ConvSegment, ConvState, Description, HeadState, need, text_config,
+    Attention,
+    ConvSegment,
+    ConvState,
+    Description,
+    HeadState,
+    need,
+    text_config,
 )
-
 
 
 def describe(config: dict) -> Description:

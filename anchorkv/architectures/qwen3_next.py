@@ -4,9 +4,14 @@ unequal widths, so three fields) then the recurrent state `[Hv, Dv, Dk]`; attent
 hold K and V of `num_key_value_heads` heads."""
 
 from anchorkv.architectures.base import (
-    Attention, ConvSegment, ConvState, Description, HeadState, need, text_config,
+    Attention,
+    ConvSegment,
+    ConvState,
+    Description,
+    HeadState,
+    need,
+    text_config,
 )
-
 
 
 def describe(config: dict) -> Description:
@@ -17,4 +22,5 @@ def describe(config: dict) -> Description:
     conv = ConvState((ConvSegment("conv_q", key_dim), ConvSegment("conv_k", key_dim),
                       ConvSegment("conv_v", value_dim)))
     kv_heads = need(c, "num_key_value_heads", "num_attention_heads")
-    return Description(str((c.get("architectures") or ["Qwen3NextForCausalLM"])[0]), (conv, HeadState("ssm", v_heads)), Attention(kv_heads))
+    name = str((c.get("architectures") or ["Qwen3NextForCausalLM"])[0])
+    return Description(name, (conv, HeadState("ssm", v_heads)), Attention(kv_heads))

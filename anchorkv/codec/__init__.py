@@ -14,7 +14,7 @@ from anchorkv.codec.models import (
 from anchorkv.codec.packed import Packed
 from anchorkv.codec.registry import Codec, EncodedRow, available_codecs, get_codec, register_codec
 from anchorkv.codec.spec import CodecSpec
-from anchorkv.kernels.formats import Quant
+from anchorkv.kernels.quant import Quant
 
 __all__ = [
     "CacheView", "Codec", "CodecSpec", "ConvLayout", "EncodedRow", "Field", "KIMI_LINEAR_48B_CONFIG",

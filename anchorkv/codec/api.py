@@ -7,12 +7,11 @@ Kimi-Linear request (47 pairs) is not 47 launches.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from anchorkv import kernels
-
 from anchorkv.codec.layout import CacheView
 from anchorkv.codec.packed import Packed
 from anchorkv.codec.registry import QuantCodec, get_codec
@@ -33,13 +32,13 @@ def pack(view: CacheView, field: str, block_ids, codec: CodecSpec | str = "raw")
     spec = CodecSpec.parse(codec)
     impl = get_codec(spec.id)
     f = view.page.field(field)
-    geom = f.geometry(view.region.block_stride)
+    strided = f.strided(view.region.block_stride)
     ids = _ids(block_ids, view.region.device)
     n = view.region.num_blocks
-    if hasattr(impl, "pack"):
-        payload, scales = impl.pack(view.region.buffer, geom, ids, n, spec)
+    if isinstance(impl, QuantCodec):  # the fused kernels: one pass over the cache
+        payload, scales = kernels.pack(kernels.PackItem(view.region.buffer, strided, ids, n, spec))
     else:
-        payload, scales = impl.encode(reference.gather(view.region.buffer, geom, ids, n), spec)
+        payload, scales = impl.encode(reference.gather(view.region.buffer, strided, ids, n), spec)
     return Packed(spec, (ids.numel(), *f.shape), f.dtype, payload, scales)
 
 
@@ -64,15 +63,15 @@ def unpack(packed: Packed, view: CacheView, field: str, block_ids) -> None:
     f = _check_unpack(packed, view, field, ids)
     expected = (ids.numel(), *f.shape)
     impl = get_codec(packed.codec.id)
-    geom = f.geometry(view.region.block_stride)
+    strided = f.strided(view.region.block_stride)
     n = view.region.num_blocks
     device = view.region.device
     payload, scales = packed.payload.to(device), packed.scales.to(device)
-    if hasattr(impl, "unpack"):
-        impl.unpack(view.region.buffer, geom, ids, n, payload, scales, packed.codec)
+    if isinstance(impl, QuantCodec):
+        kernels.unpack(kernels.UnpackItem(view.region.buffer, strided, ids, n, packed.codec, payload, scales))
     else:
         values = impl.decode(payload, scales, packed.codec, expected, f.dtype)
-        reference.scatter(view.region.buffer, geom, ids, n, values)
+        reference.scatter(view.region.buffer, strided, ids, n, values)
 
 
 def pack_many(requests: Sequence[tuple[CacheView, str, object, CodecSpec | str]]) -> list[Packed]:
@@ -93,10 +92,10 @@ def pack_many(requests: Sequence[tuple[CacheView, str, object, CodecSpec | str]]
         # one ids object shared by many fields is checked once): no device sync
         ids = block_ids if isinstance(block_ids, (list, tuple)) else torch.as_tensor(
             block_ids, dtype=torch.int64)
-        items.append(kernels.PackItem(view.region.buffer, f.geometry(view.region.block_stride), ids,
-                                      view.region.num_blocks, impl.fmt, spec.group))
+        items.append(kernels.PackItem(view.region.buffer, f.strided(view.region.block_stride), ids,
+                                      view.region.num_blocks, spec))
         where.append((i, spec, (len(ids), *f.shape), f.dtype))
-    for (i, spec, shape, dtype), (payload, scales) in zip(where, kernels.pack_many(items)):
+    for (i, spec, shape, dtype), (payload, scales) in zip(where, kernels.pack_many(items), strict=True):
         out[i] = Packed(spec, shape, dtype, payload, scales)
     return out  # type: ignore[return-value]
 
@@ -116,9 +115,9 @@ def unpack_many(requests: Sequence[tuple[Packed, CacheView, str, object]]) -> No
             continue
         device = view.region.device
         items.append(kernels.UnpackItem(
-            view.region.buffer, f.geometry(view.region.block_stride), ids, view.region.num_blocks,
-            packed.payload.to(device, non_blocking=True), packed.scales.to(device, non_blocking=True),
-            impl.fmt, packed.codec.group))
+            view.region.buffer, f.strided(view.region.block_stride), ids, view.region.num_blocks,
+            packed.codec, packed.payload.to(device, non_blocking=True),
+            packed.scales.to(device, non_blocking=True)))
     kernels.unpack_many(items)
     for packed, view, field, ids in custom:
         unpack(packed, view, field, ids)

@@ -14,16 +14,12 @@ gathered field is exactly the rank's slice of the logical array the store keeps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 
 import torch
 
-from anchorkv.kernels.geometry import StridedField, field_view
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+from anchorkv.kernels.strided import StridedField, field_view
 
 
 @dataclass(frozen=True)
@@ -43,7 +39,7 @@ class Field:
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     offset: int = 0
-    logical_shape: tuple[int, ...] | None = None
+    logical_shape: tuple[int, ...] = None  # type: ignore[assignment]  # None: the same as shape (__post_init__)
     shard_axis: int | None = None
     tp_size: int = 1
     tp_rank: int = 0
@@ -68,10 +64,10 @@ class Field:
                 f"{where}: sizes and strides must be positive, found shape {list(self.shape)} "
                 f"strides {list(self.strides)}"
             )
-        if self.offset < 0 or self.offset % _itemsize(self.dtype):
+        if self.offset < 0 or self.offset % self.dtype.itemsize:
             raise ValueError(
                 f"{where}: byte offset {self.offset} must be a non-negative multiple of "
-                f"{_itemsize(self.dtype)} (the size of {self.dtype})"
+                f"{self.dtype.itemsize} (the size of {self.dtype})"
             )
         _check_no_self_overlap(where, self.shape, self.strides)
         if not 1 <= self.tp_size or not 0 <= self.tp_rank < self.tp_size:
@@ -102,7 +98,7 @@ class Field:
 
     @property
     def itemsize(self) -> int:
-        return _itemsize(self.dtype)
+        return self.dtype.itemsize
 
     @property
     def numel(self) -> int:
@@ -116,7 +112,7 @@ class Field:
     @property
     def extent(self) -> int:
         """One past the last byte of the page this field touches."""
-        last = sum((n - 1) * s for n, s in zip(self.shape, self.strides))
+        last = sum((n - 1) * s for n, s in zip(self.shape, self.strides, strict=True))
         return self.offset + (last + 1) * self.itemsize
 
     def rank_slice(self) -> tuple[slice, ...]:
@@ -126,11 +122,11 @@ class Field:
             out[self.shard_axis] = tp_slice(self.logical_shape[self.shard_axis], self.tp_size, self.tp_rank)
         return tuple(out)
 
-    def geometry(self, block_stride: int) -> StridedField:
+    def strided(self, block_stride: int) -> StridedField:
         # one object per block stride, kept on the instance (outside the dataclass fields, so
         # equality and hashing do not see it): the connector asks for it every step, and the
         # kernels' launch plans compare it to the one they were built from (identity first)
-        cache = self.__dict__.setdefault("_geometries", {})
+        cache = self.__dict__.setdefault("_strided", {})
         out = cache.get(block_stride)
         if out is None:
             out = cache[block_stride] = StridedField(self.dtype, self.shape, self.strides,
@@ -149,7 +145,7 @@ def tp_slice(length: int, tp_size: int, tp_rank: int) -> slice:
 def _check_no_self_overlap(where: str, shape: tuple[int, ...], strides: tuple[int, ...]) -> None:
     """Distinct indices must address distinct elements, or a round trip could not be exact."""
     span = 1
-    for n, s in sorted(zip(shape, strides), key=lambda p: p[1]):
+    for n, s in sorted(zip(shape, strides, strict=True), key=lambda p: p[1]):
         if n > 1 and s < span:
             raise ValueError(
                 f"{where}: strides {list(strides)} make elements of shape {list(shape)} overlap"
@@ -160,7 +156,7 @@ def _check_no_self_overlap(where: str, shape: tuple[int, ...], strides: tuple[in
 def _byte_runs(f: Field) -> list[tuple[int, int]]:
     """The [start, end) byte runs of one page that field `f` covers: its innermost axes that
     are contiguous fold into one run, the others enumerate run starts."""
-    axes = sorted((stride, n) for stride, n in zip(f.strides, f.shape) if n > 1)
+    axes = sorted((stride, n) for stride, n in zip(f.strides, f.shape, strict=True) if n > 1)
     length, k = f.itemsize, 0
     while k < len(axes) and axes[k][0] * f.itemsize == length:
         length *= axes[k][1]
@@ -251,14 +247,14 @@ class Region:
             )
 
     @classmethod
-    def from_view(cls, view: torch.Tensor) -> "Region":
+    def from_view(cls, view: torch.Tensor) -> Region:
         """The region behind a per-layer cache view whose axis 0 is the block axis."""
         return cls(view, view.shape[0], view.stride(0) * view.element_size())
 
     @property
     def available_bytes(self) -> int:
-        start = self.buffer.storage_offset() * self.buffer.element_size()
-        return self.buffer.untyped_storage().nbytes() - start
+        start = int(self.buffer.storage_offset()) * self.buffer.element_size()
+        return int(self.buffer.untyped_storage().nbytes()) - start
 
     @property
     def device(self) -> torch.device:
@@ -290,9 +286,9 @@ class CacheView:
                     f"need {need} bytes, but the buffer holds {self.region.available_bytes}"
                 )
 
-    def geometry(self, name: str) -> StridedField:
-        return self.page.field(name).geometry(self.region.block_stride)
+    def strided(self, name: str) -> StridedField:
+        return self.page.field(name).strided(self.region.block_stride)
 
     def tensor(self, name: str) -> torch.Tensor:
         """A strided alias `[num_blocks, *shape]` of field `name` (writes go to the cache)."""
-        return field_view(self.region.buffer, self.geometry(name), self.region.num_blocks)
+        return field_view(self.region.buffer, self.strided(name), self.region.num_blocks)

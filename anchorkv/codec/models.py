@@ -11,11 +11,12 @@ layers, each a `PageLayout` of fields, of one of two kinds:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import Enum
 import hashlib
 import json
-from typing import Any, Iterable
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
 
 import torch
 
@@ -240,7 +241,8 @@ def kimi_linear_layout(
             f"{-(-state_bytes // token_bytes)} tokens"
         )
     latent_shape = (block_size, d["latent"])
-    latent = Field("latent", dtype, latent_shape, dense_strides(latent_shape), 0, role=Role.LATENT.value, **tp)
+    latent = Field("latent", dtype, latent_shape, dense_strides(latent_shape), 0, role=Role.LATENT.value,
+                   tp_size=tp_size, tp_rank=tp_rank)
     kda_page = PageLayout((conv, recurrent), page_bytes)
     mla_page = PageLayout((latent,), page_bytes)
 
@@ -260,7 +262,7 @@ def kimi_linear_layout(
         )
         for i in range(d["num_layers"])
     ]
-    return ModelLayout(KIMI_ARCHITECTURE, layers, block_size, tp_size, tp_rank)
+    return ModelLayout(KIMI_ARCHITECTURE, tuple(layers), block_size, tp_size, tp_rank)
 
 
 def custom_layout(

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -77,7 +77,7 @@ class Packed:
             raise ValueError(f"packed {list(self.shape)} cannot be split along its leading axis")
         return self.payload.numel() // n, scale_rows // n
 
-    def narrow(self, start: int, length: int) -> "Packed":
+    def narrow(self, start: int, length: int) -> Packed:
         """Indices [start, start + length) of the leading axis (groups never straddle them)."""
         if not 0 <= start <= start + length <= self.shape[0]:
             raise IndexError(f"rows [{start}, {start + length}) out of range for leading axis {self.shape[0]}")
@@ -86,7 +86,7 @@ class Packed:
         return Packed(self.codec, (length, *self.shape[1:]), self.dtype,
                       self.payload[start * pb : (start + length) * pb], scales)
 
-    def reshape(self, *shape: int) -> "Packed":
+    def reshape(self, *shape: int) -> Packed:
         """Same bytes, another shape with the same last axis (e.g. [N, bs, D] <-> [N*bs, D])."""
         if math.prod(shape) != self.numel or shape[-1] != self.shape[-1]:
             raise ValueError(f"cannot reshape packed {list(self.shape)} to {list(shape)}: the element "
@@ -94,7 +94,7 @@ class Packed:
         return Packed(self.codec, tuple(shape), self.dtype, self.payload, self.scales)
 
     @staticmethod
-    def cat(parts: "list[Packed]") -> "Packed":
+    def cat(parts: list[Packed]) -> Packed:
         """Concatenate along the leading axis (same codec, dtype and trailing shape)."""
         first = parts[0]
         for p in parts[1:]:
@@ -104,7 +104,7 @@ class Packed:
         return Packed(first.codec, (sum(p.shape[0] for p in parts), *first.shape[1:]), first.dtype,
                       torch.cat([p.payload for p in parts]), torch.cat([p.scales for p in parts]))
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Packed":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Packed:
         return Packed(
             self.codec,
             self.shape,
@@ -131,7 +131,7 @@ class Packed:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Packed":
+    def from_dict(cls, data: dict[str, Any]) -> Packed:
         payload = torch.from_numpy(np.frombuffer(bytearray(data["payload"]), dtype=np.uint8))
         scales = torch.from_numpy(np.frombuffer(bytearray(data["scales"]), dtype=np.float32))
         if payload.numel() != data["payload_bytes"]:

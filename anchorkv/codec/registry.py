@@ -14,18 +14,16 @@ id), never fatal to the others. `examples/lowrank_codec` is a complete plug-in.
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
 import logging
 import threading
+from importlib.metadata import entry_points
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from anchorkv import kernels
 from anchorkv.codec.spec import CodecSpec
 from anchorkv.kernels import reference
-from anchorkv.kernels.formats import Quant
-from anchorkv.kernels.geometry import StridedField
+from anchorkv.kernels.quant import Quant
 
 ENTRY_POINT_GROUP = "anchorkv.codecs"
 log = logging.getLogger("anchorkv.codec")
@@ -93,7 +91,8 @@ class Codec(Protocol):
 
 
 class QuantCodec:
-    """A built-in format; packs and unpacks with the fused kernels (one pass over the cache)."""
+    """A built-in format. `anchorkv.codec.pack` / `unpack` move it with the fused kernels (one
+    pass over the cache); `encode` / `decode` are the same bytes from dense values."""
 
     lossless = False
 
@@ -103,16 +102,10 @@ class QuantCodec:
         self.lossless = self.fmt is Quant.RAW
 
     def encode(self, values, spec):
-        return reference.quantize(values, self.fmt, spec.group)
+        return reference.quantize(values, spec)
 
     def decode(self, payload, scales, spec, shape, dtype):
-        return reference.dequantize(payload, scales, self.fmt, spec.group, shape, dtype)
-
-    def pack(self, buffer, field: StridedField, block_ids, num_blocks, spec):
-        return kernels.pack(buffer, field, block_ids, num_blocks, self.fmt, spec.group)
-
-    def unpack(self, buffer, field: StridedField, block_ids, num_blocks, payload, scales, spec):
-        kernels.unpack(buffer, field, block_ids, num_blocks, payload, scales, self.fmt, spec.group)
+        return reference.dequantize(payload, scales, spec, shape, dtype)
 
     def __repr__(self) -> str:
         return f"QuantCodec({self.id!r})"

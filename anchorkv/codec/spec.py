@@ -16,15 +16,15 @@ everything its decode needs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 _ID = re.compile(r"^[a-z][a-z0-9_.-]{0,63}$")
 _GROUP_WHOLE = "whole"
 _DEFAULT_GROUP = 128
-#: The built-in format ids (`anchorkv.kernels.formats.Quant`), spelled out here so that this
+#: The built-in format ids (`anchorkv.kernels.quant.Quant`), spelled out here so that this
 #: module needs no import; `tests/codec/test_plugin_spec.py` checks they agree.
 BUILTIN_IDS = frozenset({"raw", "fp8", "int8", "int4", "bf16"})
 _SHOWN_CHARS = 24  # longer option values are abbreviated in str()
@@ -84,7 +84,7 @@ class CodecSpec:
         return self.id in BUILTIN_IDS
 
     @classmethod
-    def parse(cls, value: "CodecSpec | str | dict") -> "CodecSpec":
+    def parse(cls, value: CodecSpec | str | dict) -> CodecSpec:
         """Accept a spec, a string like ``"int8:64"`` / ``"lowrank:rank=16"``, or a dict."""
         if isinstance(value, CodecSpec):
             return value
@@ -106,7 +106,7 @@ class CodecSpec:
         return cls(name, int(rest))
 
     @classmethod
-    def _parse_options(cls, text: str, name: str, rest: str, default: int | None) -> "CodecSpec":
+    def _parse_options(cls, text: str, name: str, rest: str, default: int | None) -> CodecSpec:
         params: dict[str, Any] = {}
         group = default
         for item in rest.split(","):
@@ -127,7 +127,7 @@ class CodecSpec:
         return {"id": self.id, "group": self.group, "params": dict(self.params)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "CodecSpec":
+    def from_dict(cls, data: dict[str, Any]) -> CodecSpec:
         """`to_dict`'s form, or ``{"id": ..., <option>: ...}`` (options inline)."""
         if "id" not in data:
             raise ValueError(f"a codec dict needs an 'id' (e.g. {{\"id\": \"lowrank\", \"rank\": 16}}); "

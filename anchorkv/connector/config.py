@@ -15,9 +15,10 @@ and what was found, before vLLM allocates anything.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from anchorkv.codec.spec import CodecSpec
 from anchorkv.store.settings import DEFAULT_STORE, parse_size
@@ -52,7 +53,8 @@ PRESETS: dict[str, dict[str, str]] = {
 KIMI_FIELD_ROLES: dict[str, str] = {"conv": "conv_state", "recurrent": "ssm_state", "latent": "latent"}
 
 
-def field_codecs(codecs: Mapping[str, Any], field_roles: Mapping[str, str | None], default: Any = "raw") -> dict[str, Any]:
+def field_codecs(codecs: Mapping[str, Any], field_roles: Mapping[str, str | None],
+                 default: Any = "raw") -> dict[str, Any]:
     """`codecs` (keyed by role, field name, or the old names ``conv`` / ``recurrent``) applied
     to fields ``{name: role}``: a field's own name wins, then an old name, then its role;
     `default` otherwise. The one rule the store (`storage_zarr.wanted_codecs`) and the
@@ -90,9 +92,9 @@ class ConnectorConfig:
     storage_options: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorConfig":
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         extra = dict(extra or {})
-        known = {f for f in cls.__dataclass_fields__}
+        known = set(cls.__dataclass_fields__)
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(

@@ -33,7 +33,7 @@ Worker side (one per tensor-parallel rank):
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -49,7 +49,12 @@ from anchorkv.connector.plan import Metadata
 from anchorkv.connector.scheduler import SchedulerSide
 from anchorkv.connector.storage_zarr import ZarrEntryStore
 from anchorkv.connector.vllm_layout import (
-    attention_backends, build_views, config_dict, groups_of, model_layout, opaque_kv_layout,
+    attention_backends,
+    build_views,
+    config_dict,
+    groups_of,
+    model_layout,
+    opaque_kv_layout,
 )
 from anchorkv.connector.worker import WorkerSide
 
@@ -127,6 +132,9 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
         # attention pages whose in-block token order anchorkv cannot read: whole blocks only
         opaque = opaque_kv_layout(kv_cache_config)
         granularity = self.model_layout.block_size if opaque else 1
+        # one side per process: the other stays None (see `_scheduler_side`, `_worker_side`)
+        self.scheduler: SchedulerSide | None
+        self.worker: WorkerSide | None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.config, self.groups, self.mode, self.store,
                                            granularity=granularity)
@@ -155,32 +163,50 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a dropped save is a future cache miss, nothing more
 
+    @property
+    def _scheduler_side(self) -> SchedulerSide:
+        """The scheduler side, which vLLM calls only on the connector it made for its scheduler."""
+        if self.scheduler is None:
+            raise RuntimeError("anchorkv: a scheduler-side method was called on a worker's connector")
+        return self.scheduler
+
+    @property
+    def _worker_side(self) -> WorkerSide:
+        """The worker side, which vLLM calls only on the connectors it made for its workers."""
+        if self.worker is None:
+            raise RuntimeError("anchorkv: a worker-side method was called on the scheduler's connector")
+        return self.worker
+
+    def _plan(self, meta: KVConnectorMetadata) -> Metadata:
+        """The plan inside the metadata `build_connector_meta` made (always an `AnchorKVMetadata`)."""
+        return cast(AnchorKVMetadata, meta).plan
+
     # ================================================================ scheduler side
 
     def on_new_request(self, request: Any) -> None:
-        self.scheduler.on_new_request(request)
+        self._scheduler_side.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self.scheduler.update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+        self._scheduler_side.update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return AnchorKVMetadata(self.scheduler.build_meta(scheduler_output))
+        return AnchorKVMetadata(self._scheduler_side.build_meta(scheduler_output))
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self.scheduler.loads_finished(set(connector_output.finished_recving or ()),
+        self._scheduler_side.loads_finished(set(connector_output.finished_recving or ()),
                                       set(connector_output.failed_recving or ()))
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
-        return self.scheduler.get_loaded_group_ids()
+        return self._scheduler_side.get_loaded_group_ids()
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
-        return self.scheduler.request_finished(request, block_ids)
+        return self._scheduler_side.request_finished(request, block_ids)
 
     def request_finished(self, request: Any, block_ids: list[int]):
-        return self.scheduler.request_finished(request, (block_ids,))
+        return self._scheduler_side.request_finished(request, (block_ids,))
 
     # ================================================================ worker side
 
@@ -188,21 +214,21 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
         # block ids count the scheduler's blocks, whatever kernel block the backend views
         backends = attention_backends(self._vllm_config_, kv_caches)
         log.info("anchorkv: attention backends %s", sorted(set(backends.values())) or "not found")
+        worker = self._worker_side
         layout, views = build_views(kv_caches, self._kv_config, self._hf_config, tp_size=self.tp_size,
-                                    tp_rank=self.worker.tp_rank, backends=backends)
+                                    tp_rank=worker.tp_rank, backends=backends)
         if layout.fingerprint_hash() != self.model_layout.fingerprint_hash():
             raise RuntimeError("anchorkv: the registered caches do not match vLLM's KV-cache specs "
                                f"({layout.fingerprint()} vs {self.model_layout.fingerprint()}); this is a bug")
-        self.worker.register(layout, views)
+        worker.register(layout, views)
 
-    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before vLLM reuses the blocks of requests preempted in this step: no load of ours
         writes into them afterwards, no pending save reads them afterwards."""
-        self.worker.handle_preemptions(kv_connector_metadata.plan)
+        self._worker_side.handle_preemptions(self._plan(kv_connector_metadata))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        self.worker.start_load(meta.plan)
+        self._worker_side.start_load(self._plan(self._get_connector_metadata()))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -211,12 +237,11 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
         return None
 
     def wait_for_save(self) -> None:
-        meta = self._get_connector_metadata()
-        self.worker.save(meta.plan)
+        self._worker_side.save(self._plan(self._get_connector_metadata()))
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         self._finished_ids |= set(finished_req_ids)
-        sending, recving, failed = self.worker.transfer_results(self._finished_ids)
+        sending, recving, failed = self._worker_side.transfer_results(self._finished_ids)
         self._finished_ids -= sending
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)

@@ -26,8 +26,8 @@ hits = restores + load misses.
 
 from __future__ import annotations
 
-from enum import Enum
 import threading
+from enum import Enum
 from typing import Any
 
 
@@ -58,8 +58,9 @@ class Miss(str, Enum):
     FAILED_LOAD = "failed_load"  # any other read error
 
 
-LOOKUP_MISSES = (Miss.NO_ENTRY, Miss.PREFIX_MISMATCH, Miss.TOO_LONG, Miss.PLUGIN_MISSING, Miss.TOO_SHORT, Miss.COVERED_LOCALLY, Miss.BAD_ENTRY, Miss.STORE_ERROR,
-                 Miss.UNCACHEABLE, Miss.UNALIGNED, Miss.DECLINED)
+LOOKUP_MISSES = (Miss.NO_ENTRY, Miss.PREFIX_MISMATCH, Miss.TOO_LONG, Miss.PLUGIN_MISSING, Miss.TOO_SHORT,
+                 Miss.COVERED_LOCALLY, Miss.BAD_ENTRY, Miss.STORE_ERROR, Miss.UNCACHEABLE, Miss.UNALIGNED,
+                 Miss.DECLINED)
 LOAD_MISSES = (Miss.TIMEOUT, Miss.ENTRY_GONE, Miss.CORRUPT, Miss.FINGERPRINT_MISMATCH, Miss.PREEMPTED,
                Miss.FAILED_LOAD)
 MISS_PREFIX = "miss:"

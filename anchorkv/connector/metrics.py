@@ -19,11 +19,12 @@ How the numbers travel (all vLLM's own code, `distributed/kv_transfer/kv_connect
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import logging
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
+from prometheus_client import Counter, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -102,13 +103,17 @@ class AnchorKVPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {key: self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+        # vLLM types both as its metric union; they are the classes it gave for Counter and
+        # Histogram (prometheus_client's, or its Ray wrappers with the same interface)
+        counter_cls = cast("type[Counter]", self._counter_cls)
+        histogram_cls = cast("type[Histogram]", self._histogram_cls)
+        self._counters = {key: counter_cls(name=name, documentation=doc, labelnames=labelnames)
                           for key, (name, doc) in _COUNTERS.items()}
-        self._misses = self._counter_cls(
+        self._misses = counter_cls(
             name=MISSES, labelnames=[*labelnames, "reason"],
             documentation="Requests computed instead of restored, by reason (see anchorkv.connector.counters.Miss).")
-        self._latencies = {key: self._histogram_cls(name=name, documentation=doc, labelnames=labelnames,
-                                                    buckets=_BUCKETS)
+        self._latencies = {key: histogram_cls(name=name, documentation=doc, labelnames=labelnames,
+                                              buckets=_BUCKETS)
                            for key, (name, doc) in _LATENCIES.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

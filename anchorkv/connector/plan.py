@@ -96,7 +96,7 @@ def select_blocks(
 ) -> tuple[tuple[int, ...], ...] | None:
     """Per group, the blocks that hold a request's state after `num_tokens` tokens and its
     paged rows [start, num_tokens). None if some group lacks a needed block (e.g. a null one)."""
-    out = []
+    out: list[tuple[int, ...]] = []
     for g in groups:
         ids = list(block_ids[g.index])
         if g.kind is GroupKind.STATE:

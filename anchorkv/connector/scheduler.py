@@ -6,10 +6,10 @@ Runs in vLLM's scheduler process, on its hot loop: lookups read only the store's
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 import hashlib
 import logging
 import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 from anchorkv.connector.config import ConnectorConfig
@@ -46,7 +46,7 @@ def scope_of(request: Any) -> str | None:
     in a store path or manifest (the store hashes the scope again into keys and prefix hashes).
     Multimodal inputs and prompt embeddings, vLLM's other extra keys, are not in the scope:
     `cacheable` keeps such requests away from the store."""
-    parts = []
+    parts: list[tuple[str, ...]] = []  # (kind, its values)
     salt = getattr(request, "cache_salt", None)
     if salt:
         parts.append(("cache_salt", str(salt)))

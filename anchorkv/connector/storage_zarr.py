@@ -174,7 +174,7 @@ class ZarrEntryStore:
             if info is None:
                 return None
             missing = sorted({a.codec.id for a in info.arrays().values()
-                              if getattr(a.codec, "plugin", False) and not a.codec.installed})
+                              if a.codec.plugin and not a.codec.installed})
             if not missing:
                 return EntryRef(info.id, info.num_tokens)
             log.info("anchorkv: entry %s (%d tokens) needs codec plug-in(s) %s, not installed here; "
@@ -255,11 +255,11 @@ class ZarrEntryStore:
             log.debug("anchorkv: request %s: not committed yet (%s); the last rank commits", spec.req_id, e)
             return None
         except Exception as e:
-            info = self._committed(spec)  # another rank's commit of this write may have won
-            if info is None:
+            won = self._committed(spec)  # another rank's commit of this write may have won
+            if won is None:
                 raise
             log.debug("anchorkv: request %s: committed by another rank (%s)", spec.req_id, e)
-            return info
+            return won
         log.debug("anchorkv: committed entry %s (%d tokens)", info.id, info.num_tokens)
         return info
 

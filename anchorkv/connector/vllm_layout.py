@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -131,10 +132,6 @@ def paged_block_size(kv_cache_config: Any) -> int:
 # ----------------------------------------------------------------------------- layout
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 #: Attention backends that keep a head's K and V as two planes of `[N, head_size]` rows (K in
 #: rows 0..N-1, V in rows N..2N-1 of the cells' bytes) instead of splitting each cell.
 PLANAR_KV_BACKENDS = frozenset({"CPU_ATTN"})
@@ -173,6 +170,8 @@ def attention_backends(vllm_config: Any, names: Any) -> dict[str, str]:
     out = {}
     for name in names:
         layer = ctx.get(name)
+        if layer is None:
+            continue  # not a layer of the forward context
         try:
             out[name] = layer.get_attn_backend().get_name()
         except Exception:  # not an attention layer, or no backend chosen (tests)
@@ -201,7 +200,8 @@ def model_layout(kv_cache_config: Any, hf_config: Any, *, tp_size: int, tp_rank:
         arch = f"{arch} [K/V {opaque}]"  # in the fingerprint: such entries stay on such engines
     specs = layer_specs(kv_cache_config)
     pages: dict[Any, PageLayout] = {}
-    layers, undescribed = [], set()
+    layers: list[LayerLayout] = []
+    undescribed: set[str] = set()
     for order, name in enumerate(sorted(specs, key=lambda n: (layer_number(n), n))):
         _, spec = specs[name]
         kind = _kind_of(spec)
@@ -232,7 +232,7 @@ def _page(kind: str, spec: Any, desc: Any, view: torch.Tensor | None, block_size
         page_bytes = spec.page_size_bytes
         if getattr(spec, "tp_replicated", False):  # every rank holds the whole state: no split
             fields, off = [], 0
-            for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+            for i, (shape, dtype) in enumerate(zip(shapes, dtypes, strict=True)):
                 fields.append(Field(f"state{i}", dtype, shape, dense_strides(shape), off, role=Role.STATE.value,
                                     tp_size=tp_size, tp_rank=tp_rank))
                 off += fields[-1].nbytes
@@ -249,7 +249,7 @@ def _page(kind: str, spec: Any, desc: Any, view: torch.Tensor | None, block_size
             undescribed.add("state")
         return page
     dtype = spec.dtype
-    isz = _itemsize(dtype)
+    isz = dtype.itemsize
     heads = spec.num_heads
     cell = spec.state_content_size_bytes // isz
     if view is not None:
@@ -309,8 +309,9 @@ def build_views(kv_caches: Mapping[str, torch.Tensor], kv_cache_config: Any, hf_
         if not isinstance(t, torch.Tensor):
             raise UnsupportedModelError(f"layer {name!r}: expected one tensor per layer, found {type(t).__name__}")
         kind = _kind_of(specs[name][1])
-        if kind == "kv" and (backends or {}).get(name) in PLANAR_KV_BACKENDS and t.shape[2] != block_size:
-            raise UnsupportedModelError(f"layer {name!r}: a {backends[name]} page split into kernel blocks "
+        backend = (backends or {}).get(name)
+        if kind == "kv" and backend in PLANAR_KV_BACKENDS and t.shape[2] != block_size:
+            raise UnsupportedModelError(f"layer {name!r}: a {backend} page split into kernel blocks "
                                         f"of {t.shape[2]} tokens cannot be regrouped into {block_size}-token blocks")
         views_in[name] = t if kind == "state" else scheduler_block_view(name, t, block_size)
     layout = model_layout(kv_cache_config, hf_config, tp_size=tp_size, tp_rank=tp_rank,

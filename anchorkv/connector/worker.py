@@ -15,13 +15,14 @@ a hybrid model, and computing on an unrestored state would be silently wrong.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 import dataclasses
-from dataclasses import dataclass, field
 import logging
 import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -69,7 +70,7 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-load")
         self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-save")
-        self._stream = None
+        self._stream: torch.cuda.Stream | None = None
         self.stats = Counters(primary=tp_rank == 0)
 
     def register(self, layout: ModelLayout, views: dict[str, CacheView]) -> None:
@@ -139,14 +140,14 @@ class WorkerSide:
             packed = pack_many([(self.views[layer], fname, ids, self.config.codec_for(fname))
                                 for layer, fname, ids, kind in parts])
             trimmed = []
-            for (layer, fname, ids, kind), p in zip(parts, packed):
+            for (_, _, _, kind), p in zip(parts, packed, strict=True):
                 if kind is GroupKind.PAGED:
                     p = p.reshape(p.shape[0] * p.shape[1], *p.shape[2:]).narrow(0, spec.num_tokens)
                 trimmed.append(p)
             if stream is not None:
                 trimmed = _to_pinned_host(trimmed)
             out: dict[PartKey, Packed] = {(layer, fname): p
-                                          for (layer, fname, _, _), p in zip(parts, trimmed)}
+                                          for (layer, fname, _, _), p in zip(parts, trimmed, strict=True)}
             ready = None
             if stream is not None:
                 ready = torch.cuda.Event()
@@ -228,6 +229,7 @@ class WorkerSide:
     def _load_once(self, job: _Load) -> None:
         spec = job.spec
         t0 = time.perf_counter()
+        error: Exception | None = None
         try:
             parts = self._read(spec)  # every chunk read and verified before any write
             with job.lock:
@@ -235,15 +237,15 @@ class WorkerSide:
                     return  # timed out meanwhile: its blocks may belong to someone else now
                 job.state = "writing"
             self._restore(spec, parts, job.after)
-            ok, error = True, None
         except Exception as e:
             log.warning("anchorkv: load of request %s from entry %s failed (%s); vLLM recomputes",
                         spec.req_id, spec.entry_id, e)
-            ok, error = False, e
+            error = e
+        ok = error is None
         with job.lock:
             if job.state in ("reading", "writing"):
                 job.state = "done" if ok else "failed"
-                if not ok:  # not when it was cancelled meanwhile (counted then)
+                if error is not None:  # not when it was cancelled meanwhile (counted then)
                     self.stats.load_failed(load_miss_of(error))
         if ok:
             nbytes = sum(p.nbytes for p in parts.values())
@@ -255,7 +257,7 @@ class WorkerSide:
 
     def _read(self, spec: LoadSpec) -> dict[PartKey, Packed]:
         parts = {}
-        for layer, fname, ids, kind in self._parts(spec.blocks):
+        for layer, fname, _, kind in self._parts(spec.blocks):
             field_ = self.views[layer].page.field(fname)
             rows = (spec.start, spec.num_tokens) if kind is GroupKind.PAGED else None
             p = self.store.load(spec.entry_id, layer, fname, tp_size=self.tp_size,
@@ -274,7 +276,8 @@ class WorkerSide:
         """Unpack every part into the request's blocks in a few launches (state fields: into
         each block the spec names; paged fields: whole blocks, then the first rows of a partial
         last block, whose other rows are zeroed: no stale byte for attention to read)."""
-        work, zero = [], []
+        work: list[tuple[Packed, CacheView, str, Sequence[int]]] = []
+        zero: list[tuple[CacheView, str, int, int]] = []
         for layer, fname, ids, kind in self._parts(spec.blocks):
             view, p = self.views[layer], parts[(layer, fname)]
             if kind is GroupKind.STATE:
@@ -291,7 +294,7 @@ class WorkerSide:
                 zero.append((view, fname, ids[full], tail))
         stream = self._stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            if after is not None:
+            if stream is not None and after is not None:  # `after` is only recorded with a stream
                 stream.wait_event(after)
             unpack_many(work)
             for view, fname, block, tail in zero:

@@ -12,7 +12,3 @@ through every codec, verified; then a save -> new process -> restore cycle throu
 The regions and fills come from `anchorkv.testing.regions`, the SQNR from
 `anchorkv.testing.metrics`.
 """
-
-# benchmarks/bench_save_path.py imports `hma_regions` from here; it moves to
-# `anchorkv.testing.regions` with that file's next change, and this line goes.
-from anchorkv.testing.regions import hma_regions  # noqa: E402,F401

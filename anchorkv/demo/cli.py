@@ -5,24 +5,28 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from anchorkv.demo.fields import run
 
-
-def _print(rows: list[dict], tp_size: int) -> None:
-    from rich.console import Console
+if TYPE_CHECKING:
     from rich.table import Table
 
-    table = Table(title=f"Kimi-Linear-48B-A3B, one request, tp={tp_size} (rank 0), CPU reference path")
-    for col in ("field", "codec", "layers", "before", "after", "ratio", "worst SQNR dB",
-                "pack GB/s", "unpack GB/s", "verified"):
-        table.add_column(col, justify="left" if col in ("field", "codec") else "right")
-    for r in rows:
-        table.add_row(
-            r["field"], r["codec"], str(r["layers"]), _size(r["bytes_before"]), _size(r["bytes_after"]),
-            f"{r['ratio']:.3f}", "exact" if math.isinf(r["sqnr_db"]) else f"{r['sqnr_db']:.1f}",
-            f"{r['pack_gbs']:.2f}", f"{r['unpack_gbs']:.2f}", "yes" if r["ok"] else "NO",
-        )
+
+def _table(title: str, columns: tuple[str, ...], left: tuple[str, ...]) -> Table:
+    """A rich table with these columns, right-aligned but for those in `left`."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="left" if col in left else "right")
+    return table
+
+
+def _show(table: Table) -> None:
+    from rich.console import Console
+
     Console(width=max(Console().width, 120)).print(table)
 
 
@@ -33,28 +37,48 @@ def _size(n: float) -> str:
     return human_bytes(n)
 
 
-def _print_cycle(rows: list[dict], store: str | None) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def _db(sqnr: float) -> str:
+    return "exact" if math.isinf(sqnr) else f"{sqnr:.1f}"
 
+
+def _print(rows: list[dict], tp_size: int) -> None:
+    table = _table(f"Kimi-Linear-48B-A3B, one request, tp={tp_size} (rank 0), CPU reference path",
+                   ("field", "codec", "layers", "before", "after", "ratio", "worst SQNR dB",
+                    "pack GB/s", "unpack GB/s", "verified"), left=("field", "codec"))
+    for r in rows:
+        table.add_row(
+            r["field"], r["codec"], str(r["layers"]), _size(r["bytes_before"]), _size(r["bytes_after"]),
+            f"{r['ratio']:.3f}", _db(r["sqnr_db"]),
+            f"{r['pack_gbs']:.2f}", f"{r['unpack_gbs']:.2f}", "yes" if r["ok"] else "NO",
+        )
+    _show(table)
+
+
+def _print_cycle(rows: list[dict], store: str | None) -> None:
     where = (f"stores {os.path.join(store, 'demo-<codecs>')}" if store else "temporary stores, removed after")
-    table = Table(title="save -> new process -> restore (ZarrEntryStore + WorkerSide, tp=1, "
-                        f"3000 tokens; {where})")
-    for col in ("codecs", "logical", "stored", "ratio", "save s", "restore s", "worst SQNR dB", "verified"):
-        table.add_column(col, justify="left" if col == "codecs" else "right")
+    table = _table("save -> new process -> restore (ZarrEntryStore + WorkerSide, tp=1, "
+                   f"3000 tokens; {where})",
+                   ("codecs", "logical", "stored", "ratio", "save s", "restore s", "worst SQNR dB", "verified"),
+                   left=("codecs",))
     for r in rows:
         if "error" in r:
             table.add_row(r["name"], "", "", "", "", "", "", f"NO: {r['error'][:60]}")
             continue
-        sq = min(r["sqnr_db"].values())
         table.add_row(", ".join(f"{k} {v}" for k, v in r["codecs"].items()), _size(r["logical_bytes"]),
                       _size(r["stored_bytes"]), f"{r['stored_bytes'] / r['logical_bytes']:.3f}",
                       f"{r['save_s']:.2f}", f"{r['restore_s']:.2f}",
-                      "exact" if math.isinf(sq) else f"{sq:.1f}", "yes" if r["ok"] else "NO")
-    Console(width=max(Console().width, 120)).print(table)
+                      _db(min(r["sqnr_db"].values())), "yes" if r["ok"] else "NO")
+    _show(table)
     for r in rows:
         if r.get("store"):
             print(f"wrote the {r['name']} entry to {r['store']} (see it: anchorkv ls --store {r['store']})")
+
+
+def _verdict(rows: list[dict], failed: Callable[[list[dict]], str], passed: str) -> bool:
+    """Print whether every row verified (`failed` says what of the rows that did not); True if so."""
+    bad = [r for r in rows if not r["ok"]]
+    print(f"FAILED: {failed(bad)}" if bad else passed)
+    return not bad
 
 
 def main(args: argparse.Namespace) -> int:
@@ -67,21 +91,18 @@ def _main(args: argparse.Namespace, result: dict) -> int:
     rows = run(tp_size=args.tp, seed=args.seed)
     result["fields"] = rows
     _print(rows, args.tp)
-    bad = [r for r in rows if not r["ok"]]
-    if bad:
-        print(f"FAILED: {len(bad)} field/codec pairs did not verify")
+    if not _verdict(rows, lambda bad: f"{len(bad)} field/codec pairs did not verify",
+                    "all fields restored into other blocks and verified; no other byte changed"):
         return 1
-    print("all fields restored into other blocks and verified; no other byte changed")
     from anchorkv.demo.cycle import store_cycle  # the connector's worker path and the store
 
     cycle_rows = store_cycle(args.store, args.seed)
     result["store_cycle"] = cycle_rows
     _print_cycle(cycle_rows, args.store)
-    bad = [r for r in cycle_rows if not r["ok"]]
-    if bad:
-        print(f"FAILED: {len(bad)} store cycles did not verify: {[r.get('error', r['name']) for r in bad]}")
+    if not _verdict(cycle_rows, lambda bad: f"{len(bad)} store cycles did not verify: "
+                    f"{[r.get('error', r['name']) for r in bad]}",
+                    "saved, restored in a new process into other blocks, verified; no other byte changed"):
         return 1
-    print("saved, restored in a new process into other blocks, verified; no other byte changed")
     return 0
 
 

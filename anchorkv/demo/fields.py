@@ -29,15 +29,16 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def run(tp_size: int = 1, tp_rank: int = 0, seed: int = 0) -> list[dict]:
     layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=tp_size, tp_rank=tp_rank)
-    # the request's blocks (src) and a fresh allocation's (dst), like after a restart
-    src = {"state": [[1], [2], [3]], "paged": [4, 5]}
-    dst = {"state": [[6], [7], [8]], "paged": [10, 9]}
+    # the request's blocks (src) and a fresh allocation's (dst), like after a restart: one
+    # state block per KDA group, the paged blocks of the MLA group
+    src_state, src_paged = [[1], [2], [3]], [4, 5]
+    dst_state, dst_paged = [[6], [7], [8]], [10, 9]
     views = hma_regions(layout, num_blocks=11)
     state_layers = layout.of_kind(LayerKind.STATE)
-    ids_of = {layer.name: src["state"][i % 3] for i, layer in enumerate(state_layers)}
-    dst_of = {layer.name: dst["state"][i % 3] for i, layer in enumerate(state_layers)}
+    ids_of = {layer.name: src_state[i % 3] for i, layer in enumerate(state_layers)}
+    dst_of = {layer.name: dst_state[i % 3] for i, layer in enumerate(state_layers)}
     for layer in layout.of_kind(LayerKind.PAGED):
-        ids_of[layer.name], dst_of[layer.name] = src["paged"], dst["paged"]
+        ids_of[layer.name], dst_of[layer.name] = src_paged, dst_paged
     g = torch.Generator().manual_seed(seed)
     for name, view in views.items():
         fill_realistic(view, ids_of[name], g)
@@ -60,7 +61,7 @@ def run(tp_size: int = 1, tp_rank: int = 0, seed: int = 0) -> list[dict]:
                 x = view.tensor(field)[ids_of[layer.name]]
                 y = view.tensor(field)[dst_of[layer.name]]
                 # the restored bytes are exactly the decoded packed values (raw: the source)
-                expected = dequantize(p.payload, p.scales, p.codec.id, p.codec.group, p.shape, p.dtype)
+                expected = dequantize(p.payload, p.scales, p.codec, p.shape, p.dtype)
                 identical &= torch.equal(_bytes(expected), _bytes(y))
                 worst = min(worst, sqnr_db(x, y))
                 untouched &= torch.equal(  # the source blocks are unchanged

@@ -2,67 +2,66 @@
 
 Each op has a Triton kernel (`triton_pack.py`, `triton_unpack.py`; not `pack.py`: importing a
 submodule named like a function of this package would replace that function) and a plain-torch
-oracle in `reference.py` that defines its exact bytes. `pack` and `unpack` here pick one per call with
+oracle in `reference.py` that defines its exact bytes. Every entry point takes items: a
+`PackItem` (region, field, block ids, spec) or an `UnpackItem` (the same plus payload and
+scales). `pack` and `unpack` here pick a backend per call with
 `anchorkv.kernels.dispatch.backend_for`: Triton for CUDA tensors, the reference on CPU.
-`pack_many` / `unpack_many` do the same for a batch of `PackItem` / `UnpackItem` (all the
-(layer, field) pairs of one request) in as few launches as possible.
+`pack_many` / `unpack_many` do the same for a batch of items (all the (layer, field) pairs of
+one request) in as few launches as possible.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from typing import Sequence
-
 from anchorkv.kernels import reference
-from anchorkv.kernels.batch import PackItem, UnpackItem
 from anchorkv.kernels.dispatch import backend_for
-from anchorkv.kernels.formats import Quant
-from anchorkv.kernels.geometry import StridedField, field_view
+from anchorkv.kernels.items import PackItem, UnpackItem
+from anchorkv.kernels.quant import Quant, QuantSpec
+from anchorkv.kernels.strided import StridedField, field_view
 
 __all__ = [
-    "PackItem", "Quant", "StridedField", "UnpackItem", "backend_for", "field_view", "pack",
+    "PackItem", "Quant", "QuantSpec", "StridedField", "UnpackItem", "backend_for", "field_view", "pack",
     "pack_many", "reference", "unpack", "unpack_many",
 ]
 
 
-def pack(
-    buffer: torch.Tensor,
-    field: StridedField,
-    block_ids: torch.Tensor,
-    num_blocks: int,
-    fmt: Quant | str,
-    group: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read the selected blocks of `field` once; return (payload uint8, scales fp32 `[groups, C]`)."""
-    if backend_for(buffer.device) == "triton":
-        from anchorkv.kernels.triton_pack import pack as triton_pack
+def pack(item: PackItem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read the selected blocks of the item's field once and encode them with its spec.
 
-        return triton_pack(buffer, field, block_ids, num_blocks, fmt, group)
-    return reference.pack(buffer, field, block_ids, num_blocks, fmt, group)
+    Returns (payload, scales):
+
+    * payload: uint8 `[bytes]`, the codes of `[N, *F]` in row-major order (raw: the source
+      bytes; fp8/int8: one byte a value; int4: two values a byte, the even one low; bf16: two
+      bytes a value);
+    * scales: fp32 `[N * numel(F) / G, C]`, C = 1 (scale) for fp8/int8, 2 (scale, min) for
+      int4, 0 for raw and bf16.
+
+    The spec's id is raw, fp8, int8, int4 or bf16; its group is G, a divisor of D (None: all of
+    D). Source dtypes bf16, fp16 and fp32 (raw: any 1/2/4/8-byte dtype). Groups holding NaN or
+    +-Inf are poisoned (scale NaN 0x7FC00000, zero payload, min 0). Block ids on a GPU cost one
+    host synchronization; pass them as a list or CPU tensor.
+    """
+    return pack_many([item])[0]
 
 
-def unpack(
-    buffer: torch.Tensor,
-    field: StridedField,
-    block_ids: torch.Tensor,
-    num_blocks: int,
-    payload: torch.Tensor,
-    scales: torch.Tensor,
-    fmt: Quant | str,
-    group: int | None,
-) -> None:
-    """Decode (payload, scales) straight into the selected blocks of `field`; nothing else changes."""
-    if backend_for(buffer.device) == "triton":
-        from anchorkv.kernels.triton_unpack import unpack as triton_unpack
+def unpack(item: UnpackItem) -> None:
+    """Decode the item's (payload, scales) of `[N, *F]` straight into its selected blocks.
 
-        return triton_unpack(buffer, field, block_ids, num_blocks, payload, scales, fmt, group)
-    return reference.unpack(buffer, field, block_ids, num_blocks, payload, scales, fmt, group)
+    payload and scales are as `pack` made them (from any blocks; N = len(block_ids)). Each value
+    is code * scale (+ min for int4, never fused into an FMA), rounded once to the field's dtype
+    (RNE); NaN results are written as the dtype's canonical NaN. Only the selected blocks' field
+    elements are written; the block ids must be distinct.
+    """
+    unpack_many([item])
 
 
 def _split_by_backend(items) -> tuple[list[int], list[int]]:
     """Indices of the items the Triton kernels take, and of those the reference takes."""
-    triton_idx, reference_idx = [], []
+    triton_idx: list[int] = []
+    reference_idx: list[int] = []
     backends: dict[torch.device, str] = {}  # one lookup per device, not per item
     for i, item in enumerate(items):
         device = item.buffer.device
@@ -90,11 +89,10 @@ def pack_many(items: Sequence[PackItem]) -> list[tuple[torch.Tensor, torch.Tenso
     if triton_idx:
         from anchorkv.kernels.triton_pack import pack_many as triton_pack_many
 
-        for i, result in zip(triton_idx, triton_pack_many([items[i] for i in triton_idx])):
+        for i, result in zip(triton_idx, triton_pack_many([items[i] for i in triton_idx]), strict=True):
             out[i] = result
     for i in reference_idx:
-        it = items[i]
-        out[i] = reference.pack(it.buffer, it.field, it.block_ids, it.num_blocks, it.fmt, it.group)
+        out[i] = reference.pack(items[i])
     return out
 
 
@@ -111,7 +109,4 @@ def unpack_many(items: Sequence[UnpackItem]) -> None:
 
         triton_unpack_many([items[i] for i in triton_idx])
     for i in reference_idx:
-        it = items[i]
-        reference.unpack(
-            it.buffer, it.field, it.block_ids, it.num_blocks, it.payload, it.scales, it.fmt, it.group
-        )
+        reference.unpack(items[i])

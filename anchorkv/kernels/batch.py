@@ -13,24 +13,27 @@ This module is plain Python and torch; the Triton kernels live in `triton_pack.p
 
 from __future__ import annotations
 
-from array import array
-from dataclasses import dataclass
 import functools
 import math
-from typing import Sequence
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from anchorkv.kernels import reference
-from anchorkv.kernels.formats import (
+from anchorkv.kernels.quant import (
     ELEMENTWISE,
     KERNEL_FORMAT,
+    QUANT,
     SCALE_COLUMNS,
     Quant,
+    QuantSpec,
     payload_nbytes,
+    quant_of,
     resolve_group,
 )
-from anchorkv.kernels.geometry import StridedField
+from anchorkv.kernels.strided import StridedField
 
 #: Same-size integer dtype used to move the bits of a field element.
 INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -59,33 +62,7 @@ RAW_CHUNK = 1024
 
 
 @dataclass(frozen=True)
-class PackItem:
-    """Pack `field` of blocks `block_ids` of the region in `buffer` (see `triton_pack.pack`)."""
-
-    buffer: torch.Tensor
-    field: StridedField
-    block_ids: torch.Tensor | Sequence[int]
-    num_blocks: int
-    fmt: Quant | str
-    group: int | None
-
-
-@dataclass(frozen=True)
-class UnpackItem:
-    """Decode (payload, scales) into `field` of blocks `block_ids` of the region in `buffer`."""
-
-    buffer: torch.Tensor
-    field: StridedField
-    block_ids: torch.Tensor | Sequence[int]
-    num_blocks: int
-    payload: torch.Tensor
-    scales: torch.Tensor
-    fmt: Quant | str
-    group: int | None
-
-
-@dataclass(frozen=True)
-class Geometry:
+class FieldCut:
     """A field cut into groups: what a launch needs besides the per-item table.
 
     rows of the last axis are unravelled as `[S0, S1, S2]` with element strides `[T0, T1, T2]`;
@@ -113,7 +90,7 @@ class Geometry:
 
 def _merge_leading(shape: tuple[int, ...], strides: tuple[int, ...]) -> list[tuple[int, int]]:
     """Leading axes as (size, stride), size-1 axes dropped and row-major-adjacent axes merged."""
-    axes = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    axes = [(n, s) for n, s in zip(shape, strides, strict=True) if n != 1]
     merged: list[tuple[int, int]] = []
     for n, s in axes:
         if merged and merged[-1][1] == n * s:
@@ -131,14 +108,14 @@ def _raw_chunk(last: int) -> int:
     return 1
 
 
-def geometry(field: StridedField, fmt: Quant | str, group: int | None) -> Geometry:
+def field_cut(field: StridedField, spec: QuantSpec) -> FieldCut:
     """Validate `field` for the Triton kernels and describe its groups (cached: a connector
     packs the same fields every step)."""
-    return _geometry(field, Quant(fmt), group)
+    return _field_cut(field, quant_of(spec), spec.group)
 
 
 @functools.lru_cache(maxsize=4096)
-def _geometry(field: StridedField, fmt: Quant, group: int | None) -> Geometry:
+def _field_cut(field: StridedField, fmt: Quant, group: int | None) -> FieldCut:
     if not field.shape:
         raise ValueError("the Triton kernels need a field with at least one axis, found a scalar")
     if fmt is Quant.RAW:
@@ -165,11 +142,11 @@ def _geometry(field: StridedField, fmt: Quant, group: int | None) -> Geometry:
         )
     leading = [(1, 0)] * (MAX_LEADING_AXES - len(leading)) + leading
     numel = field.numel
-    return Geometry(
+    return FieldCut(
         fmt=fmt,
         dtype=field.dtype,
-        sizes=tuple(n for n, _ in leading),
-        strides=tuple(s for _, s in leading),
+        sizes=(leading[0][0], leading[1][0], leading[2][0]),
+        strides=(leading[0][1], leading[1][1], leading[2][1]),
         td=field.strides[-1],
         last=last,
         g=g,
@@ -181,15 +158,15 @@ def _geometry(field: StridedField, fmt: Quant, group: int | None) -> Geometry:
     )
 
 
-def tile_elements(geom: Geometry) -> int:
+def tile_elements(cut: FieldCut) -> int:
     """Elements one program handles: about `TILE_BYTES` of source, at least 1024."""
-    return max(1024, TILE_BYTES // geom.itemsize)
+    return max(1024, TILE_BYTES // cut.itemsize)
 
 
-def tile_rows(geom: Geometry, block_g: int) -> int:
+def tile_rows(cut: FieldCut, block_g: int) -> int:
     """BLOCK_R: groups per program, a power of two of about `tile_elements` elements."""
-    want = max(1, tile_elements(geom) // block_g)
-    return min(want, max(1, 1 << (geom.groups - 1).bit_length()))
+    want = max(1, tile_elements(cut) // block_g)
+    return min(want, max(1, 1 << (cut.groups - 1).bit_length()))
 
 
 def num_warps(tile: int) -> int:
@@ -233,20 +210,20 @@ def check_all_ids(items, *, distinct: bool = False) -> list[tuple[int, ...]]:
     return out
 
 
-def region_columns(items, members: list[int], geom: Geometry):
+def region_columns(items, members: list[int], cut: FieldCut):
     """The region side of one launch, shared by pack and unpack: the anchor (an integer alias of
     the first member's storage), each member's (field origin, block stride) in elements of it,
     and the alignment claim over every row start (1 for a strided last axis)."""
-    itemsize = geom.itemsize
+    itemsize = cut.itemsize
     base = anchor(items[members[0]].buffer, INT_OF_SIZE[itemsize])
-    static, offsets = [], row_offsets(geom)
+    static, offsets = [], row_offsets(cut)
     for m in members:
         item = items[m]
         origin = element_offset(field_origin(item.buffer, item.field), base, "field")
         stride = item.field.block_stride // itemsize
         static.append((origin, stride))
         offsets += (origin, stride)
-    align = alignment(geom, base.data_ptr(), offsets, itemsize) if geom.td == 1 else 1
+    align = alignment(cut, base.data_ptr(), offsets, itemsize) if cut.td == 1 else 1
     return base, static, align
 
 
@@ -254,7 +231,7 @@ def plan_key(items, ids: list[tuple[int, ...]]) -> tuple:
     """What a launch plan of `items` depends on: each item's device (type and index), region
     address, field, format, group and number of block ids."""
     return tuple((it.buffer.is_cuda, it.buffer.get_device(), it.buffer.data_ptr(), it.field,
-                  QUANT[it.fmt], it.group, len(i)) for it, i in zip(items, ids))
+                  QUANT.get(it.spec.id), it.spec.group, len(i)) for it, i in zip(items, ids, strict=True))
 
 
 def byte_address(t: torch.Tensor) -> int:
@@ -293,13 +270,9 @@ def field_origin(buffer: torch.Tensor, field: StridedField) -> int:
     return byte_address(buffer) + field.offset
 
 
-def signature(device: torch.device, field: StridedField, ids: Sequence[int], fmt, group) -> tuple:
+def signature(device: torch.device, field: StridedField, ids: Sequence[int], spec: QuantSpec) -> tuple:
     """Items with equal signatures share one launch."""
-    return (device, field.dtype, field.shape, field.strides, QUANT[fmt], group, len(ids))
-
-
-#: `Quant(fmt)` as a dict lookup (an Enum call costs more than the rest of a signature).
-QUANT = {**{q: q for q in Quant}, **{q.value: q for q in Quant}}
+    return (device, field.dtype, field.shape, field.strides, QUANT.get(spec.id), spec.group, len(ids))
 
 
 def group_items(keys: Sequence[tuple]) -> list[list[int]]:
@@ -328,7 +301,7 @@ def prod(values) -> int:
 VECTOR_BYTES = 16
 
 
-def alignment(geom: Geometry, anchor_address: int, offsets: Sequence[int], itemsize: int) -> int:
+def alignment(cut: FieldCut, anchor_address: int, offsets: Sequence[int], itemsize: int) -> int:
     """The `*_ALIGN` constexpr of a launch: a power of two of elements (at most 16 bytes' worth)
     that the host has checked divides the anchor's address and every element offset the
     kernel adds to it per row (`offsets`: item origins, block strides, axis strides, ...).
@@ -345,12 +318,12 @@ def alignment(geom: Geometry, anchor_address: int, offsets: Sequence[int], items
     return max(a, 1)
 
 
-def row_offsets(geom: Geometry) -> list[int]:
+def row_offsets(cut: FieldCut) -> list[int]:
     """The per-row element offsets of a field inside one block: leading axis strides (of axes
     longer than 1) and the start of each group within a row."""
-    out = [s for n, s in zip(geom.sizes, geom.strides) if n > 1]
-    if geom.gpr > 1:
-        out.append(geom.g * geom.td)
+    out = [s for n, s in zip(cut.sizes, cut.strides, strict=True) if n > 1]
+    if cut.gpr > 1:
+        out.append(cut.g * cut.td)
     return out
 
 
@@ -362,17 +335,17 @@ def hardware_fp8(device: torch.device) -> bool:
     return device.type == "cuda" and _capability(device.index) >= (8, 9)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def payload_dtype(geom: Geometry) -> torch.dtype:
+def payload_dtype(cut: FieldCut) -> torch.dtype:
     """The element type the kernels read and write the payload as: the source's same-size
     integer for raw, int16 (bf16 bits) for bf16, bytes for the quantized formats."""
-    if geom.fmt is Quant.RAW:
-        return INT_OF_SIZE[geom.itemsize]
-    if geom.fmt is Quant.BF16:
+    if cut.fmt is Quant.RAW:
+        return INT_OF_SIZE[cut.itemsize]
+    if cut.fmt is Quant.BF16:
         return torch.int16
     return torch.uint8
 
@@ -403,6 +376,6 @@ def stage_tables(segments: Sequence[tuple[torch.device, list[int]]]) -> list[tor
         host = torch.frombuffer(array("q", flat), dtype=torch.int64) if flat else torch.empty(
             0, dtype=torch.int64)
         table = host if device.type != "cuda" else host.pin_memory().to(device, non_blocking=True)
-        for i, start in zip(members, starts):
+        for i, start in zip(members, starts, strict=True):
             out[i] = table[start : start + len(segments[i][1])]
     return out  # type: ignore[return-value]

@@ -19,12 +19,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from anchorkv.kernels.formats import BF16_NAN_BITS, FP16_NAN_BITS, FP32_NAN_BITS, KERNEL_FORMAT, Quant
+from anchorkv.kernels.quant import BF16_NAN_BITS, FP16_NAN_BITS, FP32_NAN_BITS, KERNEL_FORMAT, Quant
 
 #: 1.5 * 2**23: adding and subtracting it rounds an fp32 of magnitude < 2**22 to an integer, RNE.
 RNE_MAGIC = tl.constexpr(12582912.0)
 
-#: The kernels' `FMT` constexpr values (`formats.KERNEL_FORMAT`).
+#: The kernels' `FMT` constexpr values (`quant.KERNEL_FORMAT`).
 FMT_RAW = tl.constexpr(KERNEL_FORMAT[Quant.RAW])
 FMT_FP8 = tl.constexpr(KERNEL_FORMAT[Quant.FP8])
 FMT_INT8 = tl.constexpr(KERNEL_FORMAT[Quant.INT8])

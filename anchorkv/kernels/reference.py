@@ -4,7 +4,7 @@ These functions are the CPU path of the library and the oracle the Triton kernel
 against with `torch.equal`. They are written for reading, not speed.
 
 Shapes: `[N, *F]` is N selected blocks of a field with axes F; quantization works on groups
-of G consecutive elements of the last axis D (see `anchorkv.kernels.geometry`).
+of G consecutive elements of the last axis D (see `anchorkv.kernels.strided`).
 
 Quantization rules (all rounding is round-half-to-even, all arithmetic IEEE fp32):
   * the input is widened to fp32 (exact for bf16, fp16, fp32);
@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from anchorkv.kernels.formats import (
+from anchorkv.kernels.items import PackItem, UnpackItem
+from anchorkv.kernels.quant import (
     BF16_NAN_BITS,
     FP8_MAX,
     FP16_NAN_BITS,
@@ -45,9 +46,11 @@ from anchorkv.kernels.formats import (
     POISON_SCALE_BITS,
     SCALE_COLUMNS,
     Quant,
+    QuantSpec,
+    quant_of,
     resolve_group,
 )
-from anchorkv.kernels.geometry import StridedField, field_view
+from anchorkv.kernels.strided import StridedField, field_view
 
 _POISON = torch.tensor([POISON_SCALE_BITS], dtype=torch.int32).view(torch.float32)[0].item()
 
@@ -141,12 +144,13 @@ def _nonzero_scale(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
-def quantize(x: torch.Tensor, fmt: Quant | str, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encode `x` `[..., D]`: returns (payload uint8 `[bytes]`, scales fp32 `[groups, C]`).
+def quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode `x` `[..., D]` with `spec`'s format and group: returns (payload uint8 `[bytes]`,
+    scales fp32 `[groups, C]`).
 
-    `C` is 1 (scale) for fp8/int8, 2 (scale, min) for int4, 0 for raw.
+    `C` is 1 (scale) for fp8/int8, 2 (scale, min) for int4, 0 for raw and bf16.
     """
-    fmt = Quant(fmt)
+    fmt, group = quant_of(spec), spec.group
     if fmt is Quant.RAW:
         flat = x.contiguous().reshape(-1)
         return flat.view(torch.uint8).clone(), torch.empty(0, 0, dtype=torch.float32, device=x.device)
@@ -211,13 +215,12 @@ def quantize_groups(g: torch.Tensor, fmt: Quant) -> tuple[torch.Tensor, torch.Te
 def dequantize(
     payload: torch.Tensor,
     scales: torch.Tensor,
-    fmt: Quant | str,
-    group: int | None,
+    spec: QuantSpec,
     shape: tuple[int, ...],
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Decode what `quantize` produced back to a `dtype` tensor of `shape`."""
-    fmt = Quant(fmt)
+    """Decode what `quantize(values, spec)` produced back to a `dtype` tensor of `shape`."""
+    fmt, group = quant_of(spec), spec.group
     if fmt is Quant.RAW:
         return payload.contiguous().view(dtype).reshape(shape).clone()
     if fmt is Quant.BF16:
@@ -264,29 +267,15 @@ def _canonical_nan(values: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- fused ops
 
 
-def pack(
-    buffer: torch.Tensor,
-    field: StridedField,
-    block_ids,
-    num_blocks: int,
-    fmt: Quant | str,
-    group: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather the selected blocks of `field` and quantize them: (payload, scales)."""
-    return quantize(gather(buffer, field, block_ids, num_blocks), fmt, group)
+def pack(item: PackItem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather the item's selected blocks and quantize them with its spec: (payload, scales)."""
+    values = gather(item.buffer, item.field, item.block_ids, item.num_blocks)
+    return quantize(values, item.spec)
 
 
-def unpack(
-    buffer: torch.Tensor,
-    field: StridedField,
-    block_ids,
-    num_blocks: int,
-    payload: torch.Tensor,
-    scales: torch.Tensor,
-    fmt: Quant | str,
-    group: int | None,
-) -> None:
-    """Dequantize (payload, scales) and scatter them into the selected blocks of `field`."""
-    ids = torch.as_tensor(block_ids, dtype=torch.int64)
-    values = dequantize(payload, scales, fmt, group, (ids.numel(), *field.shape), field.dtype)
-    scatter(buffer, field, ids, num_blocks, values)
+def unpack(item: UnpackItem) -> None:
+    """Dequantize the item's (payload, scales) and scatter them into its selected blocks."""
+    ids = torch.as_tensor(item.block_ids, dtype=torch.int64)
+    field = item.field
+    values = dequantize(item.payload, item.scales, item.spec, (ids.numel(), *field.shape), field.dtype)
+    scatter(item.buffer, field, ids, item.num_blocks, values)

@@ -1,26 +1,26 @@
 """Triton pack: fused strided gather + quantize + pack, one pass over the cache, in Triton.
 
-Axis letters (see `anchorkv.kernels.geometry`): N selected blocks, F the field's axes, D the
+Axis letters (see `anchorkv.kernels.strided`): N selected blocks, F the field's axes, D the
 last axis, G the group size. The output is byte-identical to `anchorkv.kernels.reference.pack`
 (its module docstring states the rules) on a GPU and in the Triton interpreter.
 
 Ladder: `_pack_kernel` (one program = BLOCK_R groups of one block of one item) ->
 `_Launch` (one batch of same-signature items: its static table columns and launch
 configuration) -> `_Plan` (all launches of one item list, cached; per call: allocate, stage
-the tables, launch) -> `pack` and `pack_many` (the public functions).
+the tables, launch) -> `pack_many` (the public function; `kernels.pack` is one item of it).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 import functools
-from typing import Sequence
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from anchorkv.kernels import batch as B
+from anchorkv.kernels import batch
 from anchorkv.kernels.bits import (
     FMT_BF16,
     FMT_FP8,
@@ -33,8 +33,8 @@ from anchorkv.kernels.bits import (
     row_min,
     widen,
 )
-from anchorkv.kernels.formats import FP8_MAX, INT4_LEVELS, INT8_MAX, POISON_SCALE_BITS, Quant
-from anchorkv.kernels.geometry import StridedField
+from anchorkv.kernels.items import PackItem
+from anchorkv.kernels.quant import FP8_MAX, INT4_LEVELS, INT8_MAX, POISON_SCALE_BITS
 
 # Globals a @triton.jit function reads must be constexprs (a GPU compile refuses plain floats).
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -182,44 +182,44 @@ def _pack_kernel(
             tl.store(scales + o_scale, s_bits, mask=m_grp)
 
 
-def block_g(geom: B.Geometry) -> int:
+def block_g(cut: batch.FieldCut) -> int:
     """BLOCK_G: the power-of-two tile width covering one group."""
-    out = triton.next_power_of_2(geom.g)
+    out = triton.next_power_of_2(cut.g)
     if out > 16384:
         raise ValueError(
-            f"group of {geom.g} elements is too wide for one tile (at most 16384); pass a "
+            f"group of {cut.g} elements is too wide for one tile (at most 16384); pass a "
             "group size that divides the last axis, e.g. 128"
         )
     return out
 
 
 @functools.lru_cache(maxsize=4096)
-def launch_config(geom: B.Geometry, count: int, n: int) -> tuple[tuple[int, int], dict]:
+def launch_config(cut: batch.FieldCut, count: int, n: int) -> tuple[tuple[int, int], dict]:
     """(grid, keyword arguments) that the pack and unpack kernels share for `count` items of
-    `n` blocks each: the field geometry, the format, the tile sizes, the launch options.
+    `n` blocks each: the field cut, the format, the tile sizes, the launch options.
     Cached (the caller must not change the dict): a connector launches the same shapes every
     step."""
-    bg = block_g(geom)
-    br = B.tile_rows(geom, bg)
-    grid = (triton.cdiv(geom.groups, br), count * n)
-    B.grid_check(grid[0], grid[1])
+    bg = block_g(cut)
+    br = batch.tile_rows(cut, bg)
+    grid = (triton.cdiv(cut.groups, br), count * n)
+    batch.grid_check(grid[0], grid[1])
     return grid, dict(
         N=n,
-        GROUPS=geom.groups,
-        GPR=geom.gpr,
-        S1=geom.sizes[1],
-        S2=geom.sizes[2],
-        T0=geom.strides[0],
-        T1=geom.strides[1],
-        T2=geom.strides[2],
-        TD=geom.td,
-        NUMEL=geom.numel,
-        FMT=B.FMT_CODE[geom.fmt],
-        G=geom.g,
+        GROUPS=cut.groups,
+        GPR=cut.gpr,
+        S1=cut.sizes[1],
+        S2=cut.sizes[2],
+        T0=cut.strides[0],
+        T1=cut.strides[1],
+        T2=cut.strides[2],
+        TD=cut.td,
+        NUMEL=cut.numel,
+        FMT=batch.FMT_CODE[cut.fmt],
+        G=cut.g,
         BLOCK_R=br,
         BLOCK_G=bg,
-        CONTIG=geom.td == 1,
-        num_warps=B.num_warps(br * bg),
+        CONTIG=cut.td == 1,
+        num_warps=batch.num_warps(br * bg),
         enable_fp_fusion=False,  # a rounded product, then a rounded sum: as the reference
     )
 
@@ -229,26 +229,27 @@ class _Launch:
     (field origin and block stride, in elements of `src`) and where their outputs go in the
     call's payload and scales allocations."""
 
-    __slots__ = ("members", "static", "geom", "n", "src", "align", "grid", "common", "pay_at",
+    __slots__ = ("members", "static", "cut", "n", "src", "align", "grid", "common", "pay_at",
                  "per_payload", "sc_at", "per_groups", "runs")
 
-    def __init__(self, items: Sequence[B.PackItem], members: list[int], n: int, pay_at: int,
+    def __init__(self, items: Sequence[PackItem], members: list[int], n: int, pay_at: int,
                  sc_at: int) -> None:
         first = items[members[0]]
-        geom = B.geometry(first.field, first.fmt, first.group)
-        self.members, self.geom, self.n = members, geom, n
-        self.pay_at, self.per_payload = pay_at, n * geom.payload_per_block
-        self.sc_at, self.per_groups = sc_at, n * geom.groups
-        self.runs = n > 0 and geom.numel > 0
+        cut = batch.field_cut(first.field, first.spec)
+        self.members, self.cut, self.n = members, cut, n
+        self.pay_at, self.per_payload = pay_at, n * cut.payload_per_block
+        self.sc_at, self.per_groups = sc_at, n * cut.groups
+        self.runs = n > 0 and cut.numel > 0
         self.static: list[tuple[int, int]] = []
-        self.src = self.grid = self.common = None
+        self.src = self.grid = None
+        self.common: dict = {}  # the launch's keyword arguments (when it runs)
         self.align = 1
         if not self.runs:
             return
-        self.src, self.static, self.align = B.region_columns(items, members, geom)
-        self.grid, common = launch_config(geom, len(members), n)
-        self.common = dict(common, TAB_W=2 + n, SRC=B.FLOAT_KIND.get(geom.dtype, 0),
-                           ALIGN=self.align, HW_FP8=B.hardware_fp8(first.buffer.device))
+        self.src, self.static, self.align = batch.region_columns(items, members, cut)
+        self.grid, common = launch_config(cut, len(members), n)
+        self.common = dict(common, TAB_W=2 + n, SRC=batch.FLOAT_KIND.get(cut.dtype, 0),
+                           ALIGN=self.align, HW_FP8=batch.hardware_fp8(first.buffer.device))
 
     @property
     def payload_bytes(self) -> int:
@@ -256,7 +257,7 @@ class _Launch:
 
     @property
     def scale_values(self) -> int:
-        return len(self.members) * self.per_groups * self.geom.columns
+        return len(self.members) * self.per_groups * self.cut.columns
 
 
 class _Plan:
@@ -265,18 +266,18 @@ class _Plan:
     configurations and output offsets. Built once per distinct item list (`_plan_for`); a call
     then only checks the ids, allocates the outputs, stages the tables and launches."""
 
-    def __init__(self, items: Sequence[B.PackItem], ids: list[tuple[int, ...]]) -> None:
+    def __init__(self, items: Sequence[PackItem], ids: list[tuple[int, ...]]) -> None:
         self.device = items[0].buffer.device
         self.count = len(items)
-        keys = [B.signature(it.buffer.device, it.field, i, it.fmt, it.group)
-                for it, i in zip(items, ids)]
+        keys = [batch.signature(it.buffer.device, it.field, i, it.spec)
+                for it, i in zip(items, ids, strict=True)]
         self.launches: list[_Launch] = []
         pay, sc = 0, 0
-        for members in B.group_items(keys):
+        for members in batch.group_items(keys):
             launch = _Launch(items, members, len(ids[members[0]]), pay, sc)
             self.launches.append(launch)
             # every launch's outputs start 16-byte aligned (wide stores, any payload dtype view)
-            pay += -(-launch.payload_bytes // B.VECTOR_BYTES) * B.VECTOR_BYTES
+            pay += -(-launch.payload_bytes // batch.VECTOR_BYTES) * batch.VECTOR_BYTES
             sc += -(-launch.scale_values // 4) * 4
         self.payload_bytes, self.scale_values = pay, sc
 
@@ -286,30 +287,30 @@ class _Plan:
         out: list = [None] * self.count
         staged, rows_of = [], []
         for launch in self.launches:
-            geom, count = launch.geom, len(launch.members)
+            cut, count = launch.cut, len(launch.members)
             pay = payload.narrow(0, launch.pay_at, launch.payload_bytes)
             # one view per item; `unbind` makes them in one call (`split` costs ~1.5 us a view)
             pays = pay.view(count, -1).unbind(0) if launch.per_payload else [pay] * count
-            if geom.columns:
-                sc = scales.narrow(0, launch.sc_at, launch.scale_values).view(-1, geom.columns)
-                scs = (sc.view(count, -1, geom.columns).unbind(0) if launch.per_groups
+            if cut.columns:
+                sc = scales.narrow(0, launch.sc_at, launch.scale_values).view(-1, cut.columns)
+                scs = (sc.view(count, -1, cut.columns).unbind(0) if launch.per_groups
                        else [sc] * count)
             else:
                 sc = scales.new_empty(0, 0)
                 scs = [sc] * count
-            for m, p, s in zip(launch.members, pays, scs):
+            for m, p, s in zip(launch.members, pays, scs, strict=True):
                 out[m] = (p, s)
             if launch.runs:
                 rows: list[int] = []
-                for m, (origin, stride) in zip(launch.members, launch.static):
+                for m, (origin, stride) in zip(launch.members, launch.static, strict=True):
                     rows += (origin, stride, *ids[m])
                 staged.append((launch, pay, sc))
                 rows_of.append((self.device, rows))
-        for (launch, pay, sc), table in zip(staged, B.stage_tables(rows_of)):
+        for (launch, pay, sc), table in zip(staged, batch.stage_tables(rows_of), strict=True):
             _pack_kernel[launch.grid](
                 src=launch.src,
                 tab=table,
-                payload=pay.view(B.payload_dtype(launch.geom)),
+                payload=pay.view(batch.payload_dtype(launch.cut)),
                 scales=sc.view(torch.int32),
                 **launch.common,
             )
@@ -320,13 +321,13 @@ class _Plan:
 #: a key can never be reused by another allocation while the plan lives); a connector packs the
 #: same few lists every step, so a handful is enough.
 PLAN_CACHE_SIZE = 8
-_plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
+_plans: OrderedDict[tuple, _Plan] = OrderedDict()
 
 
-def _plan_for(items: Sequence[B.PackItem], ids: list[tuple[int, ...]]) -> _Plan:
+def _plan_for(items: Sequence[PackItem], ids: list[tuple[int, ...]]) -> _Plan:
     """The cached plan of `items` (keyed by what a plan depends on: each item's device, region
     address, field, format, group and number of ids)."""
-    key = B.plan_key(items, ids)
+    key = batch.plan_key(items, ids)
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _Plan(items, ids)
@@ -337,12 +338,12 @@ def _plan_for(items: Sequence[B.PackItem], ids: list[tuple[int, ...]]) -> _Plan:
     return plan
 
 
-def pack_many(items: Sequence[B.PackItem]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def pack_many(items: Sequence[PackItem]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`pack` for many (region, field, blocks, codec) items in as few launches as possible.
 
     Items with the same device, field dtype, shape and strides, format, group and number of
     block ids share one launch; regions, field offsets and block strides may all differ. Returns
-    one (payload, scales) per item, in order, equal to `pack(...)` of that item; the payloads
+    one (payload, scales) per item, in order, equal to `reference.pack(item)`; the payloads
     of one call are slices of one allocation, and so are the scales (one copy each moves them
     to the host). The item tables of all launches cross to the device in one asynchronous copy
     from page-locked memory: no host synchronization. What does not depend on the block ids is
@@ -351,39 +352,13 @@ def pack_many(items: Sequence[B.PackItem]) -> list[tuple[torch.Tensor, torch.Ten
     items = list(items)
     if not items:
         return []
-    ids = B.check_all_ids(items)
+    ids = batch.check_all_ids(items)
     device = items[0].buffer.get_device()  # (an int: cheaper than a device object per item)
     if all(it.buffer.get_device() == device for it in items):
         return _plan_for(items, ids).run(ids)
     out: list = [None] * len(items)  # several devices: one plan each
-    for members in B.group_items([it.buffer.get_device() for it in items]):
+    for members in batch.group_items([(it.buffer.get_device(),) for it in items]):
         sub_ids = [ids[i] for i in members]
-        for i, result in zip(members, _plan_for([items[i] for i in members], sub_ids).run(sub_ids)):
+        for i, result in zip(members, _plan_for([items[i] for i in members], sub_ids).run(sub_ids), strict=True):
             out[i] = result
     return out
-
-
-def pack(
-    buffer: torch.Tensor,
-    field: StridedField,
-    block_ids: torch.Tensor,
-    num_blocks: int,
-    fmt: Quant | str,
-    group: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather blocks `block_ids` of `field` out of the region in `buffer` and quantize them.
-
-    Reads the strided source once (any block stride, field offset and element strides,
-    including a non-contiguous last axis) and writes only the outputs:
-
-    * payload: uint8 `[bytes]`, the codes of `[N, *F]` in row-major order (raw: the source
-      bytes; fp8/int8: one byte a value; int4: two values a byte, the even one low);
-    * scales: fp32 `[N * numel(F) / G, C]`, C = 1 (scale) for fp8/int8, 2 (scale, min) for
-      int4, 0 for raw.
-
-    `fmt` is raw, fp8, int8 or int4; `group` is G, a divisor of D (None: all of D). Source
-    dtypes bf16, fp16 and fp32 (raw: any 1/2/4/8-byte dtype). Groups holding NaN or +-Inf are
-    poisoned (scale NaN 0x7FC00000, zero payload, min 0). Block ids on a GPU cost one host
-    synchronization; pass them as a list or CPU tensor.
-    """
-    return pack_many([B.PackItem(buffer, field, block_ids, num_blocks, fmt, group)])[0]

@@ -7,22 +7,22 @@ field changes (every store is masked to the field's own elements).
 Ladder: `_unpack_kernel` (one program = BLOCK_R groups of one block of one item) ->
 `_Launch` (one batch of same-signature items, planned once per item list; per call it
 validates the payloads and builds the item table) ->
-`unpack` and `unpack_many` (the public functions).
+`unpack_many` (the public function; `kernels.unpack` is one item of it).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from anchorkv.kernels import batch as B
+from anchorkv.kernels import batch
 from anchorkv.kernels.bits import FMT_BF16, FMT_FP8, FMT_INT4, FMT_RAW, fp8_decode, narrow, widen
-from anchorkv.kernels.formats import Quant
-from anchorkv.kernels.geometry import StridedField
+from anchorkv.kernels.items import UnpackItem
+from anchorkv.kernels.quant import Quant
 from anchorkv.kernels.triton_pack import PLAN_CACHE_SIZE, field_tile, launch_config
 
 
@@ -101,26 +101,26 @@ def _unpack_kernel(
             tl.store(p_dst, narrow(v * scale[:, None], DST), mask=m)
 
 
-def _check(item: B.UnpackItem, geom: B.Geometry, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _check(item: UnpackItem, cut: batch.FieldCut, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The item's payload and scales, validated, contiguous and aligned for the kernel."""
     payload, scales = item.payload, item.scales
     device = item.buffer.device
-    want_bytes = n * geom.payload_per_block
+    want_bytes = n * cut.payload_per_block
     if payload.dtype != torch.uint8 or payload.numel() != want_bytes or payload.device != device:
         raise ValueError(
             f"payload must be {want_bytes} uint8 bytes on {device} for {n} blocks of "
-            f"{geom.fmt} {list(item.field.shape)} {geom.dtype}, found {payload.numel()} "
+            f"{cut.fmt} {list(item.field.shape)} {cut.dtype}, found {payload.numel()} "
             f"{payload.dtype} on {payload.device}"
         )
-    if geom.columns:
-        want = (n * geom.groups, geom.columns)
+    if cut.columns:
+        want = (n * cut.groups, cut.columns)
         if scales.dtype != torch.float32 or tuple(scales.shape) != want or scales.device != device:
             raise ValueError(
                 f"scales must be float32 {list(want)} on {device}, found {scales.dtype} "
                 f"{list(scales.shape)} on {scales.device}"
             )
     payload = payload.contiguous().reshape(-1)
-    if B.byte_address(payload) % B.payload_dtype(geom).itemsize:
+    if batch.byte_address(payload) % batch.payload_dtype(cut).itemsize:
         payload = payload.clone()  # a fresh allocation is aligned for the wide loads
     return payload, scales.contiguous()
 
@@ -130,46 +130,47 @@ class _Launch:
     the block ids: the target anchor, each member's field origin and block stride (elements of
     the anchor), the target alignment claim and the launch configuration."""
 
-    __slots__ = ("members", "geom", "n", "dst", "static", "align", "grid", "common", "runs")
+    __slots__ = ("members", "cut", "n", "dst", "static", "align", "grid", "common", "runs")
 
-    def __init__(self, items: Sequence[B.UnpackItem], members: list[int], n: int) -> None:
+    def __init__(self, items: Sequence[UnpackItem], members: list[int], n: int) -> None:
         first = items[members[0]]
         self.members, self.n = members, n
-        self.geom = geom = B.geometry(first.field, first.fmt, first.group)
-        self.runs = n > 0 and geom.numel > 0
+        self.cut = cut = batch.field_cut(first.field, first.spec)
+        self.runs = n > 0 and cut.numel > 0
         self.static: list[tuple[int, int]] = []
-        self.dst = self.grid = self.common = None
+        self.dst = self.grid = None
+        self.common: dict = {}  # the launch's keyword arguments (when it runs)
         self.align = 1
         if not self.runs:
             return
-        self.dst, self.static, self.align = B.region_columns(items, members, geom)
-        self.grid, common = launch_config(geom, len(members), n)
-        self.common = dict(common, TAB_W=4 + n, DST=B.FLOAT_KIND.get(geom.dtype, 0),
+        self.dst, self.static, self.align = batch.region_columns(items, members, cut)
+        self.grid, common = launch_config(cut, len(members), n)
+        self.common = dict(common, TAB_W=4 + n, DST=batch.FLOAT_KIND.get(cut.dtype, 0),
                            ALIGN=self.align)
 
-    def rows(self, items: Sequence[B.UnpackItem], ids: list[tuple[int, ...]]):
+    def rows(self, items: Sequence[UnpackItem], ids: list[tuple[int, ...]]):
         """Validate the members' payloads; (table rows, launch) of this call, or None when
         there is nothing to move."""
-        geom = self.geom
-        checked = [_check(items[m], geom, self.n) for m in self.members]
+        cut = self.cut
+        checked = [_check(items[m], cut, self.n) for m in self.members]
         if not self.runs:
             return None
         device = items[self.members[0]].buffer.device
-        pay = B.anchor(checked[0][0], B.payload_dtype(geom))
-        if geom.columns:
-            sc = B.anchor(checked[0][1], torch.int32)
+        pay = batch.anchor(checked[0][0], batch.payload_dtype(cut))
+        if cut.columns:
+            sc = batch.anchor(checked[0][1], torch.int32)
         else:  # raw has no scales; the kernel never reads this
             sc = torch.zeros(1, dtype=torch.int32, device=device)
         rows: list[int] = []
-        in_offsets = [geom.numel, geom.g]
-        for m, (origin, stride), (payload, scales) in zip(self.members, self.static, checked):
-            pay_off = B.element_offset(B.byte_address(payload), pay, "payload")
-            sc_off = B.element_offset(B.byte_address(scales), sc, "scales") if geom.columns else 0
+        in_offsets = [cut.numel, cut.g]
+        for m, (origin, stride), (payload, scales) in zip(self.members, self.static, checked, strict=True):
+            pay_off = batch.element_offset(batch.byte_address(payload), pay, "payload")
+            sc_off = batch.element_offset(batch.byte_address(scales), sc, "scales") if cut.columns else 0
             rows += (origin, stride, pay_off, sc_off, *ids[m])
             in_offsets.append(pay_off)
-        if geom.fmt is Quant.INT4:  # two codes a byte: group starts are (element offset) / 2
-            in_offsets = [geom.numel // 2, geom.g // 2, *in_offsets[2:]]
-        in_align = B.alignment(geom, pay.data_ptr(), in_offsets, pay.element_size())
+        if cut.fmt is Quant.INT4:  # two codes a byte: group starts are (element offset) / 2
+            in_offsets = [cut.numel // 2, cut.g // 2, *in_offsets[2:]]
+        in_align = batch.alignment(cut, pay.data_ptr(), in_offsets, pay.element_size())
 
         def go(table: torch.Tensor) -> None:
             _unpack_kernel[self.grid](dst=self.dst, tab=table, payload=pay, scales=sc,
@@ -179,17 +180,17 @@ class _Launch:
 
 
 #: Launch plans of the most recent item lists (see `triton_pack.PLAN_CACHE_SIZE`).
-_plans: "OrderedDict[tuple, list[_Launch]]" = OrderedDict()
+_plans: OrderedDict[tuple, list[_Launch]] = OrderedDict()
 
 
-def _plan_for(items: Sequence[B.UnpackItem], ids: list[tuple[int, ...]]) -> list[_Launch]:
-    key = B.plan_key(items, ids)
+def _plan_for(items: Sequence[UnpackItem], ids: list[tuple[int, ...]]) -> list[_Launch]:
+    key = batch.plan_key(items, ids)
     plan = _plans.get(key)
     if plan is None:
-        keys = [B.signature(it.buffer.device, it.field, i, it.fmt, it.group)
-                for it, i in zip(items, ids)]
+        keys = [batch.signature(it.buffer.device, it.field, i, it.spec)
+                for it, i in zip(items, ids, strict=True)]
         plan = _plans[key] = [_Launch(items, members, len(ids[members[0]]))
-                              for members in B.group_items(keys)]
+                              for members in batch.group_items(keys)]
         if len(_plans) > PLAN_CACHE_SIZE:
             _plans.popitem(last=False)
     else:
@@ -197,8 +198,9 @@ def _plan_for(items: Sequence[B.UnpackItem], ids: list[tuple[int, ...]]) -> list
     return plan
 
 
-def unpack_many(items: Sequence[B.UnpackItem]) -> None:
-    """`unpack` for many items in as few launches as possible (grouped as in `pack_many`).
+def unpack_many(items: Sequence[UnpackItem]) -> None:
+    """Decode every item in as few launches as possible (grouped as in `pack_many`), each as
+    `reference.unpack(item)` would.
 
     The targets of different items must not overlap (the order of writes between items is
     unspecified); each item's block ids must be distinct. Every item is checked before any
@@ -209,33 +211,12 @@ def unpack_many(items: Sequence[B.UnpackItem]) -> None:
     items = list(items)
     if not items:
         return
-    ids = B.check_all_ids(items, distinct=True)
+    ids = batch.check_all_ids(items, distinct=True)
     launches = []
     for launch in _plan_for(items, ids):
         staged = launch.rows(items, ids)
         if staged is not None:
             launches.append((items[launch.members[0]].buffer.device, *staged))
-    tables = B.stage_tables([(device, rows) for device, rows, _ in launches])
-    for (_, _, go), table in zip(launches, tables):
+    tables = batch.stage_tables([(device, rows) for device, rows, _ in launches])
+    for (_, _, go), table in zip(launches, tables, strict=True):
         go(table)
-
-
-def unpack(
-    buffer: torch.Tensor,
-    field: StridedField,
-    block_ids: torch.Tensor,
-    num_blocks: int,
-    payload: torch.Tensor,
-    scales: torch.Tensor,
-    fmt: Quant | str,
-    group: int | None,
-) -> None:
-    """Decode (payload, scales) of `[N, *F]` straight into blocks `block_ids` of `field`.
-
-    payload: uint8 `[bytes]` and scales: fp32 `[N * numel(F) / G, C]` as `pack` made them
-    (from any blocks; N = len(block_ids)). Each value is code * scale (+ min for int4, never
-    fused into an FMA), rounded once to the field's dtype (RNE); NaN results are written as the
-    dtype's canonical NaN. Only the selected blocks' field elements are written; the block ids
-    must be distinct.
-    """
-    unpack_many([B.UnpackItem(buffer, field, block_ids, num_blocks, payload, scales, fmt, group)])

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 from anchorkv.store.errors import EntryNotFound, StoreError
 
 if TYPE_CHECKING:
+    from rich.console import JustifyMethod
+
     from anchorkv.store.format import ArrayLayout
     from anchorkv.store.manifest import EntryInfo, Listing
     from anchorkv.store.store import Store
@@ -186,9 +188,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
              + (f" ({sum(bool(v) for v in missing.values())} need codec plug-ins not installed here: "
                 f"{', '.join(sorted(needy))}; their loads fail until installed)" if needy else ""))
     table = Table(title=title)
-    for col, just in (("entry", "left"), ("state", "left"), ("anchor", "left"), ("tokens", "right"),
-                      ("stored", "right"), ("logical", "right"), ("ratio", "right"), ("codecs", "left"),
-                      ("tp", "right"), ("age", "right")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("entry", "left"), ("state", "left"), ("anchor", "left"), ("tokens", "right"), ("stored", "right"),
+        ("logical", "right"), ("ratio", "right"), ("codecs", "left"), ("tp", "right"), ("age", "right"))
+    for col, just in columns:
         table.add_column(col, justify=just, no_wrap=col not in ("codecs",), overflow="fold")
     for e in entries:
         if e.info is None:
@@ -247,7 +250,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     table = Table()
     for col in ("array", "role", "dtype", "kind", "layers", "shape", "chunks", "shards", "codec", "source", "stored"):
         table.add_column(col)
-    for name, a in info.arrays().items():
+    for a in info.arrays().values():
         for p in a.parts:
             stored = sum(v[1] for k, v in m["shards"].items() if k.startswith(f"{p.name}/"))
             table.add_row(p.name, p.role, p.dtype, a.kind, str(len(a.layers)), str(list(p.shape)),
@@ -416,8 +419,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
         from rich.table import Table
 
         table = Table(title="stored bytes by field and codec")
-        for col, just in (("field", "left"), ("codec", "left"), ("entries", "right"), ("stored", "right"),
-                          ("share", "right")):
+        columns: tuple[tuple[str, JustifyMethod], ...] = (
+            ("field", "left"), ("codec", "left"), ("entries", "right"), ("stored", "right"), ("share", "right"))
+        for col, just in columns:
             table.add_column(col, justify=just)
         for r in totals["by_field"]:
             table.add_row(r["field"], _escape(r["codec"]), f"{r['entries']:,}", human_bytes(r["stored_bytes"]),

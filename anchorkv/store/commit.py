@@ -84,7 +84,7 @@ def commit_staged(backend: Backend, write_id: str, on_commit: OnCommit) -> Entry
                 f"entry {final}: {len(absent)} shards / chunks of field {a.field!r} were never written "
                 f"(e.g. {absent[0]}); every rank must write every layer of its slice"
             )
-        logical += int(np.prod(a.shape)) * a.codec._itemsize
+        logical += int(np.prod(a.shape)) * a.codec.source_itemsize
     manifest = {**header, "created": now(), "checksums": dict(sorted(checksums.items())),
                 "shards": dict(sorted(shards.items())),
                 "stored_bytes": sum(v[1] for v in shards.values()), "logical_bytes": logical}

@@ -76,7 +76,8 @@ def explain(e: BaseException, url: str) -> str:
     if isinstance(e, ModuleNotFoundError) and "obstore" in text:
         return (f"{url}: an s3:// store needs the S3 extra, found no 'obstore' module; "
                 "install it: pip install 'anchorkv[s3]'")
-    if "169.254.169.254" in text or "credential" in low or "no such file or directory (os error 2)" in low and "token" in low:
+    if ("169.254.169.254" in text or "credential" in low
+            or ("no such file or directory (os error 2)" in low and "token" in low)):
         return (f"{url}: no S3 credentials were found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
                 "pass storage_options {\"access_key_id\": ..., \"secret_access_key\": ...} (connector: "
                 "kv_connector_extra_config.storage_options)")
@@ -86,7 +87,8 @@ def explain(e: BaseException, url: str) -> str:
     if "nosuchbucket" in low:
         return f"{url}: the bucket does not exist; create it, or fix the bucket name in the URL"
     if "invalidaccesskeyid" in low or "signaturedoesnotmatch" in low:
-        return (f"{url}: the S3 credentials were refused ({'InvalidAccessKeyId' if 'invalidaccesskeyid' in low else 'SignatureDoesNotMatch'}); "
+        code = "InvalidAccessKeyId" if "invalidaccesskeyid" in low else "SignatureDoesNotMatch"
+        return (f"{url}: the S3 credentials were refused ({code}); "
                 "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or storage_options access_key_id / secret_access_key")
     if "accessdenied" in low or "403 forbidden" in low:
         return (f"{url}: access denied by the object store; the credentials need read and write permission on "

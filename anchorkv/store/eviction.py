@@ -18,13 +18,14 @@ Last use is at most a minute stale per process, which is fine for LRU at cache s
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Set
 from typing import NamedTuple, Protocol
 
 from anchorkv.store.backends import Backend
@@ -130,7 +131,7 @@ def _live_leases(store: Entries) -> set[str]:
     return {lease.entry_id for lease in _leases(store) if not lease.stale}
 
 
-def evict(store: Entries, capacity: int, keep: set[str] = frozenset(), *, dry_run: bool = False) -> list[str]:
+def evict(store: Entries, capacity: int, keep: Set[str] = frozenset(), *, dry_run: bool = False) -> list[str]:
     """Delete entries until the total is <= `capacity`; returns their ids. Damaged and old-format
     entries go first (they are never loaded), then the least recently used.
 
@@ -209,23 +210,24 @@ def gc(store: Entries, stale_after: float, progress: Callable[[str, int], None] 
     for lease in _leases(store):
         if lease.stale:
             remove("stale_leases", f"lease {lease.name}", 0,
-                   lambda name=lease.name: backend.delete(f"{LEASES}/{name}"))
+                   functools.partial(backend.delete, f"{LEASES}/{lease.name}"))
     entries = store.scan()
     if not backend.atomic_publish:  # same entry committed twice: keep the oldest
         groups: dict[tuple, list] = {}
         for e in entries:
-            if e.info is not None:
-                parsed = parse_entry_name(e.id.split("/", 1)[1])
+            parsed = parse_entry_name(e.id.split("/", 1)[1])  # never None: scan lists only entry names
+            if e.info is not None and parsed is not None:
                 groups.setdefault((e.key, parsed.num_tokens, parsed.hash16), []).append(e)
         for dup in groups.values():
             for e in sorted(dup, key=lambda e: (e.created, e.id))[1:]:
-                remove("duplicates", f"entry {e.id} (a second copy)", e.stored_bytes, lambda e=e: store.delete(e.id))
+                remove("duplicates", f"entry {e.id} (a second copy)", e.stored_bytes,
+                       functools.partial(store.delete, e.id))
     leased = _live_leases(store)
     for e in entries:
         if e.state not in ("damaged", "old-format") or e.id in store.pins or e.id in leased:
             continue
         kind = "damaged" if e.state == "damaged" else "old_format"
-        remove(kind, f"entry {e.id} ({e.problem})", e.stored_bytes, lambda e=e: store.delete(e.id))
+        remove(kind, f"entry {e.id} ({e.problem})", e.stored_bytes, functools.partial(store.delete, e.id))
     for key in backend.list_dir(ENTRIES):
         if len(key) == 64 and not [n for n in backend.list_dir(key_path(key)) if n != "zarr.json"]:
             if dry_run:
@@ -233,7 +235,7 @@ def gc(store: Entries, stale_after: float, progress: Callable[[str, int], None] 
             elif backend.remove_empty_dir(key_path(key)):
                 remove("empty_dirs", f"key {key}", 0, lambda: None)
     for path in backend.trash():
-        remove("trash", path, backend.tree_size(path), lambda path=path: backend.delete_tree(path))
+        remove("trash", path, backend.tree_size(path), functools.partial(backend.delete_tree, path))
     if store.capacity_bytes is not None:
         gone = {r["what"].split()[1] for r in report["removed"] if r["what"].startswith("entry ")}
         sizes = {e.id: e.stored_bytes for e in entries}
@@ -255,7 +257,7 @@ def _remove_orphans(store: Entries, stale_after: float, live_data: set[str], t: 
             path = f"{ENTRIES}/{key}/{name}"
             if name.startswith(".") and name.endswith(".tmp"):
                 if t - (backend.mtime(path) or t) >= stale_after:
-                    remove("orphans", path, 0, lambda path=path: backend.delete(path))
+                    remove("orphans", path, 0, functools.partial(backend.delete, path))
                 continue
             if backend.atomic_publish or parse_entry_name(name) is None or path in live_data:
                 continue
@@ -264,4 +266,4 @@ def _remove_orphans(store: Entries, stale_after: float, live_data: set[str], t: 
             newest = backend.newest_mtime(path)
             if newest is not None and t - newest < stale_after:
                 continue  # perhaps a write whose begun marker we have not seen yet
-            remove("orphans", path, backend.tree_size(path), lambda path=path: backend.delete_tree(path))
+            remove("orphans", path, backend.tree_size(path), functools.partial(backend.delete_tree, path))

@@ -57,7 +57,7 @@ zero bytes (never restored). The manifest records the plug-in's id, its options 
 `configure` resolved them (fitted parameters included) and the row geometry, so an entry is
 listed, verified and its bytes read without the plug-in; only decoding needs it, and a load
 of a field whose plug-in is not installed fails with `MissingCodec` before reading a byte.
-`anchorkv.store.plugin_format` holds the plug-in side (`PluginChunkCodec`, `MissingCodec`).
+`anchorkv.store.plugin_format` holds the plug-in side (`PluginChunkEncoding`, `MissingCodec`).
 
 Group sizes are always stored resolved (a number, never "whole"), and for a field sharded along
 its last axis "whole" means the chunk's last axis (`logical / MAX_TP`): any other choice would
@@ -68,9 +68,10 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -80,10 +81,10 @@ from anchorkv.codec.models import LayerKind, ModelLayout
 from anchorkv.codec.packed import dtype_name
 from anchorkv.codec.spec import CodecSpec
 from anchorkv.kernels import reference
-from anchorkv.kernels.formats import BF16_ITEMSIZE, ELEMENTWISE, SCALE_COLUMNS, Quant
-from anchorkv.store.encoded import SOURCE_DTYPES, ChunkGeometry, Encoded
+from anchorkv.kernels.quant import BF16_ITEMSIZE, ELEMENTWISE, SCALE_COLUMNS, Quant
+from anchorkv.store.encoded import SOURCE_DTYPES, ChunkEncoding, Encoded
 from anchorkv.store.errors import FormatError
-from anchorkv.store.plugin_format import PluginChunkCodec
+from anchorkv.store.plugin_format import PluginChunkEncoding
 
 #: The format version of an entry whose arrays all use built-in formats.
 FORMAT_VERSION = 3
@@ -105,14 +106,15 @@ EMPTY = 2**64 - 1
 SCALES_SUFFIX = "_scales"
 
 
-def entry_format_version(arrays: dict[str, "ArrayLayout"]) -> int:
+def entry_format_version(arrays: dict[str, ArrayLayout]) -> int:
     """The version an entry of these arrays is written as: the lowest that can represent them."""
     return PLUGIN_FORMAT_VERSION if any(a.codec.plugin for a in arrays.values()) else FORMAT_VERSION
 
 
 @dataclass(frozen=True)
-class ChunkCodec(ChunkGeometry):
-    """How the values of one chunk become bytes: a built-in format, its group, the source dtype.
+class QuantChunkEncoding(ChunkEncoding):
+    """How the values of one chunk become bytes through a built-in format (`Quant`): the
+    format, its group, the source dtype.
 
     `group` is the resolved group size (None only for raw). Values are given and returned as
     the *logical* float32 array; `source_dtype` is the field's dtype in the cache (bf16 values
@@ -141,27 +143,18 @@ class ChunkCodec(ChunkGeometry):
         return {"format": self.format.value, "group": self.group, "source_dtype": self.source_dtype}
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "ChunkCodec | PluginChunkCodec":
-        """A manifest's codec entry: a built-in format's, or a plug-in's (`PluginChunkCodec`)."""
-        if "plugin" in config:
-            return PluginChunkCodec.from_config(config)
+    def from_config(cls, config: dict[str, Any]) -> QuantChunkEncoding:
+        """A manifest's codec entry of a built-in format (`encoding_from_config`: of any)."""
         unknown = set(config) - {"format", "group", "source_dtype"}
         if unknown:
             raise FormatError(f"unknown codec options {sorted(unknown)}; expected format, group, source_dtype")
         return cls(Quant(config["format"]), config.get("group"), config["source_dtype"])
 
     @classmethod
-    def for_field(cls, spec: CodecSpec | str, dtype: torch.dtype, chunk_last: int, *, where: str,
-                  field_last: int | None = None) -> "ChunkCodec | PluginChunkCodec":
-        """Resolve a codec spec for chunks whose last axis has `chunk_last` elements (of a field
-        whose last axis has `field_last`, default the same); a plug-in's id gives a
-        `PluginChunkCodec`."""
-        spec = CodecSpec.parse(spec)
-        try:
-            fmt = Quant(spec.id)
-        except ValueError:
-            return PluginChunkCodec.for_field(spec, dtype, chunk_last, where=where,
-                                              field_last=chunk_last if field_last is None else field_last)
+    def for_field(cls, spec: CodecSpec, dtype: torch.dtype, chunk_last: int, *, where: str) -> QuantChunkEncoding:
+        """Resolve the spec of a built-in format for chunks whose last axis has `chunk_last`
+        elements (`encoding_for_field`: of any codec)."""
+        fmt = Quant(spec.id)
         group = None if fmt in ELEMENTWISE else (chunk_last if spec.group is None else spec.group)
         if group is not None and chunk_last % group:
             raise FormatError(
@@ -170,8 +163,8 @@ class ChunkCodec(ChunkGeometry):
             )
         return cls(fmt, group, dtype_name(dtype))
 
-    #: a built-in format (`PluginChunkCodec` says True)
-    plugin = False
+    #: a built-in format (`PluginChunkEncoding` says True)
+    plugin: ClassVar[Literal[False]] = False
 
     @property
     def id(self) -> str:
@@ -190,7 +183,7 @@ class ChunkCodec(ChunkGeometry):
     def row_bytes(self, width: int) -> int:
         """Payload bytes of `width` consecutive elements of the last axis."""
         if self.format is Quant.RAW:
-            return width * self._itemsize
+            return width * self.source_itemsize
         if self.format is Quant.INT4:
             return width // 2
         if self.format is Quant.BF16:
@@ -198,35 +191,59 @@ class ChunkCodec(ChunkGeometry):
         return width
 
     def groups(self, width: int) -> int:
-        return 0 if self.format in ELEMENTWISE else width // self.group
+        return 0 if self.group is None else width // self.group  # None: elementwise (raw, bf16)
 
 
     # -- values
     def encode(self, values: np.ndarray) -> bytes:
         """Encode logical float32 `values` (one chunk, zero-padded by the caller)."""
         x = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(self.torch_dtype)
-        payload, scales = reference.quantize(x, self.format, self.group)
+        payload, scales = reference.quantize(x, self.spec)
         return payload.numpy().tobytes() + scales.contiguous().numpy().astype("<f4", copy=False).tobytes()
 
     def decode(self, data: bytes | bytearray | memoryview | np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         """The logical float32 values of one encoded chunk of `shape`."""
         enc = self.split(data, shape)
         payload = torch.from_numpy(np.require(enc.payload, requirements=["C", "W"]).reshape(-1))
-        scales = torch.from_numpy(np.require(enc.scales, requirements=["C", "W"]).reshape(-1, max(self.columns, 0)) if self.columns else np.empty((0, 0), np.float32))
-        values = reference.dequantize(payload, scales, self.format, self.group, tuple(shape), self.torch_dtype)
+        if self.columns:
+            scales = torch.from_numpy(np.require(enc.scales, requirements=["C", "W"]).reshape(-1, self.columns))
+        else:
+            scales = torch.from_numpy(np.empty((0, 0), np.float32))
+        values = reference.dequantize(payload, scales, self.spec, tuple(shape), self.torch_dtype)
         return values.to(torch.float32).numpy()
 
-    def zeros(self, shape: tuple[int, ...]) -> "Encoded":
+    def zeros(self, shape: tuple[int, ...]) -> Encoded:
         """The encoding of a zero block (zarr's fill value): what padding rows hold."""
         return self.split(self.encode(np.zeros(shape, np.float32)), shape)
 
 
+def encoding_from_config(config: dict[str, Any]) -> QuantChunkEncoding | PluginChunkEncoding:
+    """A manifest's codec entry: a built-in format's, or a plug-in's (`PluginChunkEncoding`)."""
+    if "plugin" in config:
+        return PluginChunkEncoding.from_config(config)
+    return QuantChunkEncoding.from_config(config)
+
+
+def encoding_for_field(spec: CodecSpec | str, dtype: torch.dtype, chunk_last: int, *, where: str,
+                       field_last: int | None = None) -> QuantChunkEncoding | PluginChunkEncoding:
+    """Resolve a codec spec for chunks whose last axis has `chunk_last` elements (of a field
+    whose last axis has `field_last`, default the same): a built-in format's id gives a
+    `QuantChunkEncoding`, a plug-in's a `PluginChunkEncoding`."""
+    spec = CodecSpec.parse(spec)
+    try:
+        Quant(spec.id)
+    except ValueError:
+        return PluginChunkEncoding.for_field(spec, dtype, chunk_last, where=where,
+                                             field_last=chunk_last if field_last is None else field_last)
+    return QuantChunkEncoding.for_field(spec, dtype, chunk_last, where=where)
+
+
 @functools.lru_cache(maxsize=64)
-def zero_chunk(codec: ChunkCodec, shape: tuple[int, ...]) -> "Encoded":
+def zero_chunk(encoding: ChunkEncoding, shape: tuple[int, ...]) -> Encoded:
     """Zero bytes of a block of `shape` (zarr's fill value 0 in every part; they decode to zero):
     what padding rows hold. Read-only views: copy before writing."""
-    pn, sn = codec.nbytes(tuple(shape))
-    z = codec.views(np.zeros(pn, np.uint8), np.zeros(sn // 4, np.float32), tuple(shape))
+    pn, sn = encoding.nbytes(tuple(shape))
+    z = encoding.views(np.zeros(pn, np.uint8), np.zeros(sn // 4, np.float32), tuple(shape))
     z.payload.flags.writeable = False
     z.scales.flags.writeable = False
     return z
@@ -285,7 +302,7 @@ class Part:
         return math.prod(self.chunks) * np.dtype(self.dtype).itemsize
 
 
-def part_attrs(array: "ArrayLayout", part: Part) -> dict[str, Any]:
+def part_attrs(array: ArrayLayout, part: Part) -> dict[str, Any]:
     """The ``anchorkv`` attributes of one stored array: what it holds and how to read values."""
     c = array.codec
     out: dict[str, Any] = {**array.to_attrs(), "role": part.role, "codec": c.id,
@@ -322,11 +339,12 @@ class ArrayLayout:
     shape: tuple[int, ...]
     chunks: tuple[int, ...]
     shard_axis: int | None  # axis of `shape` split by tp (None: replicated)
-    codec: "ChunkCodec | PluginChunkCodec"
+    codec: QuantChunkEncoding | PluginChunkEncoding  # how a chunk's values become bytes
     shards: tuple[int, ...]  # shard shape (a multiple of `chunks` on every axis)
 
     def __post_init__(self) -> None:
-        if len(self.shards) != len(self.chunks) or any(s % c or s <= 0 for s, c in zip(self.shards, self.chunks)):
+        if (len(self.shards) != len(self.chunks)
+                or any(s % c or s <= 0 for s, c in zip(self.shards, self.chunks, strict=True))):
             raise FormatError(
                 f"field {self.field!r}: shard shape {list(self.shards)} must be a positive multiple of "
                 f"the chunk shape {list(self.chunks)} on every axis"
@@ -335,15 +353,15 @@ class ArrayLayout:
     @property
     def grid(self) -> tuple[int, ...]:
         """The grid of inner chunks."""
-        return tuple(-(-n // c) for n, c in zip(self.shape, self.chunks))
+        return tuple(-(-n // c) for n, c in zip(self.shape, self.chunks, strict=True))
 
     @property
     def shard_grid(self) -> tuple[int, ...]:
-        return tuple(-(-n // s) for n, s in zip(self.shape, self.shards))
+        return tuple(-(-n // s) for n, s in zip(self.shape, self.shards, strict=True))
 
     @property
     def chunks_per_shard(self) -> tuple[int, ...]:
-        return tuple(s // c for s, c in zip(self.shards, self.chunks))
+        return tuple(s // c for s, c in zip(self.shards, self.chunks, strict=True))
 
     def chunk_key(self, coords: tuple[int, ...]) -> str:
         """The name of an inner chunk of the values / codes (zarr's key of it without sharding)."""
@@ -354,7 +372,7 @@ class ArrayLayout:
         return self.parts[0].shard_key(shard)
 
     @cached_property
-    def parts(self) -> tuple["Part", ...]:
+    def parts(self) -> tuple[Part, ...]:
         """The stored zarr arrays of this field: values or codes, then scales (quantized)."""
         c = self.codec
         *outer, last = self.shape
@@ -377,7 +395,7 @@ class ArrayLayout:
         return (code, scales)
 
     def shard_of(self, coords: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(int(i) // k for i, k in zip(coords, self.chunks_per_shard))
+        return tuple(int(i) // k for i, k in zip(coords, self.chunks_per_shard, strict=True))
 
     def all_chunks(self) -> list[tuple[int, ...]]:
         """Every inner chunk that holds part of the array (not the empty ones past its end)."""
@@ -387,12 +405,12 @@ class ArrayLayout:
         return [tuple(int(v) for v in c) for c in np.ndindex(*self.shard_grid)]
 
     def in_bounds(self, coords: tuple[int, ...]) -> bool:
-        return all(i * c < n for i, c, n in zip(coords, self.chunks, self.shape))
+        return all(i * c < n for i, c, n in zip(coords, self.chunks, self.shape, strict=True))
 
     def shard_chunks(self, shard: tuple[int, ...]) -> list[tuple[int, ...]]:
         """The inner chunks of a shard in the order their bytes lie in it (zarr's order)."""
-        base = [s * k for s, k in zip(shard, self.chunks_per_shard)]
-        return [tuple(b + i for b, i in zip(base, local)) for local in shard_order(self.chunks_per_shard)]
+        base = [s * k for s, k in zip(shard, self.chunks_per_shard, strict=True)]
+        return [tuple(b + i for b, i in zip(base, local, strict=True)) for local in shard_order(self.chunks_per_shard)]
 
     def layer_index(self, layer: str) -> int:
         try:
@@ -564,7 +582,8 @@ def geometry(name: str, kind: str, num_layers: int, logical: tuple[int, ...], ax
     return tuple(shape), tuple(chunks), tuple(shards)
 
 
-def array_layouts(layout: ModelLayout, codecs: dict[str, CodecSpec | str], num_tokens: int) -> dict[str, ArrayLayout]:
+def array_layouts(layout: ModelLayout, codecs: Mapping[str, CodecSpec | str],
+                  num_tokens: int) -> dict[str, ArrayLayout]:
     """The arrays of an entry of `layout` holding `num_tokens` tokens, with shards cut for the
     writer's tp (`layout.tp_size`)."""
     out: dict[str, ArrayLayout] = {}
@@ -572,7 +591,10 @@ def array_layouts(layout: ModelLayout, codecs: dict[str, CodecSpec | str], num_t
     for layer in layout.layers:
         for f in layer.page.fields:
             prev = fields.get(f.name)
-            key = (layer.kind, f.dtype, f.logical_shape[1:] if layer.kind is LayerKind.PAGED else f.logical_shape, f.shard_axis)
+            full = f.logical_shape
+            assert full is not None  # Field.__post_init__ resolves it (default: the field's shape)
+            logical = full[1:] if layer.kind is LayerKind.PAGED else full
+            key = (layer.kind, f.dtype, logical, f.shard_axis)
             if prev is None:
                 fields[f.name] = (key, f, [layer.name])
             elif prev[0] != key:
@@ -582,7 +604,7 @@ def array_layouts(layout: ModelLayout, codecs: dict[str, CodecSpec | str], num_t
                 )
             else:
                 prev[2].append(layer.name)
-    for name, ((kind, dtype, logical, shard), f, layers) in fields.items():
+    for name, ((kind, dtype, logical, shard), _, layers) in fields.items():
         if name.endswith(SCALES_SUFFIX) and name[: -len(SCALES_SUFFIX)] in fields:
             raise FormatError(f"field {name!r} would share its array name with the scales of field "
                               f"{name[: -len(SCALES_SUFFIX)]!r}; rename one of them")
@@ -592,8 +614,8 @@ def array_layouts(layout: ModelLayout, codecs: dict[str, CodecSpec | str], num_t
         shape, chunks, shards = geometry(name, kind.value, len(layers), logical, axis, num_tokens, layout.tp_size)
         if name not in codecs:
             raise FormatError(f"no codec given for field {name!r}; codecs were given for {sorted(codecs)}")
-        codec = ChunkCodec.for_field(codecs[name], dtype, chunks[-1], where=f"field {name!r}", field_last=shape[-1])
-        out[name] = ArrayLayout(name, kind.value, tuple(layers), shape, tuple(chunks), axis, codec, tuple(shards))
+        encoding = encoding_for_field(codecs[name], dtype, chunks[-1], where=f"field {name!r}", field_last=shape[-1])
+        out[name] = ArrayLayout(name, kind.value, tuple(layers), shape, tuple(chunks), axis, encoding, tuple(shards))
     unknown = set(codecs) - set(out)
     if unknown:
         raise FormatError(f"codecs given for fields {sorted(unknown)} that the layout lacks ({sorted(out)})")

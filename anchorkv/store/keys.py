@@ -74,7 +74,8 @@ def normalize_anchor(anchor: str) -> str:
         )
     if not ANCHOR_PATTERN.match(text) or ".." in text:
         bad = sorted({c for c in text if not re.match(r"[a-z0-9._-]", c)})
-        detail = f"characters {bad!r} are not allowed" if bad else "it must start and end with a letter or digit and not contain '..'"
+        detail = (f"characters {bad!r} are not allowed" if bad
+                  else "it must start and end with a letter or digit and not contain '..'")
         raise InvalidAnchor(
             f"anchor {shown!r} is invalid: {detail}; use lowercase letters, digits, '.', '_' "
             "and '-' (e.g. 'alice-software-tokyo')"

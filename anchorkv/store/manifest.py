@@ -8,15 +8,15 @@ On disk (paths relative to the store root)::
     entries/<key>/<name>/zarr.json     group: the entry; attributes["anchorkv"] = manifest
     entries/<key>/<name>/<field>/zarr.json, .../<field>/c.<layer>.<i>...   arrays and shards
 
-Format version 3 (4: the same with codec plug-in arrays, `anchorkv.store.format`): each field is one or two standard Zarr v3 arrays (values, or codes and
-``<field>_scales``; see `anchorkv.store.format`), each sharded (zarr's ``sharding_indexed``); the
-files ``<array>/c.<...>`` are shards, keyed by their coordinates in the shard grid. The manifest
-keeps ``checksums``: per *inner* chunk of every array (named by its coordinates in the chunk
-grid, as zarr would name it without sharding) ``[crc32c, nbytes, offset in its shard]``, so a
-reader that reads one inner chunk by byte range verifies it; ``shards``: per shard file
-``[crc32c, nbytes]`` of the whole file (index included); and ``checksum``, the blake3 of the
-manifest's canonical JSON (`manifest_checksum`). `check_manifest` cross-checks everything a load
-relies on before an entry is used.
+Format version 3 (4: the same with codec plug-in arrays, `anchorkv.store.format`): each field is one
+or two standard Zarr v3 arrays (values, or codes and ``<field>_scales``; see
+`anchorkv.store.format`), each sharded (zarr's ``sharding_indexed``); the files ``<array>/c.<...>``
+are shards, keyed by their coordinates in the shard grid. The manifest keeps ``checksums``: per
+*inner* chunk of every array (named by its coordinates in the chunk grid, as zarr would name it
+without sharding) ``[crc32c, nbytes, offset in its shard]``, so a reader that reads one inner chunk
+by byte range verifies it; ``shards``: per shard file ``[crc32c, nbytes]`` of the whole file (index
+included); and ``checksum``, the blake3 of the manifest's canonical JSON (`manifest_checksum`).
+`check_manifest` cross-checks everything a load relies on before an entry is used.
 
 `<name>` is ``t<prefix tokens, 8 digits>-<16 hex of the prefix hash>`` (object stores append
 ``.<write id>``). The manifest is JSON; its keys are the constants below.
@@ -37,7 +37,7 @@ from anchorkv.store.format import (
     FORMAT_VERSION,
     READABLE_VERSIONS,
     ArrayLayout,
-    ChunkCodec,
+    encoding_from_config,
     entry_format_version,
     part_attrs,
 )
@@ -96,7 +96,9 @@ def _array_json(array: ArrayLayout, compressor_key: str) -> dict[str, bytes]:
             compressors=[compressor_codec(compressor)] if compressor else None,
             chunk_key_encoding={"name": "default", "separator": "."},
             attributes={ATTR: part_attrs(array, part)},
-            config={"write_empty_chunks": True},
+            # zarr's ArrayConfigParams takes NotRequired from `typing`, which the 3.10 target lacks,
+            # so mypy reads its optional keys as required
+            config={"write_empty_chunks": True},  # type: ignore[arg-type]
         )
         out[part.name] = mem._store_dict["zarr.json"].to_bytes()
     return out
@@ -170,7 +172,7 @@ class EntryInfo:
 
     @property
     def codecs(self) -> dict[str, str]:
-        return {f: str(ChunkCodec.from_config(c).spec) for f, c in self.manifest["codecs"].items()}
+        return {f: str(encoding_from_config(c).spec) for f, c in self.manifest["codecs"].items()}
 
     def arrays(self) -> dict[str, ArrayLayout]:
         return arrays_from_manifest(self.manifest)
@@ -208,7 +210,7 @@ def arrays_from_manifest(manifest: dict[str, Any]) -> dict[str, ArrayLayout]:
     return {
         name: ArrayLayout(
             name, a["kind"], tuple(a["layers"]), tuple(a["shape"]), tuple(a["chunks"]),
-            a["shard_axis"], ChunkCodec.from_config(manifest["codecs"][name]), tuple(a["shards"]),
+            a["shard_axis"], encoding_from_config(manifest["codecs"][name]), tuple(a["shards"]),
         )
         for name, a in manifest["arrays"].items()
     }
@@ -337,14 +339,17 @@ def _check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:
         out.append(f"format_version is {m['format_version']}, its arrays' codecs make {version} (version "
                    f"{version} {'has' if version > FORMAT_VERSION else 'has no'} codec plug-in arrays)")
     sums, shards = m["checksums"], m["shards"]
-    want_chunks, want_shards, logical, stored = set(), set(), 0, 0
+    want_chunks: set[str] = set()
+    want_shards: set[str] = set()
+    logical, stored = 0, 0
     for fname, a in arrays.items():
         layers = by_field.get(fname, [])
         where = f"array {fname!r}"
-        if list(a.layers) != [l[0] for l in layers]:
-            out.append(f"{where}: layers {list(a.layers)[:4]}... are not the model's {[l[0] for l in layers][:4]}...")
+        if list(a.layers) != [row[0] for row in layers]:
+            model = [row[0] for row in layers]
+            out.append(f"{where}: layers {list(a.layers)[:4]}... are not the model's {model[:4]}...")
             continue
-        kinds = {l[1] for l in layers}
+        kinds = {row[1] for row in layers}
         if kinds != {a.kind}:
             out.append(f"{where}: kind {a.kind!r}, the model's layers are {sorted(kinds)}")
             continue
@@ -373,7 +378,7 @@ def _check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:
         skeys, ckeys = array_keys(a)
         want_chunks.update(ckeys)
         want_shards.update(skeys)
-        logical += math.prod(a.shape) * a.codec._itemsize
+        logical += math.prod(a.shape) * a.codec.source_itemsize
         compressed = bool(m.get("compressor"))
         for skey, index_size, ckeys, nbytes in _expected_slots(a):
             offset = 0
@@ -398,8 +403,8 @@ def _check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:
                     out.append(f"shard {skey} is {sh[1]} bytes, its chunks and index make {offset + index_size}")
                 else:
                     stored += sh[1]
-    for what, have, want in (("chunk", set(sums), want_chunks), ("shard", set(shards), want_shards)):
-        missing, extra = sorted(want - have), sorted(have - want)
+    for what, have, expected in (("chunk", set(sums), want_chunks), ("shard", set(shards), want_shards)):
+        missing, extra = sorted(expected - have), sorted(have - expected)
         if missing:
             out.append(f"{len(missing)} {what} checksums missing (e.g. {missing[0]})")
         if extra:

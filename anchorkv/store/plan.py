@@ -57,18 +57,19 @@ def rank_region(array: ArrayLayout, layer: int, tp_size: int, tp_rank: int) -> R
 
 def chunks_in(array: ArrayLayout, region: Region) -> list[Coords]:
     """Chunk coordinates that intersect `region`."""
-    ranges = [range(s.start // c, -(-min(s.stop, n) // c)) for s, c, n in zip(region, array.chunks, array.shape)]
+    ranges = [range(s.start // c, -(-min(s.stop, n) // c))
+              for s, c, n in zip(region, array.chunks, array.shape, strict=True)]
     return list(itertools.product(*ranges))
 
 
 def chunk_region(array: ArrayLayout, coords: Coords) -> Region:
-    return [slice(i * c, (i + 1) * c) for i, c in zip(coords, array.chunks)]
+    return [slice(i * c, (i + 1) * c) for i, c in zip(coords, array.chunks, strict=True)]
 
 
 def overlap(a: Region, b: Region) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
     """(slices into a's block, slices into b's block) of a ∩ b, or None if empty."""
     ia, ib = [], []
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         lo, hi = max(x.start, y.start), min(x.stop, y.stop)
         if lo >= hi:
             return None
@@ -82,8 +83,10 @@ def _plan(array: ArrayLayout, bounds: tuple[tuple[int, int], ...]) -> tuple[Chun
     out = []
     region = [slice(a, b) for a, b in bounds]
     for coords in chunks_in(array, region):
-        into_chunk, into_region = overlap(chunk_region(array, coords), region)
-        whole = all(s.stop - s.start == c for s, c in zip(into_chunk, array.chunks))
+        both = overlap(chunk_region(array, coords), region)
+        assert both is not None, f"chunk {coords} of {array.field!r} does not meet the region {region}"
+        into_chunk, into_region = both
+        whole = all(s.stop - s.start == c for s, c in zip(into_chunk, array.chunks, strict=True))
         out.append(ChunkSlice(array.chunk_key(coords), coords, into_chunk, into_region, whole))
     return tuple(out)
 
@@ -111,10 +114,11 @@ def _shards_plan(array: ArrayLayout, bounds: tuple[tuple[int, int], ...]) -> tup
                 continue  # past the array's end: an empty slot, as zarr leaves it
             into_chunk = item.into_chunk
             lead = None
+            pairs = enumerate(zip(into_chunk, array.chunks, strict=True))
             if not item.whole and len(into_chunk) > 2 and into_chunk[1].start == 0 and all(
-                    s.start == 0 and s.stop == c for i, (s, c) in enumerate(zip(into_chunk, array.chunks)) if i != 1):
+                    s.start == 0 and s.stop == c for i, (s, c) in pairs if i != 1):
                 lead = into_chunk[1].stop
-            slots.append(ShardSlot(item, tuple(c % n for c, n in zip(coords, k)), lead))
+            slots.append(ShardSlot(item, tuple(c % n for c, n in zip(coords, k, strict=True)), lead))
         out.append(ShardPlan(shard, k, tuple(slots)))
     return tuple(out)
 

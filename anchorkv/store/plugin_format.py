@@ -1,4 +1,4 @@
-"""The store's side of codec plug-ins: `PluginChunkCodec`, what a plug-in's chunks are, and
+"""The store's side of codec plug-ins: `PluginChunkEncoding`, what a plug-in's chunks are, and
 `MissingCodec`, the error of a load whose plug-in is not installed (format version 4; see
 `anchorkv.store.format` for the entry format and `anchorkv.codec.registry.Codec` for the
 plug-in protocol)."""
@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import torch
 
 from anchorkv.codec.packed import dtype_name
 from anchorkv.codec.spec import CodecSpec, canonical_json
-from anchorkv.store.encoded import SOURCE_DTYPES, ChunkGeometry
+from anchorkv.store.encoded import SOURCE_DTYPES, ChunkEncoding
 from anchorkv.store.errors import FormatError, StoreError
+
+if TYPE_CHECKING:
+    from anchorkv.codec.registry import Codec
 
 
 class MissingCodec(StoreError):
@@ -33,7 +36,7 @@ PAYLOAD_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "float1
 
 
 @dataclass(frozen=True)
-class PluginChunkCodec(ChunkGeometry):
+class PluginChunkEncoding(ChunkEncoding):
     """How the values of one chunk become bytes through a codec plug-in (see the module
     docstring): its id, its options as canonical JSON (`config`), the source dtype, the row
     width it was resolved for and what one row encodes to. Everything but encoding and
@@ -49,8 +52,8 @@ class PluginChunkCodec(ChunkGeometry):
     scale_columns: int = 0
     decode_text: str = ""  # the plug-in's `describe(spec)`: how other readers decode the arrays
 
-    plugin = True
-    group = None  # plug-ins have no group of the store's own
+    plugin: ClassVar[Literal[True]] = True
+    group: ClassVar[None] = None  # plug-ins have no group of the store's own
 
     def __post_init__(self) -> None:
         where = f"codec plug-in {self.id!r}"
@@ -72,7 +75,7 @@ class PluginChunkCodec(ChunkGeometry):
     # -- resolution (needs the plug-in)
     @classmethod
     def for_field(cls, spec: CodecSpec, dtype: torch.dtype, chunk_last: int, *, where: str,
-                  field_last: int) -> "PluginChunkCodec":
+                  field_last: int) -> PluginChunkEncoding:
         from anchorkv.codec.registry import get_codec
 
         try:
@@ -85,7 +88,8 @@ class PluginChunkCodec(ChunkGeometry):
                 f"along its last axis ({field_last} values in chunks of {chunk_last}, so a rank's rows depend on "
                 "tp); use a built-in codec for it"
             )
-        if not callable(getattr(impl, "encoded_row", None)):
+        encoded_row = getattr(impl, "encoded_row", None)  # optional in `Codec`: the store's part
+        if not callable(encoded_row):
             raise FormatError(
                 f"{where}: codec plug-in {spec.id!r} has no encoded_row(width, dtype, spec) method, so the store "
                 "cannot size its chunks; add one (see anchorkv.codec.registry.Codec) or use it with pack/unpack only"
@@ -94,7 +98,7 @@ class PluginChunkCodec(ChunkGeometry):
         try:
             if callable(configure):
                 spec = CodecSpec.parse(configure(spec, chunk_last, dtype))
-            row = impl.encoded_row(chunk_last, dtype, spec)
+            row = encoded_row(chunk_last, dtype, spec)
             payload_bytes, payload_dtype, groups, columns = (tuple(row) + ("uint8", 0, 0))[:4]
             describe = getattr(impl, "describe", None)
             text = str(describe(spec)) if callable(describe) else ""
@@ -106,7 +110,7 @@ class PluginChunkCodec(ChunkGeometry):
         return cls(spec.id, canonical_json(spec.options), dtype_name(dtype), chunk_last, int(payload_bytes),
                    str(payload_dtype), int(groups), int(columns), text or default)
 
-    def impl(self, entry: str = "?", field: str = "?"):
+    def impl(self, entry: str = "?", field: str = "?") -> Codec:
         """The installed plug-in; `MissingCodec` (one line, naming it) when it is not."""
         from anchorkv.codec.registry import get_codec, has_codec, missing_codec_reason
 
@@ -128,7 +132,7 @@ class PluginChunkCodec(ChunkGeometry):
                 "decode": self.decode_text}
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "PluginChunkCodec":
+    def from_config(cls, config: dict[str, Any]) -> PluginChunkEncoding:
         unknown = set(config) - {"plugin", "config", "source_dtype", "row", "decode"}
         row = config.get("row")
         if unknown or not isinstance(row, dict) or not isinstance(config.get("config"), dict):

@@ -87,7 +87,7 @@ def read_chunks(backend: Backend, info: EntryInfo, array: ArrayLayout, shard: tu
             buf = None
             if plan.direct:
                 target = plan.dst.payload if pi == 0 else plan.dst.scales
-                views = [memoryview(target).cast("B")]
+                views = [target.data.cast("B")]
                 if views[0].nbytes != size:
                     raise CorruptEntry(info.id, f"chunk {ckey} is {size} bytes in the manifest, its "
                                        f"shape and codec make {views[0].nbytes}")
@@ -106,7 +106,7 @@ def read_chunks(backend: Backend, info: EntryInfo, array: ArrayLayout, shard: tu
                 f"shard {skey} (holding chunk {jobs[0].key}) is {fsize} bytes, expected {want_shard[1]} bytes: "
                 "truncated or overwritten; delete the entry (anchorkv rm) and recompute",
             )
-        for job, n in zip(jobs, got):
+        for job, n in zip(jobs, got, strict=True):
             crc = 0
             for v in job.views:
                 crc = crc32c(v, value=crc)
@@ -131,7 +131,8 @@ def read_chunks(backend: Backend, info: EntryInfo, array: ArrayLayout, shard: tu
         copy_into(plan.dst, enc.region(plan.chunk.into_chunk))
 
 
-def verify_shard(backend: Backend, info: EntryInfo, array: ArrayLayout, part: Part, shard: tuple[int, ...]) -> list[str]:
+def verify_shard(backend: Backend, info: EntryInfo, array: ArrayLayout, part: Part,
+                 shard: tuple[int, ...]) -> list[str]:
     """Read a whole shard of one stored array and check everything a load relies on: its
     size and crc32c, each inner chunk's crc32c at the manifest's offset, and that zarr's
     index (what other readers use) holds the manifest's offsets and sizes. The problems
@@ -156,7 +157,7 @@ def verify_shard(backend: Backend, info: EntryInfo, array: ArrayLayout, part: Pa
     slots = {}
     for coords in array.shard_chunks(shard):
         key = part.chunk_key(coords)
-        local = part.local(tuple(c % n for c, n in zip(coords, array.chunks_per_shard)))
+        local = part.local(tuple(c % n for c, n in zip(coords, array.chunks_per_shard, strict=True)))
         if key not in sums:
             slots[local] = (EMPTY, EMPTY)
             continue

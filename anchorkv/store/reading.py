@@ -9,10 +9,11 @@ quantized ones. `open_entry` adds the dequantization, so a field reads as its lo
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from anchorkv.codec.spec import CodecSpec
 from anchorkv.store.format import SCALES_SUFFIX
 from anchorkv.store.manifest import ATTR
 
@@ -28,9 +29,10 @@ class FieldValues:
     """One field of an entry; indexing the leading axes (not the last) gives float32 values."""
 
     def __init__(self, group: zarr.Group, name: str) -> None:
-        self.codes = group[name]
-        self.meta: dict[str, Any] = dict(self.codes.attrs[ATTR])
-        self.scales = group[name + SCALES_SUFFIX] if "scales" in self.meta else None
+        # the entry's members are arrays and their anchorkv attributes objects (the format's)
+        self.codes = cast("zarr.Array", group[name])
+        self.meta: dict[str, Any] = dict(cast("dict[str, Any]", self.codes.attrs[ATTR]))
+        self.scales = cast("zarr.Array", group[name + SCALES_SUFFIX]) if "scales" in self.meta else None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -62,13 +64,13 @@ class FieldValues:
             return t.reshape(codes.shape).to(torch.float32).numpy()
         if self.scales is None:  # bf16 codes: elementwise, no scales
             out = reference.dequantize(torch.from_numpy(codes.view(np.uint8).reshape(-1).copy()),
-                                       torch.empty(0, 0), self.meta["codec"], None, codes.shape, dtype)
+                                       torch.empty(0, 0), CodecSpec(self.meta["codec"], None), codes.shape, dtype)
             return out.to(torch.float32).numpy()
         scales = np.ascontiguousarray(self.scales[index], dtype=np.float32)
         shape = (*codes.shape[:-1], self.shape[-1])
         out = reference.dequantize(torch.from_numpy(codes.view(np.uint8).reshape(-1).copy()),
                                    torch.from_numpy(scales.reshape(-1, scales.shape[-1]).copy()),
-                                   self.meta["codec"], self.meta["group"], shape, dtype)
+                                   CodecSpec(self.meta["codec"], self.meta["group"]), shape, dtype)
         return out.to(torch.float32).numpy()
 
 
@@ -101,7 +103,7 @@ class EntryValues:
 
     def __init__(self, group: zarr.Group) -> None:
         self.group = group
-        self.manifest: dict[str, Any] = dict(group.attrs[ATTR])
+        self.manifest: dict[str, Any] = dict(cast("dict[str, Any]", group.attrs[ATTR]))  # the manifest
 
     def fields(self) -> list[str]:
         return sorted(self.manifest["arrays"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import overload
 
 #: Where the store lives when nobody says (the connector's and the CLI's default).
 DEFAULT_STORE = os.path.join(os.path.expanduser("~"), ".cache", "anchorkv")
@@ -14,7 +14,19 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
-def parse_size(value: Any, key: str = "capacity") -> int | None:
+@overload
+def parse_size(value: None, key: str = ...) -> None: ...
+
+
+@overload
+def parse_size(value: str | float, key: str = ...) -> int: ...
+
+
+@overload
+def parse_size(value: object, key: str = ...) -> int | None: ...
+
+
+def parse_size(value: object, key: str = "capacity") -> int | None:
     """`None`, an int of bytes, or a string like "200GB" / "1.5 TiB"."""
     if value is None:
         return None

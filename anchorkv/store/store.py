@@ -106,7 +106,7 @@ class Store:
 
     @classmethod
     def open(cls, url: str | os.PathLike, *, capacity_bytes: int | None = None, io_threads: int = 4,
-             create: bool = True, **options: Any) -> "Store":
+             create: bool = True, **options: Any) -> Store:
         """Open the store at a local path or ``s3://bucket/prefix``.
 
         create=True (what a writer needs): create it if needed and check that it is writable
@@ -169,7 +169,8 @@ class Store:
         return token_key(tokens, fingerprint_hash, scope)
 
     # ------------------------------------------------------------------ writing
-    def begin_entry(self, layout: ModelLayout, codecs: Mapping[str, CodecSpec | str], tokens: Sequence[int] | np.ndarray, *,
+    def begin_entry(self, layout: ModelLayout, codecs: Mapping[str, CodecSpec | str],
+                    tokens: Sequence[int] | np.ndarray, *,
                     num_tokens: int | None = None, anchor: str | None = None, write_id: str | None = None,
                     compressor: dict[str, Any] | None = None, scope: str | None = None) -> EntryWriter:
         """Start writing this rank's part of the entry for the first `num_tokens` of `tokens`.
@@ -273,9 +274,14 @@ class Store:
             hasher = PrefixHasher(tokens, fingerprint_hash, scope)
         elif mode == "exact":
             raise ValueError("exact lookup needs the request's tokens")
-        if anchor is None and len(hasher) < TOKEN_BLOCK:
-            return None
-        key = self.key_for(fingerprint_hash, anchor=anchor, tokens=None if anchor else hasher.tokens, scope=scope)
+        exact = hasher if mode == "exact" else None  # never None in exact mode (raised above)
+        key_tokens = None
+        if anchor is None:  # exact mode (semantic lookups need an anchor): the tokens were hashed
+            assert hasher is not None
+            if len(hasher) < TOKEN_BLOCK:
+                return None
+            key_tokens = hasher.tokens
+        key = self.key_for(fingerprint_hash, anchor=anchor, tokens=key_tokens, scope=scope)
         names = [(parse_entry_name(n), n) for n in self.backend.list_dir(key_path(key))]
         cands = sorted((_Candidate(p.num_tokens, p.hash16, n) for p, n in names if p), key=lambda c: -c.num_tokens)
         reason = "no_entry"
@@ -283,13 +289,13 @@ class Store:
             if (max_tokens is not None and n > max_tokens) or n % multiple_of:
                 reason = "too_long" if reason == "no_entry" else reason
                 continue
-            if mode == "exact" and (n > len(hasher) or hasher.hash(n)[:16] != h16):
+            if exact is not None and (n > len(exact) or exact.hash(n)[:16] != h16):
                 reason = "prefix_mismatch"
                 continue
             info = self._try_info(f"{key}/{name}")
             if info is None or info.fingerprint_hash != fingerprint_hash:
                 continue
-            if mode == "exact" and info.prefix_hash != hasher.hash(n):
+            if exact is not None and info.prefix_hash != exact.hash(n):
                 reason = "prefix_mismatch"
                 continue
             same = [self._try_info(f"{key}/{c.name}") for c in cands
@@ -325,7 +331,8 @@ class Store:
         try:
             data = self.backend.read(zarr_json(entry_path(entry)))
         except FileNotFoundError:
-            raise EntryNotFound(f"entry {entry} does not exist in {self.url} (deleted, evicted or never committed)") from None
+            raise EntryNotFound(f"entry {entry} does not exist in {self.url} "
+                                f"(deleted, evicted or never committed)") from None
         info = parse_group(entry, data)
         self._infos[entry] = info
         return info
@@ -396,7 +403,7 @@ class Store:
         index = array.layer_index(layer)
         array.rank_range(layout.tp_size, layout.tp_rank)
         region = rank_region(array, index, layout.tp_size, layout.tp_rank)
-        codec = array.codec
+        encoding = array.codec
         if array.kind == "paged":
             bs = layout.block_size
             if num_blocks is None:
@@ -406,12 +413,12 @@ class Store:
         else:
             shape = (1, *lf.shape)
         block = tuple(s.stop - s.start for s in region)
-        pn, sn = codec.nbytes(block)
-        if (pn, sn) != codec.nbytes(shape):  # never hand out a payload its shape does not describe
+        pn, sn = encoding.nbytes(block)
+        if (pn, sn) != encoding.nbytes(shape):  # never hand out a payload its shape does not describe
             raise CorruptEntry(info.id, f"field {field!r}: the entry's slice {list(block)} is {pn + sn} bytes, the "
-                               f"reader's {list(shape)} needs {sum(codec.nbytes(shape))}; recompute")
+                               f"reader's {list(shape)} needs {sum(encoding.nbytes(shape))}; recompute")
         payload, scales = np.empty(pn, np.uint8), np.empty(sn // 4, np.float32)
-        out = codec.views(payload, scales, block)
+        out = encoding.views(payload, scales, block)
         with self.pins.pinned(info.id):
             by_shard: dict[tuple[int, ...], list[ChunkSlice]] = {}
             for item in chunk_plan(array, region):
@@ -423,10 +430,10 @@ class Store:
                 if region[1].stop > end:
                     lo = max(0, end - start_token)
                     tail = out.region((slice(0, 1), slice(lo, block[1]), *[slice(0, n) for n in block[2:]]))
-                    copy_into(tail, zero_chunk(codec, (1, 1, *block[2:])))  # broadcast over the rows
+                    copy_into(tail, zero_chunk(encoding, (1, 1, *block[2:])))  # broadcast over the rows
             self._touch(info.id)
-        cols = codec.columns
-        return Packed(codec.spec, shape, lf.dtype, torch.from_numpy(payload),
+        cols = encoding.columns
+        return Packed(encoding.spec, shape, lf.dtype, torch.from_numpy(payload),
                       torch.from_numpy(scales.reshape(-1, cols) if cols else np.empty((0, 0), np.float32)))
 
     def _check_array(self, info: EntryInfo, array: ArrayLayout, layout: ModelLayout, lf: Field) -> None:
@@ -435,8 +442,10 @@ class Store:
         ok_key = (info.id, array.field, self._fingerprint(layout), lf.shard_axis)
         if ok_key in self._checked:
             return
-        names = tuple(l.name for l in layout.layers if any(f.name == array.field for f in l.page.fields))
-        logical = tuple(lf.logical_shape[1:]) if array.kind == "paged" else tuple(lf.logical_shape)
+        names = tuple(layer.name for layer in layout.layers if any(f.name == array.field for f in layer.page.fields))
+        full = lf.logical_shape
+        assert full is not None  # Field.__post_init__ resolves it (default: the field's shape)
+        logical = tuple(full[1:]) if array.kind == "paged" else tuple(full)
         axis = None if lf.shard_axis is None else lf.shard_axis + 1
         stored = array.shape[2:] if array.kind == "paged" else array.shape[1:]
         problems = []
@@ -581,7 +590,7 @@ class Store:
             self._chunk_pool.shutdown(wait=True)
             self._chunk_pool = None
 
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -40,7 +40,7 @@ from anchorkv.codec.layout import Field
 from anchorkv.codec.models import ModelLayout
 from anchorkv.codec.packed import Packed
 from anchorkv.codec.spec import canonical_json
-from anchorkv.kernels.formats import ELEMENTWISE
+from anchorkv.kernels.quant import ELEMENTWISE
 from anchorkv.store.backends import Backend
 from anchorkv.store.commit import OnCommit, commit_staged
 from anchorkv.store.errors import FormatError
@@ -145,9 +145,11 @@ class EntryWriter:
                     bufs = self._row_padded(array, part, slot.lead)
                 else:
                     bufs = self._padded(array, part, chunk.into_chunk).buffers()
-                for p, chunks, b in zip(parts, per_part, bufs):
+                # bufs is (payload, scales): no scales part (an empty list) for raw, bf16 and
+                # plug-ins without scales, so it may be longer than parts
+                for p, chunks, b in zip(parts, per_part, bufs, strict=False):
                     chunks.append((p.chunk_key(chunk.coords), p.local(slot.local), b))
-            for p, chunks in zip(parts, per_part):
+            for p, chunks in zip(parts, per_part, strict=True):
                 total += self._put_shard(p.shard_key(plan.shard), p.chunks_per_shard(plan.chunks_per_shard), chunks)
         return total
 
@@ -163,7 +165,8 @@ class EntryWriter:
             ok = tuple(packed.shape) == expected
         else:
             expected = (-1, *lf.shape)
-            ok = tuple(packed.shape[1:]) == tuple(lf.shape) and packed.shape[0] * lf.shape[0] >= self.header["num_tokens"]
+            ok = (tuple(packed.shape[1:]) == tuple(lf.shape)
+                  and packed.shape[0] * lf.shape[0] >= self.header["num_tokens"])
         if not ok or packed.dtype != lf.dtype:
             raise FormatError(
                 f"{where}: expected a Packed of {lf.dtype} {list(expected)} (-1: enough blocks "
@@ -175,7 +178,7 @@ class EntryWriter:
                 raise FormatError(
                     f"{where}: the entry stores codec plug-in {c.id!r} with the options it recorded at "
                     f"begin_entry ({c.spec}), but the Packed is {packed.codec}; pack with the store's "
-                    "resolved spec (ChunkCodec.spec, ZarrEntryStore.codecs)"
+                    "resolved spec (PluginChunkEncoding.spec, ZarrEntryStore.codecs)"
                 )
             return
         group = packed.codec.group if packed.codec.group is not None else packed.shape[-1]
@@ -201,16 +204,16 @@ class EntryWriter:
         """The (payload, scales) buffers of an edge chunk whose first `rows` rows (axis 1) are
         `part`: its rows then cached zero rows (no copy; exactly `_padded`)."""
         z = zero_chunk(array.codec, array.chunks)
-        payload = [memoryview(np.ascontiguousarray(part.payload)).cast("B"), memoryview(z.payload[:, rows:]).cast("B")]
+        payload = [np.ascontiguousarray(part.payload).data.cast("B"), z.payload[:, rows:].data.cast("B")]
         scales = []
         if z.scales.size:
-            scales = [memoryview(np.ascontiguousarray(part.scales)).cast("B"), memoryview(z.scales[:, rows:]).cast("B")]
+            scales = [np.ascontiguousarray(part.scales).data.cast("B"), z.scales[:, rows:].data.cast("B")]
         return payload, scales
 
     def _padded(self, array: ArrayLayout, part: Encoded, into_chunk: tuple[slice, ...]) -> Encoded:
         """A whole edge chunk: `part` in its place, the rest zero bytes (zarr's fill)."""
         z = zero_chunk(array.codec, array.chunks)
-        full = Encoded(z.codec, z.payload.copy(), z.scales.copy())
+        full = Encoded(z.encoding, z.payload.copy(), z.scales.copy())
         dst = full.region(into_chunk)
         np.copyto(dst.payload, part.payload)
         if dst.scales.size:

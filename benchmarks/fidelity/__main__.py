@@ -7,7 +7,9 @@ import argparse
 import json
 import sys
 
-from .study import StudyConfig, finite, run_study
+from benchmarks.reporting import finite
+
+from .study import StudyConfig, run_study
 
 
 def main(argv=None) -> int:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from benchmarks.reporting import table
+
 from .presets import FIELDS, LEVELS, condition
 
 _LEVEL_TEXT = {
@@ -28,11 +30,6 @@ def _num(x, spec: str = ".2e") -> str:
 
 def _seeds(values) -> str:
     return " / ".join(_num(v) for v in values)
-
-
-def _table(header: list[str], rows: list[list]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
 
 
 def render(res: dict) -> list[str]:
@@ -70,7 +67,7 @@ def render(res: dict) -> list[str]:
             cells.append(f"{p[f]} ({_num(r['size_ratio'], '.3f')}x; {_num(r['cont_err_mean'])} / "
                          f"{_num(r['cont_err_max'])})" if r and p[f] != "raw" else "raw (exact)")
         rows.append(cells)
-    lines += _table(["preset", "conv: codec (size vs raw; worst mean / worst step)", "recurrent", "latent"], rows)
+    lines += table(["preset", "conv: codec (size vs raw; worst mean / worst step)", "recurrent", "latent"], rows)
     shipped = res.get("shipped_presets") or {}
     lines += ["", ("The shipped presets (`anchorkv.connector.config.PRESETS`) are these."
                    if res.get("presets_match_shipped") else
@@ -85,7 +82,7 @@ def render(res: dict) -> list[str]:
     rows = [[f"`{e['preset']}`", e["fields"], e["condition"], _seeds(e["cont_err_mean"]),
              _seeds(e["cont_err_max"]), _seeds(e["cont_err_first"]), _LEVEL_TEXT[e["level"]]]
             for e in res["preset_eval"]]
-    lines += _table(["preset", "fields", "condition", "mean", "worst step", "first step", "verdict"], rows)
+    lines += table(["preset", "fields", "condition", "mean", "worst step", "first step", "verdict"], rows)
     fails = defaultdict(list)
     for e in res["preset_eval"]:
         if e["level"] not in ("exact", "compact"):
@@ -115,7 +112,7 @@ def render(res: dict) -> list[str]:
                          _num(r["size_ratio"], ".4f"), _num(r["sqnr_db"], ".1f"), _num(r["max_rel_err"]),
                          _num(r["cont_err_first"]), _num(r["cont_err_mean"]), _num(r["cont_err_max"]),
                          r["where_max"] if r["cont_err_max"] else "-", _LEVEL_TEXT[r["level"]]])
-    lines += _table(["field", "codec", "bits/value", "size vs raw", "min SQNR dB", "max rel err",
+    lines += table(["field", "codec", "bits/value", "size vs raw", "min SQNR dB", "max rel err",
                      "worst first step", "worst mean", "worst step", "worst step at", "level"], rows)
     lines += ["", "(`bf16` for conv and latent would be `raw`: those fields are bf16 already.)", ""]
 
@@ -138,7 +135,7 @@ def render(res: dict) -> list[str]:
                      _seeds([r["max_rel_err"] for r in rs]),
                      _seeds([r["cont_err_first"] for r in rs]), _seeds([r["cont_err_mean"] for r in rs]),
                      _seeds([r["cont_err_max"] for r in rs])])
-    lines += _table(["field", "codec", "condition", "SQNR dB", "max rel err", "first step", "mean", "worst step"], rows)
+    lines += table(["field", "codec", "condition", "SQNR dB", "max rel err", "first step", "mean", "worst step"], rows)
 
     lines += ["", "### Conditions: forget gates and state sizes", ""]
     rows = []
@@ -150,7 +147,7 @@ def render(res: dict) -> list[str]:
             rows.append([s["kind"], f"{s['decay']}, {s['inputs']}", s["seed"],
                          f"{s['median_decay']:.3f}", f"{s['decay_p10']:.3f} - {s['decay_p90']:.3f}",
                          _num(s["state_rms"], ".3g"), _num(s["state_absmax"], ".3g"), _num(s["bf16_output_noise"])])
-    lines += _table(["layer", "condition", "seed", "median decay", "decay p10 - p90", "state / latent rms",
+    lines += table(["layer", "condition", "seed", "median decay", "decay p10 - p90", "state / latent rms",
                      "abs max", "bf16 output noise"], rows)
     lines += ["", "bf16 output noise: relative L2 error of the exact continuation's outputs rounded to "
               "bf16 (mean over the steps; MLA: logit std 3, isotropic queries), the rounding the model "

@@ -29,7 +29,6 @@ import torch
 
 from anchorkv.codec import CodecSpec, get_codec
 from anchorkv.testing.metrics import sqnr_db
-from benchmarks.run import finite  # noqa: F401  (re-exported: the study's JSON)
 
 from . import data, fla_ref, layers, mla
 from .metrics import max_rel_err, rel_err_per_step

@@ -1,7 +1,11 @@
 """Measure the `lowrank` codec's fidelity: SQNR (dB) of decode(encode(x)) against x on test rows
 the projection was not fitted on, and the stored size against bf16, per data set and rank.
 
+    pip install -e examples/lowrank_codec --no-deps       # once, see README.md
     python examples/lowrank_codec/measure_fidelity.py   # writes fidelity.json beside this file
+
+It runs in a checkout: two data sets come from its connector tests and benchmarks, which are
+not installed (the codec and anchorkv are).
 
 Data sets (576-wide rows, as an MLA latent; bf16 in, float16 codes):
 
@@ -22,24 +26,27 @@ spectra, not how a given model's outputs change (that needs a continuation study
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import sys
+from pathlib import Path
 
+import lowrank_codec as L
 import torch
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-sys.path[:0] = [str(HERE / "src"), str(ROOT), str(ROOT / "tests" / "connector")]
+from anchorkv.codec import CodecSpec
+from anchorkv.testing.metrics import sqnr_db
 
-import lowrank_codec as L  # noqa: E402
-from anchorkv.codec import CodecSpec  # noqa: E402
+HERE = Path(__file__).resolve().parent
+#: The checkout, for the data sets of its tests and benchmarks (`tests.connector.engine`,
+#: `benchmarks.fidelity.data`), imported where they are used.
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT))
 
 WIDTH, CALIB, TEST = 576, 4096, 2048
 RANKS = (8, 16, 64, 128)
 
 
 def harness(n: int, g: torch.Generator, offset: int) -> torch.Tensor:
-    import engine as E  # the connector tests' fake model (imports vllm_harness; no vLLM needed)
+    from tests.connector import engine as E  # the connector tests' fake model (no vLLM needed)
 
     pos = torch.arange(offset, offset + n)
     layers = [E.latent_rows(layer, pos, torch.randint(0, 150000, (n,), generator=g)) for layer in (3, 7, 11)]
@@ -80,7 +87,7 @@ def main() -> None:
             spec = codec.configure(CodecSpec.parse(L.codec_config(L.fit_projection(calib.double(), r))),
                                    WIDTH, torch.bfloat16)
             got = codec.decode(*codec.encode(test, spec), spec, tuple(test.shape), torch.bfloat16)
-            row = {"data": name, "rank": r, "sqnr_db": round(L.sqnr_db(test, got), 2),
+            row = {"data": name, "rank": r, "sqnr_db": round(sqnr_db(test, got), 2),
                    "bytes_per_row": 2 * r, "size_vs_bf16": round(2 * r / (2 * WIDTH), 4)}
             results.append(row)
             print(f"{name:>13} rank {r:>3}: SQNR {row['sqnr_db']:7.2f} dB, {row['bytes_per_row']:>4} B/row "

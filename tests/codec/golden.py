@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from anchorkv.codec import CodecSpec
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "codec"
 
 CASES = [
@@ -68,7 +70,7 @@ def case_input(codec: str, dtype: torch.dtype) -> torch.Tensor:
 def encode_case(codec: str, group: int | None, dtype: torch.dtype) -> dict:
     from anchorkv.kernels.reference import quantize
 
-    payload, scales = quantize(case_input(codec, dtype), codec, group)
+    payload, scales = quantize(case_input(codec, dtype), CodecSpec(codec, group))
     return {
         "codec": codec,
         "group": group,

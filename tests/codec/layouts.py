@@ -35,9 +35,6 @@ class Case:
     dst_ids: list[int]
 
 
-def _itemsize(dtype):
-    return torch.empty((), dtype=dtype).element_size()
-
 
 def group_sizes(last: int, fmt: str) -> st.SearchStrategy[int | None]:
     """A group size that `fmt` accepts for a last axis of `last` elements: None (the whole
@@ -65,7 +62,7 @@ def strided_field(draw, name: str, dtype=None, last_dims: Sequence[int] = EVEN_L
     for axis in order:
         strides[axis] = step
         step *= shape[axis] + draw(st.integers(0, 2))  # optional gap after each axis
-    offset = draw(st.integers(0, 16)) * _itemsize(dtype)
+    offset = draw(st.integers(0, 16)) * dtype.itemsize
     return Field(name, dtype, tuple(shape), tuple(strides), offset)
 
 

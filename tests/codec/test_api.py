@@ -177,7 +177,7 @@ def test_packed_rows_narrow_reshape_cat_match_direct_packing(kimi_views, codec):
     rows = whole.narrow(100, 300)
     direct = mla.tensor("latent")[[3, 4]].reshape(512, 576)[100:400]
     from anchorkv.kernels.reference import quantize
-    payload, scales = quantize(direct, codec.split(":")[0], whole.codec.group)
+    payload, scales = quantize(direct, CodecSpec(codec.split(":")[0], whole.codec.group))
     assert torch.equal(rows.payload, payload) and torch.equal(rows.scales, scales)
     again = Packed.cat([whole.narrow(0, 100), rows, whole.narrow(400, 112)]).reshape(2, 256, 576)
     assert torch.equal(again.payload, whole.payload) and again.shape == (2, 256, 576)

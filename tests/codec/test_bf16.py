@@ -16,6 +16,7 @@ import torch
 from anchorkv.codec import (
     KIMI_LINEAR_48B_CONFIG,
     CacheView,
+    CodecSpec,
     Region,
     get_codec,
     kimi_linear_layout,
@@ -26,7 +27,7 @@ from anchorkv.codec import (
     unpack_many,
 )
 from anchorkv.kernels import reference
-from anchorkv.kernels.formats import Quant, payload_nbytes
+from anchorkv.kernels.quant import Quant, payload_nbytes
 from anchorkv.kernels.reference import dequantize, quantize, round_to_bf16
 
 
@@ -121,10 +122,10 @@ def test_fp32_round_trip_is_the_bf16_rounding(group):
     """Decoding gives exactly the rounded values; the group (meaningless for bf16) is ignored;
     a NaN poisons only itself (the quantizers poison a whole group)."""
     x = _fp32_input()
-    payload, scales = quantize(x, "bf16", group)
+    payload, scales = quantize(x, CodecSpec("bf16", group))
     assert payload.dtype == torch.uint8 and payload.numel() == x.numel() * 2 == payload_nbytes(Quant.BF16, x.numel(), 4)
     assert scales.shape == (0, 0)
-    y = dequantize(payload, scales, "bf16", group, tuple(x.shape), torch.float32)
+    y = dequantize(payload, scales, CodecSpec("bf16", group), tuple(x.shape), torch.float32)
     nan = torch.isnan(x)
     assert torch.equal(y[~nan], x.to(torch.bfloat16).float()[~nan])
     assert y.view(torch.int32)[nan].eq(0x7FC00000).all()
@@ -133,29 +134,29 @@ def test_fp32_round_trip_is_the_bf16_rounding(group):
 
 def test_relative_error_is_at_most_half_an_ulp():
     x = torch.randn(100_000, generator=torch.Generator().manual_seed(2)) * 1e3
-    payload, scales = quantize(x, "bf16", None)
-    y = dequantize(payload, scales, "bf16", None, tuple(x.shape), torch.float32)
+    payload, scales = quantize(x, CodecSpec("bf16", None))
+    y = dequantize(payload, scales, CodecSpec("bf16", None), tuple(x.shape), torch.float32)
     rel = ((y.double() - x.double()).abs() / x.double().abs()).max().item()
     assert 0 < rel <= 2.0**-8  # 8 significant bits: half an ulp is at most 2^-8 of the value
 
 
 def test_payload_is_little_endian_codes_in_element_order():
     x = torch.tensor([1.0, -2.0, 1.00390625 + 2**-9])  # the last: a tie, to even (1.0078125)
-    payload, _ = quantize(x, "bf16", None)
+    payload, _ = quantize(x, CodecSpec("bf16", None))
     assert payload.tolist() == [0x80, 0x3F, 0x00, 0xC0, 0x81, 0x3F]
 
 
 def test_bf16_source_is_kept_exactly_and_fp16_rounds_once_per_step():
     x = _fp32_input()
     b = x.to(torch.bfloat16)
-    payload, scales = quantize(b, "bf16", None)
+    payload, scales = quantize(b, CodecSpec("bf16", None))
     codes, raw = payload.view(torch.int16), b.reshape(-1).view(torch.int16)
     nan = torch.isnan(b.reshape(-1))
     assert torch.equal(codes[~nan], raw[~nan])  # bf16 of a bf16 field: its bytes, NaN canonical
     assert codes[nan].eq(0x7FC0).all()
     h = x.clamp(-6e4, 6e4).to(torch.float16)
-    payload, scales = quantize(h, "bf16", None)
-    y = dequantize(payload, scales, "bf16", None, tuple(h.shape), torch.float16)
+    payload, scales = quantize(h, CodecSpec("bf16", None))
+    y = dequantize(payload, scales, CodecSpec("bf16", None), tuple(h.shape), torch.float16)
     nan = torch.isnan(h)
     assert torch.equal(y[~nan], h.float().to(torch.bfloat16).float().to(torch.float16)[~nan])
     assert y.view(torch.int16)[nan].eq(0x7E00).all()
@@ -213,5 +214,5 @@ def test_bf16_is_a_kernel_format(kda):
     codec = get_codec("bf16")
     assert isinstance(codec, registry.QuantCodec) and codec.fmt is Quant.BF16 and not codec.lossless
     packed = pack(view, "recurrent", [0], "bf16")
-    want, scales = reference.quantize(view.tensor("recurrent")[[0]], "bf16", None)
+    want, scales = reference.quantize(view.tensor("recurrent")[[0]], CodecSpec("bf16", None))
     assert torch.equal(packed.payload, want) and packed.scales.numel() == 0 == scales.numel()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from anchorkv.codec import CodecSpec
 from anchorkv.kernels.reference import dequantize
 from tests.codec.golden import CASES, FIXTURES, case_input, encode_case
 
@@ -39,7 +40,7 @@ def test_fixture_decodes_to_input_within_format(name, codec, group, dtype):
     fixture = _load(name)
     x = case_input(codec, dtype)
     scales = _bytes(fixture["scales_b64"]).view(torch.float32).reshape(fixture["scales_shape"])
-    y = dequantize(_bytes(fixture["payload_b64"]), scales, codec, group, tuple(x.shape), dtype)
+    y = dequantize(_bytes(fixture["payload_b64"]), scales, CodecSpec(codec, group), tuple(x.shape), dtype)
     if codec == "raw":
         assert torch.equal(y.view(torch.uint8), x.view(torch.uint8))
         return
@@ -113,7 +114,7 @@ def test_fixture_bound_catches_a_decode_off_by_one_code(name, codec, group, dtyp
     x = case_input(codec, dtype)
     scales = _bytes(fixture["scales_b64"]).view(torch.float32).reshape(fixture["scales_shape"])
     payload = _off_by_one_code(_bytes(fixture["payload_b64"]), codec)
-    y = dequantize(payload, scales, codec, group, tuple(x.shape), dtype)
+    y = dequantize(payload, scales, CodecSpec(codec, group), tuple(x.shape), dtype)
     finite_rows = torch.isfinite(x.float()).all(dim=-1)
     err = (y.double() - x.double())[finite_rows].abs()
     assert (err > error_bound(x, codec, group)[finite_rows]).any()

@@ -63,8 +63,7 @@ def test_lossy_unpack_writes_exactly_the_decoded_values_and_nothing_else(fmt, da
     case, spec = _draw_case_and_spec(data, fmt)
     packed = pack(case.view, "x", case.src_ids, spec)
     f = case.view.page.field("x")
-    expected = reference.dequantize(packed.payload, packed.scales, packed.codec.id,
-                                    packed.codec.group, packed.shape, f.dtype)
+    expected = reference.dequantize(packed.payload, packed.scales, packed.codec, packed.shape, f.dtype)
     before = case.buffer.clone()
     unpack(packed, case.view, "x", case.dst_ids)
     got = case.view.tensor("x")[case.dst_ids]
@@ -82,7 +81,7 @@ def test_aliasing_view_uses_its_own_strides(case):
     unpack(packed, case.alias, "alias", case.dst_ids)
     assert torch.equal(_bytes(case.alias.tensor("alias")[case.dst_ids]), _bytes(source))
     # the gathered bytes equal a plain strided read of the alias geometry, not of the other view
-    g = case.alias.geometry("alias")
+    g = case.alias.strided("alias")
     direct = torch.as_strided(
         case.buffer.view(torch.uint8),
         (case.alias.region.num_blocks, *g.shape, g.itemsize),

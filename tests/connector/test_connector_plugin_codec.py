@@ -120,7 +120,7 @@ def test_missing_plugin_fails_the_load_in_one_line_and_vllm_recomputes(model_dir
     # fails cleanly: as if the scheduler's check had passed
     from anchorkv.store import plugin_format as PF
 
-    monkeypatch.setattr(PF.PluginChunkCodec, "installed", property(lambda self: True))
+    monkeypatch.setattr(PF.PluginChunkEncoding, "installed", property(lambda self: True))
     assert matched(eng2, PROMPT2, ANCHOR) == (302, True)
     with caplog.at_level(logging.WARNING, logger="anchorkv.connector"):
         _load_fails_cleanly(eng2, monkeypatch)  # nothing written, failed_recving, recomputed

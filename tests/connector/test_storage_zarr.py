@@ -201,7 +201,8 @@ def test_load_errors_propagate(tmp_path):
 
 def test_codecs_are_resolved_and_checked_at_startup(tmp_path):
     kimi = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=2)
-    es = ZarrEntryStore(raw_config(tmp_path, codec={"conv": "int8:whole", "recurrent": "int8", "latent": "fp8:64"}), kimi)
+    codec = {"conv": "int8:whole", "recurrent": "int8", "latent": "fp8:64"}
+    es = ZarrEntryStore(raw_config(tmp_path, codec=codec), kimi)
     # conv is sharded along its last axis: "whole" is the chunk's last axis (4096 / 8), at any tp
     assert es.codecs == {"conv": CodecSpec("int8", 512), "recurrent": CodecSpec("int8", 128),
                          "latent": CodecSpec("fp8", 64)}

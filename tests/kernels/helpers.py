@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from anchorkv.kernels.geometry import StridedField, field_view
+from anchorkv.kernels import PackItem, UnpackItem
+from anchorkv.kernels.strided import StridedField, field_view
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -12,13 +13,23 @@ CODECS = ("raw", "fp8", "int8", "int4")
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+
+def triton_pack(item: PackItem) -> tuple[torch.Tensor, torch.Tensor]:
+    """One item through the Triton backend whatever the device (the interpreter on CPU)."""
+    from anchorkv.kernels.triton_pack import pack_many
+
+    return pack_many([item])[0]
+
+
+def triton_unpack(item: UnpackItem) -> None:
+    from anchorkv.kernels.triton_unpack import unpack_many
+
+    unpack_many([item])
 
 
 def make_field(dtype, shape, strides, *, offset_elems=3, pad_bytes=40) -> StridedField:
     """A field at an odd element offset in a page padded by `pad_bytes` (kept 8-aligned)."""
-    size = itemsize(dtype)
+    size = dtype.itemsize
     extent = (sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1) * size
     offset = offset_elems * size
     block_stride = offset + extent + pad_bytes

@@ -31,9 +31,10 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
 
-from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, kimi_linear_layout  # noqa: E402
-from anchorkv.kernels.batch import PackItem, UnpackItem, geometry  # noqa: E402
-from anchorkv.kernels.formats import Quant, payload_nbytes  # noqa: E402
+from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, CodecSpec, kimi_linear_layout  # noqa: E402
+from anchorkv.kernels import PackItem, UnpackItem  # noqa: E402
+from anchorkv.kernels.batch import field_cut  # noqa: E402
+from anchorkv.kernels.quant import Quant, payload_nbytes  # noqa: E402
 
 TP_SIZES = (1, 2, 4, 8)
 #: Group sizes the store holds per field (conv: divisors of the 512-channel chunk; latent: of 576).
@@ -62,7 +63,7 @@ def _items():
             for f in layer.page.fields:
                 fields.setdefault(f.name, (layer.kind, f, layer.page.page_bytes))
         for fname, (kind, f, page) in fields.items():
-            geom_field = f.geometry(page)
+            strided = f.strided(page)
             blocks = 8
             buf = torch.empty(blocks * page, dtype=torch.uint8)
             ids = [3] if str(kind) == "state" else [5, 1, 6, 2]
@@ -72,12 +73,13 @@ def _items():
                 if fmt is Quant.INT4 and group is not None and group % 2:
                     continue
                 label = f"{name} {fname} {fmt}:{group or 'whole'}"
-                pack = PackItem(buf, geom_field, ids, blocks, fmt, group)
-                g = geometry(geom_field, fmt, group)
+                spec = CodecSpec(fmt.value, group)
+                pack = PackItem(buf, strided, ids, blocks, spec)
+                g = field_cut(strided, spec)
                 payload = torch.empty(len(ids) * payload_nbytes(fmt, g.numel, g.itemsize),
                                       dtype=torch.uint8)
                 scales = torch.empty(len(ids) * g.groups, g.columns, dtype=torch.float32)
-                unpack = UnpackItem(buf, geom_field, ids, blocks, payload, scales, fmt, group)
+                unpack = UnpackItem(buf, strided, ids, blocks, spec, payload, scales)
                 yield label, pack, unpack
 
 
@@ -129,7 +131,7 @@ def specializations(items=None) -> list[dict]:
             entry["_compile"] = (signature, constexprs, attrs, opts.__dict__)
             entry["align"] = kwargs.get("ALIGN", 1)
             entry["itemsize"] = torch.tensor([], dtype=pack.field.dtype).element_size()
-            entry["fmt"] = str(pack.fmt)
+            entry["fmt"] = pack.spec.id
             entry["contig"] = bool(kwargs["CONTIG"])
             entry["in_align"] = kwargs.get("IN_ALIGN")
     return list(found.values())
@@ -149,20 +151,21 @@ def request_stream(count: int = 60, seed: int = 0):
     fields = {}
     for layer in layout.layers:
         for f in layer.page.fields:
-            fields.setdefault(f.name, (str(layer.kind), f.geometry(page)))
+            fields.setdefault(f.name, (str(layer.kind), f.strided(page)))
     for r in range(count):
         tokens = rng.randint(1, 131072)
         n = -(-tokens // layout.block_size)
         for fname, (kind, field) in fields.items():
             ids = [rng.randrange(blocks)] if kind == "state" else rng.sample(range(blocks), n)
             for fmt, group in ((Quant.RAW, None), (Quant.FP8, 64 if fname == "latent" else 128)):
-                g = geometry(field, fmt, group)
+                spec = CodecSpec(fmt.value, group)
+                g = field_cut(field, spec)
                 payload = torch.empty(len(ids) * payload_nbytes(fmt, g.numel, g.itemsize),
                                       dtype=torch.uint8)
                 scales = torch.empty(len(ids) * g.groups, g.columns, dtype=torch.float32)
                 yield (f"request {r} ({tokens} tokens) {fname} {fmt}",
-                       PackItem(buf, field, ids, blocks, fmt, group),
-                       UnpackItem(buf, field, ids, blocks, payload, scales, fmt, group))
+                       PackItem(buf, field, ids, blocks, spec),
+                       UnpackItem(buf, field, ids, blocks, spec, payload, scales))
 
 
 def _ptx_only(src, options: dict) -> str:

@@ -3,15 +3,16 @@ aliased regions) in few launches, byte-identical to the reference item by item."
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
 import torch
 
 from anchorkv import kernels
-from anchorkv.kernels import reference
-from anchorkv.kernels.batch import PackItem, UnpackItem
-from anchorkv.kernels.geometry import StridedField, field_view
+from anchorkv.codec import CodecSpec
+from anchorkv.kernels import PackItem, UnpackItem, reference
+from anchorkv.kernels.strided import StridedField, field_view
 from anchorkv.kernels.triton_pack import pack_many
 from anchorkv.kernels.triton_unpack import unpack_many
 from tests.kernels.helpers import DEVICE, touched
@@ -57,10 +58,10 @@ def _request(regions, codecs=("int8", "int8", "fp8")):
     conv, recurrent, latent = _page()
     items = []
     for i, buf in enumerate(regions):
-        items.append(PackItem(buf, conv, [i % 3], BLOCKS, codecs[0], None))
-        items.append(PackItem(buf, recurrent, [i % 3], BLOCKS, codecs[1], 32))
+        items.append(PackItem(buf, conv, [i % 3], BLOCKS, CodecSpec(codecs[0], None)))
+        items.append(PackItem(buf, recurrent, [i % 3], BLOCKS, CodecSpec(codecs[1], 32)))
         if i % 2:
-            items.append(PackItem(buf, latent, [5, 3, 4], BLOCKS, codecs[2], 64))
+            items.append(PackItem(buf, latent, [5, 3, 4], BLOCKS, CodecSpec(codecs[2], 64)))
     return items
 
 
@@ -72,8 +73,7 @@ def test_pack_many_equals_reference_item_by_item(codecs):
     before = [r.clone() for r in regions]
     results = pack_many(items)
     for item, (payload, scales) in zip(items, results, strict=True):
-        want_p, want_s = reference.pack(item.buffer, item.field, item.block_ids, item.num_blocks,
-                                        item.fmt, item.group)
+        want_p, want_s = reference.pack(item)
         assert torch.equal(payload, want_p)
         assert torch.equal(scales.view(torch.int32), want_s.view(torch.int32))
     assert all(torch.equal(a, b) for a, b in zip(regions, before, strict=True))
@@ -101,8 +101,7 @@ def test_pack_many_uses_one_launch_per_signature(monkeypatch):
 def test_unpack_many_writes_reference_bytes_and_nothing_else():
     src = _regions(4, seed=3)
     items = _request(src, ("int4", "int8", "fp8"))
-    packed = [reference.pack(i.buffer, i.field, i.block_ids, i.num_blocks, i.fmt, i.group)
-              for i in items]
+    packed = [reference.pack(i) for i in items]
     targets = _regions(4, seed=4)
     index = {id(b): k for k, b in enumerate(src)}
     moves = []
@@ -110,12 +109,11 @@ def test_unpack_many_writes_reference_bytes_and_nothing_else():
         dst_ids = [(b + 1) % 3 for b in item.block_ids] if item.field.dtype == torch.float32 or \
             item.field.shape[0] == TAPS else [4, 5, 3]
         moves.append(UnpackItem(targets[index[id(item.buffer)]], item.field, dst_ids, BLOCKS,
-                                payload, scales, item.fmt, item.group))
+                                item.spec, payload, scales))
     want = [t.clone() for t in targets]
     want_by_id = {id(t): w for t, w in zip(targets, want, strict=True)}
     for m in moves:
-        reference.unpack(want_by_id[id(m.buffer)], m.field, m.block_ids, m.num_blocks, m.payload,
-                         m.scales, m.fmt, m.group)
+        reference.unpack(dataclasses.replace(m, buffer=want_by_id[id(m.buffer)]))
     before = [t.clone() for t in targets]
     unpack_many(moves)
     for t, w in zip(targets, want, strict=True):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anchorkv.kernels import reference
-from anchorkv.kernels.batch import PackItem, UnpackItem
-from anchorkv.kernels.geometry import field_view
+from anchorkv.codec import CodecSpec
+from anchorkv.kernels import PackItem, UnpackItem, reference
+from anchorkv.kernels.strided import field_view
 from anchorkv.kernels.triton_pack import pack_many
 from anchorkv.kernels.triton_unpack import unpack_many
 from tests.kernels.helpers import DEVICE, make_field, make_region, touched
@@ -34,15 +34,16 @@ def test_bf16_pack_and_unpack_equal_the_reference(dtype, shape, strides):
         edges = torch.tensor(EDGES, dtype=torch.int64).to(torch.int32).view(torch.float32)
         view[: len(EDGES)] = edges.to(DEVICE)
     ids = [2, 0, 3]
-    (payload, scales), = pack_many([PackItem(src, field, ids, BLOCKS, "bf16", None)])
-    want_p, want_s = reference.pack(src, field, ids, BLOCKS, "bf16", None)
+    item = PackItem(src, field, ids, BLOCKS, CodecSpec("bf16"))
+    (payload, scales), = pack_many([item])
+    want_p, want_s = reference.pack(item)
     assert torch.equal(payload, want_p)
     assert scales.numel() == 0 and want_s.numel() == 0
 
     target = make_region(field, BLOCKS, seed=12)
     want = target.clone()
-    reference.unpack(want, field, [1, 3, 0], BLOCKS, want_p, want_s, "bf16", None)
-    unpack_many([UnpackItem(target, field, [1, 3, 0], BLOCKS, payload, scales, "bf16", None)])
+    reference.unpack(UnpackItem(want, field, [1, 3, 0], BLOCKS, item.spec, want_p, want_s))
+    unpack_many([UnpackItem(target, field, [1, 3, 0], BLOCKS, item.spec, payload, scales)])
     assert torch.equal(target, want)
     outside = ~touched(target, field, BLOCKS, [1, 3, 0])
     assert torch.equal(target[outside], make_region(field, BLOCKS, seed=12)[outside])

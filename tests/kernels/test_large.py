@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, kimi_linear_layout
-from anchorkv.kernels import reference
-from anchorkv.kernels.batch import PackItem, UnpackItem
-from anchorkv.kernels.geometry import field_view
+from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, CodecSpec, kimi_linear_layout
+from anchorkv.kernels import PackItem, UnpackItem, reference
+from anchorkv.kernels.strided import field_view
 from anchorkv.kernels.triton_pack import pack_many
 from anchorkv.kernels.triton_unpack import unpack_many
 
@@ -33,25 +34,24 @@ def test_kimi_request_round_trip_equals_reference(tp, codecs):
     items = []
     for buf in regions:
         for f, codec in zip(kda.fields, codecs[:2], strict=True):  # conv, recurrent
-            geom = f.geometry(kda.page_bytes)
+            strided = f.strided(kda.page_bytes)
             view = torch.randn((blocks, *f.shape), device="cuda", generator=g).to(f.dtype)
-            field_view(buf, geom, blocks)[:6] = view[:6]
+            field_view(buf, strided, blocks)[:6] = view[:6]
             group = 128 if f.shape[-1] % 128 == 0 else None
-            items.append(PackItem(buf, geom, [2], blocks, codec, group))
-        lat = mla.fields[0].geometry(mla.page_bytes)
+            items.append(PackItem(buf, strided, [2], blocks, CodecSpec(codec, group)))
+        lat = mla.fields[0].strided(mla.page_bytes)
         field_view(buf, lat, blocks)[6:] = torch.randn((6, *lat.shape), device="cuda",
                                                        generator=g).to(lat.dtype)
-        items.append(PackItem(buf, lat, [6, 9, 7, 11], blocks, codecs[2], 64))
+        items.append(PackItem(buf, lat, [6, 9, 7, 11], blocks, CodecSpec(codecs[2], 64)))
     results = pack_many(items)
     moves = []
     for it, (p, s) in zip(items, results, strict=True):
-        wp, ws = reference.pack(it.buffer, it.field, it.block_ids, blocks, it.fmt, it.group)
+        wp, ws = reference.pack(it)
         assert torch.equal(p, wp) and torch.equal(s.view(torch.int32), ws.view(torch.int32))
         dst = [3] if len(it.block_ids) == 1 else [8, 10, 6, 7]
-        moves.append(UnpackItem(it.buffer, it.field, dst, blocks, p, s, it.fmt, it.group))
+        moves.append(UnpackItem(it.buffer, it.field, dst, blocks, it.spec, p, s))
     want = [r.clone() for r in regions]
     for m in moves:
-        reference.unpack(want[[id(r) for r in regions].index(id(m.buffer))], m.field,
-                         m.block_ids, blocks, m.payload, m.scales, m.fmt, m.group)
+        reference.unpack(dataclasses.replace(m, buffer=want[[id(r) for r in regions].index(id(m.buffer))]))
     unpack_many(moves)
     assert all(torch.equal(r, w) for r, w in zip(regions, want, strict=True))

@@ -9,11 +9,9 @@ import warnings
 import pytest
 import torch
 
-from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, kimi_linear_layout
-from anchorkv.kernels import batch as B
-from anchorkv.kernels.batch import PackItem, UnpackItem
-from anchorkv.kernels.formats import Quant
-from anchorkv.kernels.geometry import StridedField
+from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, CodecSpec, kimi_linear_layout
+from anchorkv.kernels import PackItem, UnpackItem, batch
+from anchorkv.kernels.strided import StridedField
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -21,11 +19,11 @@ def test_alignment_claim_divides_every_offset(seed):
     rng = random.Random(seed)
     field = StridedField(
         torch.bfloat16, (4, 64), (64, 1), 0, 4096)
-    geom = B.geometry(field, Quant.FP8, 32)
+    cut = batch.field_cut(field, CodecSpec("fp8", 32))
     offsets = [rng.choice([8, 16, 24, 40, 64, 2, 6, 4]) * rng.randint(1, 9) for _ in range(5)]
     anchor = rng.choice([0, 16, 48, 8, 256])
-    a = B.alignment(geom, anchor, offsets, 2)
-    assert a in (1, 2, 4, 8) and a * 2 <= B.VECTOR_BYTES
+    a = batch.alignment(cut, anchor, offsets, 2)
+    assert a in (1, 2, 4, 8) and a * 2 <= batch.VECTOR_BYTES
     if a > 1:
         assert anchor % 16 == 0 and all(o % a == 0 for o in offsets)
     if anchor % 16 == 0 and all(o % 8 == 0 for o in offsets):
@@ -35,9 +33,9 @@ def test_alignment_claim_divides_every_offset(seed):
 def test_alignment_makes_no_claim_for_a_misaligned_anchor():
     field = StridedField(
         torch.float32, (8, 128), (128, 1), 0, 8192)
-    geom = B.geometry(field, Quant.INT8, 128)
-    assert B.alignment(geom, 1024 + 8, [128, 2048], 4) == 1
-    assert B.alignment(geom, 1024, [128, 2048], 4) == 4
+    cut = batch.field_cut(field, CodecSpec("int8", 128))
+    assert batch.alignment(cut, 1024 + 8, [128, 2048], 4) == 1
+    assert batch.alignment(cut, 1024, [128, 2048], 4) == 4
 
 
 def test_item_tables_cross_in_one_pinned_non_blocking_copy(monkeypatch):
@@ -56,7 +54,7 @@ def test_item_tables_cross_in_one_pinned_non_blocking_copy(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
     monkeypatch.setattr(torch.Tensor, "to", fake_to)
     cuda = torch.device("cuda", 0)
-    tables = B.stage_tables([(cuda, [1, 2, 3]), (cuda, [4, 5, 6, 7]), (cuda, [8])])
+    tables = batch.stage_tables([(cuda, [1, 2, 3]), (cuda, [4, 5, 6, 7]), (cuda, [8])])
     assert calls == [("pin", 10), ("to", (cuda,), {"non_blocking": True})]
     assert [t.tolist() for t in tables] == [[1, 2, 3], [4, 5, 6, 7], [8]]
     # every table starts 16-byte aligned, so pointer specialization never changes per call
@@ -65,24 +63,24 @@ def test_item_tables_cross_in_one_pinned_non_blocking_copy(monkeypatch):
 
 def test_cpu_tables_are_not_copied(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pytest.fail("pinned on CPU"))
-    (t,) = B.stage_tables([(torch.device("cpu"), [1, 2])])
+    (t,) = batch.stage_tables([(torch.device("cpu"), [1, 2])])
     assert t.tolist() == [1, 2]
 
 
 def test_check_ids_accepts_lists_tuples_and_cpu_tensors():
-    assert B.check_ids([3, 1], 4) == (3, 1)
-    assert B.check_ids(torch.tensor([2, 0]), 4) == (2, 0)
+    assert batch.check_ids([3, 1], 4) == (3, 1)
+    assert batch.check_ids(torch.tensor([2, 0]), 4) == (2, 0)
     with pytest.raises(IndexError, match=r"\[0, 4\)"):
-        B.check_ids([4], 4)
+        batch.check_ids([4], 4)
     with pytest.raises(ValueError, match="distinct"):
-        B.check_ids([1, 1], 4, distinct=True)
+        batch.check_ids([1, 1], 4, distinct=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="sync debug mode needs CUDA; the CPU "
                     "tests above check the staging contract")
 @pytest.mark.parametrize("tp", [1, 4])
 def test_launch_path_never_synchronizes(tp):
-    from anchorkv.kernels.geometry import field_view
+    from anchorkv.kernels.strided import field_view
     from anchorkv.kernels.triton_pack import pack_many
     from anchorkv.kernels.triton_unpack import unpack_many
 
@@ -91,13 +89,13 @@ def test_launch_path_never_synchronizes(tp):
     blocks = 6
     regions = [torch.zeros(blocks * page, dtype=torch.uint8, device="cuda") for _ in range(3)]
     items = []
-    for buf, layer in zip(regions, layout.layers):
+    for buf, layer in zip(regions, layout.layers, strict=False):  # the first 3 layers
         for f in layer.page.fields:
-            geom = f.geometry(page)
-            view = field_view(buf, geom, blocks)
-            view.copy_(torch.randn(view.shape, device="cuda").to(geom.dtype))
+            strided = f.strided(page)
+            view = field_view(buf, strided, blocks)
+            view.copy_(torch.randn(view.shape, device="cuda").to(strided.dtype))
             ids = [2] if str(layer.kind) == "state" else [4, 1, 3]
-            items.append(PackItem(buf, geom, ids, blocks, "fp8", None))
+            items.append(PackItem(buf, strided, ids, blocks, CodecSpec("fp8", None)))
     pack_many(items)  # compile outside the check
     torch.cuda.synchronize()
     with warnings.catch_warnings():  # torch warns that the mode is a prototype (torch 2.11)
@@ -105,8 +103,8 @@ def test_launch_path_never_synchronizes(tp):
         torch.cuda.set_sync_debug_mode("error")
     try:
         packed = pack_many(items)
-        unpack_many([UnpackItem(i.buffer, i.field, i.block_ids, i.num_blocks, p, s, i.fmt,
-                                i.group) for i, (p, s) in zip(items, packed)])
+        unpack_many([UnpackItem(i.buffer, i.field, i.block_ids, i.num_blocks, i.spec, p, s)
+                     for i, (p, s) in zip(items, packed, strict=True)])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()

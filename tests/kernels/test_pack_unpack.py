@@ -13,10 +13,18 @@ import zlib
 import pytest
 import torch
 
-from anchorkv.kernels import reference
-from anchorkv.kernels.triton_pack import pack
-from anchorkv.kernels.triton_unpack import unpack
-from tests.kernels.helpers import CODECS, DTYPES, make_field, make_region, same_bits, touched
+from anchorkv.codec import CodecSpec
+from anchorkv.kernels import PackItem, UnpackItem, reference
+from tests.kernels.helpers import (
+    CODECS,
+    DTYPES,
+    make_field,
+    make_region,
+    same_bits,
+    touched,
+    triton_pack,
+    triton_unpack,
+)
 
 pytestmark = pytest.mark.interpreter
 
@@ -54,8 +62,8 @@ def test_pack_equals_reference(layout, group, codec, dtype):
     buffer = make_region(field, BLOCKS, seed=zlib.crc32(f"{layout}/{codec}".encode()) % 1000)
     before = buffer.clone()
     ids = torch.tensor(SRC_IDS)
-    payload, scales = pack(buffer, field, ids, BLOCKS, codec, group)
-    want_payload, want_scales = reference.pack(buffer, field, ids, BLOCKS, codec, group)
+    payload, scales = triton_pack(PackItem(buffer, field, ids, BLOCKS, CodecSpec(codec, group)))
+    want_payload, want_scales = reference.pack(PackItem(buffer, field, ids, BLOCKS, CodecSpec(codec, group)))
     assert torch.equal(payload, want_payload)
     assert same_bits(scales, want_scales)
     assert torch.equal(buffer, before), "pack wrote to its source"
@@ -67,12 +75,12 @@ def test_pack_equals_reference(layout, group, codec, dtype):
 def test_unpack_equals_reference_and_touches_only_target_blocks(layout, group, codec, dtype):
     field = make_field(dtype, *LAYOUTS[layout])
     source = make_region(field, BLOCKS, seed=7)
-    payload, scales = reference.pack(source, field, SRC_IDS, BLOCKS, codec, group)
+    payload, scales = reference.pack(PackItem(source, field, SRC_IDS, BLOCKS, CodecSpec(codec, group)))
     target = make_region(field, BLOCKS, seed=8, scale=100.0)
     want = target.clone()
-    reference.unpack(want, field, DST_IDS, BLOCKS, payload, scales, codec, group)
+    reference.unpack(UnpackItem(want, field, DST_IDS, BLOCKS, CodecSpec(codec, group), payload, scales))
     got = target.clone()
-    unpack(got, field, torch.tensor(DST_IDS), BLOCKS, payload, scales, codec, group)
+    triton_unpack(UnpackItem(got, field, torch.tensor(DST_IDS), BLOCKS, CodecSpec(codec, group), payload, scales))
     assert torch.equal(got, want)
     outside = ~touched(target, field, BLOCKS, DST_IDS)
     assert torch.equal(got[outside], target[outside]), "unpack changed bytes outside its blocks"
@@ -97,22 +105,22 @@ def test_aliasing_views_each_use_their_own_strides(codec, view):
     fields = _aliasing_fields()
     buffer = make_region(fields["state"], 4, seed=3)
     f = fields[view]
-    payload, scales = pack(buffer, f, [2, 0], 4, codec, 32)
-    want_payload, want_scales = reference.pack(buffer, f, [2, 0], 4, codec, 32)
+    payload, scales = triton_pack(PackItem(buffer, f, [2, 0], 4, CodecSpec(codec, 32)))
+    want_payload, want_scales = reference.pack(PackItem(buffer, f, [2, 0], 4, CodecSpec(codec, 32)))
     assert torch.equal(payload, want_payload) and same_bits(scales, want_scales)
     got, want = buffer.clone(), buffer.clone()
-    unpack(got, f, [3, 1], 4, payload, scales, codec, 32)
-    reference.unpack(want, f, [3, 1], 4, payload, scales, codec, 32)
+    triton_unpack(UnpackItem(got, f, [3, 1], 4, CodecSpec(codec, 32), payload, scales))
+    reference.unpack(UnpackItem(want, f, [3, 1], 4, CodecSpec(codec, 32), payload, scales))
     assert torch.equal(got, want)
 
 
 def test_empty_block_list():
     field = make_field(torch.bfloat16, (3, 64), (64, 1))
     buffer = make_region(field, 2)
-    payload, scales = pack(buffer, field, torch.empty(0, dtype=torch.int64), 2, "fp8", 32)
+    payload, scales = triton_pack(PackItem(buffer, field, torch.empty(0, dtype=torch.int64), 2, CodecSpec("fp8", 32)))
     assert payload.numel() == 0 and tuple(scales.shape) == (0, 1)
     before = buffer.clone()
-    unpack(buffer, field, [], 2, payload, scales, "fp8", 32)
+    triton_unpack(UnpackItem(buffer, field, [], 2, CodecSpec("fp8", 32), payload, scales))
     assert torch.equal(buffer, before)
 
 
@@ -121,23 +129,23 @@ def test_block_ids_out_of_range_are_refused(bad_ids, error):
     field = make_field(torch.float32, (3, 32), (32, 1))
     buffer = make_region(field, 2)
     with pytest.raises(error, match=r"\[0, 2\)"):
-        pack(buffer, field, bad_ids, 2, "int8", 32)
+        triton_pack(PackItem(buffer, field, bad_ids, 2, CodecSpec("int8", 32)))
 
 
 def test_duplicate_target_blocks_are_refused():
     field = make_field(torch.float32, (3, 32), (32, 1))
     buffer = make_region(field, 3)
-    payload, scales = reference.pack(buffer, field, [0, 1], 3, "int8", 32)
+    payload, scales = reference.pack(PackItem(buffer, field, [0, 1], 3, CodecSpec("int8", 32)))
     with pytest.raises(ValueError, match="distinct"):
-        unpack(buffer, field, [2, 2], 3, payload, scales, "int8", 32)
+        triton_unpack(UnpackItem(buffer, field, [2, 2], 3, CodecSpec("int8", 32), payload, scales))
 
 
 def test_wrong_payload_size_is_refused_with_what_was_expected():
     field = make_field(torch.float32, (3, 32), (32, 1))
     buffer = make_region(field, 3)
-    payload, scales = reference.pack(buffer, field, [0, 1], 3, "int8", 32)
+    payload, scales = reference.pack(PackItem(buffer, field, [0, 1], 3, CodecSpec("int8", 32)))
     with pytest.raises(ValueError, match="payload must be 96 uint8 bytes"):
-        unpack(buffer, field, [2], 3, payload, scales, "int8", 32)
+        triton_unpack(UnpackItem(buffer, field, [2], 3, CodecSpec("int8", 32), payload, scales))
 
 
 # the last axis is 96: 40 does not divide it; 3 divides it but is odd (int4 needs even)
@@ -149,4 +157,4 @@ def test_bad_groups_are_refused(codec, group, match):
     field = make_field(torch.float32, (2, 96), (96, 1))
     buffer = make_region(field, 1)
     with pytest.raises(ValueError, match=match):
-        pack(buffer, field, [0], 1, codec, group)
+        triton_pack(PackItem(buffer, field, [0], 1, CodecSpec(codec, group)))

@@ -7,11 +7,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from anchorkv.kernels import reference
-from anchorkv.kernels.triton_pack import pack
-from anchorkv.kernels.triton_unpack import unpack
+from anchorkv.codec import CodecSpec
+from anchorkv.kernels import PackItem, UnpackItem, reference
 from tests.codec.layouts import ANY_LAST, EVEN_LAST, cases, group_sizes, touched_mask
-from tests.kernels.helpers import DEVICE
+from tests.kernels.helpers import DEVICE, triton_pack, triton_unpack
 
 pytestmark = pytest.mark.interpreter
 
@@ -34,11 +33,11 @@ def cases_with_group(draw):
 def test_pack_equals_reference_on_generated_layouts(drawn):
     case, codec, group = drawn
     f = case.view.page.field("x")
-    geom = f.geometry(case.view.region.block_stride)
+    strided = f.strided(case.view.region.block_stride)
     buf = case.buffer.to(DEVICE)
     n = case.view.region.num_blocks
-    payload, scales = pack(buf, geom, torch.tensor(case.src_ids), n, codec, group)
-    want_payload, want_scales = reference.pack(buf, geom, case.src_ids, n, codec, group)
+    payload, scales = triton_pack(PackItem(buf, strided, torch.tensor(case.src_ids), n, CodecSpec(codec, group)))
+    want_payload, want_scales = reference.pack(PackItem(buf, strided, case.src_ids, n, CodecSpec(codec, group)))
     assert torch.equal(payload, want_payload)
     assert torch.equal(scales.view(torch.int32), want_scales.view(torch.int32))
 
@@ -50,19 +49,19 @@ def test_unpack_through_one_view_keeps_the_aliasing_view_and_canaries(drawn):
     aliasing view sees elsewhere) is unchanged, and the target equals the reference."""
     case, codec, group = drawn
     f = case.view.page.field("x")
-    geom = f.geometry(case.view.region.block_stride)
+    strided = f.strided(case.view.region.block_stride)
     n = case.view.region.num_blocks
     buf = case.buffer.to(DEVICE)
-    payload, scales = reference.pack(buf, geom, case.src_ids, n, codec, group)
+    payload, scales = reference.pack(PackItem(buf, strided, case.src_ids, n, CodecSpec(codec, group)))
     want = buf.clone()
-    reference.unpack(want, geom, case.dst_ids, n, payload, scales, codec, group)
+    reference.unpack(UnpackItem(want, strided, case.dst_ids, n, CodecSpec(codec, group), payload, scales))
     got = buf.clone()
-    unpack(got, geom, case.dst_ids, n, payload, scales, codec, group)
+    triton_unpack(UnpackItem(got, strided, case.dst_ids, n, CodecSpec(codec, group), payload, scales))
     assert torch.equal(got, want)
     untouched = ~touched_mask(case.view, "x", case.dst_ids).to(DEVICE)
     assert torch.equal(got[untouched], buf[untouched])
     # the alias reads through its own strides: pack it from the written region, both ways
-    a = case.alias.page.field("alias").geometry(case.alias.region.block_stride)
-    p1, s1 = pack(got, a, case.dst_ids, n, "raw", None)
-    p2, s2 = reference.pack(got, a, case.dst_ids, n, "raw", None)
+    a = case.alias.page.field("alias").strided(case.alias.region.block_stride)
+    p1, s1 = triton_pack(PackItem(got, a, case.dst_ids, n, CodecSpec("raw", None)))
+    p2, s2 = reference.pack(PackItem(got, a, case.dst_ids, n, CodecSpec("raw", None)))
     assert torch.equal(p1, p2)

@@ -12,11 +12,10 @@ import math
 import pytest
 import torch
 
-from anchorkv.kernels import reference
-from anchorkv.kernels.geometry import StridedField, field_view
-from anchorkv.kernels.triton_pack import pack
-from anchorkv.kernels.triton_unpack import unpack
-from tests.kernels.helpers import DEVICE, DTYPES, same_bits
+from anchorkv.codec import CodecSpec
+from anchorkv.kernels import PackItem, UnpackItem, reference
+from anchorkv.kernels.strided import StridedField, field_view
+from tests.kernels.helpers import DEVICE, DTYPES, same_bits, triton_pack, triton_unpack
 
 pytestmark = pytest.mark.interpreter
 
@@ -60,13 +59,13 @@ def _check(values: torch.Tensor, dtype: torch.dtype, codec: str) -> None:
     buffer = torch.randint(0, 256, (2 * field.block_stride + 16,), dtype=torch.uint8, generator=g)
     field_view(buffer, field, 2)[1] = values.to(dtype)
     buffer = buffer.to(DEVICE)
-    payload, scales = pack(buffer, field, [1], 2, codec, G)
-    want_payload, want_scales = reference.pack(buffer, field, [1], 2, codec, G)
+    payload, scales = triton_pack(PackItem(buffer, field, [1], 2, CodecSpec(codec, G)))
+    want_payload, want_scales = reference.pack(PackItem(buffer, field, [1], 2, CodecSpec(codec, G)))
     assert torch.equal(payload, want_payload)
     assert same_bits(scales, want_scales)
     got, want = buffer.clone(), buffer.clone()
-    unpack(got, field, [0], 2, payload, scales, codec, G)
-    reference.unpack(want, field, [0], 2, want_payload, want_scales, codec, G)
+    triton_unpack(UnpackItem(got, field, [0], 2, CodecSpec(codec, G), payload, scales))
+    reference.unpack(UnpackItem(want, field, [0], 2, CodecSpec(codec, G), want_payload, want_scales))
     assert torch.equal(got, want)
 
 

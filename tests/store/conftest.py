@@ -29,8 +29,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def s3_endpoint():
     try:
-        import moto.server  # noqa: F401
         import boto3  # noqa: F401
+        import moto.server  # noqa: F401
     except ImportError:
         pytest.fail("the S3 store tests need moto's server: pip install -e '.[test]' (moto[server])")
     port = _free_port()
@@ -64,9 +64,8 @@ def make_s3_bucket(endpoint: str) -> str:
     import boto3
 
     name = f"anchorkv-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=endpoint, **{
-        "region_name": "us-east-1", "aws_access_key_id": "testing", "aws_secret_access_key": "testing",
-    }).create_bucket(Bucket=name)
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                 aws_secret_access_key="testing").create_bucket(Bucket=name)
     return name
 
 

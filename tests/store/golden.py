@@ -43,10 +43,10 @@ def golden_values() -> np.ndarray:
 
 
 def _layout(fmt: str, group: int | None, dtype: str, shape: tuple, chunks: tuple, shards: tuple):
-    from anchorkv.store.format import ArrayLayout, ChunkCodec
+    from anchorkv.store.format import ArrayLayout, QuantChunkEncoding
 
-    codec = ChunkCodec(fmt, group, dtype)
-    return ArrayLayout("latent", "paged", ("l0",), shape, chunks, None, codec, shards)
+    encoding = QuantChunkEncoding(fmt, group, dtype)
+    return ArrayLayout("latent", "paged", ("l0",), shape, chunks, None, encoding, shards)
 
 
 def encode_case(fmt: str, group: int | None, dtype: str) -> dict:
@@ -60,7 +60,7 @@ def encode_case(fmt: str, group: int | None, dtype: str) -> dict:
         "chunk_shape": list(CHUNK),
         "arrays": {p.name: {"data_type": p.dtype, "chunk_shape": list(p.chunks),
                             "chunk_b64": base64.b64encode(b).decode(), "sha256": hashlib.sha256(b).hexdigest()}
-                   for p, b in zip(array.parts, pieces)},
+                   for p, b in zip(array.parts, pieces, strict=True)},
     }
 
 

@@ -62,7 +62,7 @@ def rank_packed(layout, layer_name: str, field: str, codec: str, num_tokens: int
         pad = torch.full((blocks * bs - num_tokens, ROW), 7.0, dtype=full.dtype)  # junk past the tokens
         x = torch.cat([full, pad]).reshape(blocks, bs, ROW)
     spec = CodecSpec.parse(codec)
-    payload, scales = reference.quantize(x.contiguous(), spec.id, spec.group)
+    payload, scales = reference.quantize(x.contiguous(), spec)
     return Packed(spec, tuple(x.shape), x.dtype, payload, scales)
 
 

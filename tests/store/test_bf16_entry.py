@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from anchorkv.codec import CodecSpec
 from anchorkv.kernels import reference
 from anchorkv.store.store import Store
 from tests.store.helpers import all_packed, tiny_layout, tokens
@@ -34,14 +35,15 @@ def test_bf16_entry_loads_the_same_bytes_at_any_tp(saved):
         got = store.load(info, layout, layer, field)
         assert got.codec.id == "bf16" and got.scales.numel() == 0
         assert torch.equal(got.payload, p.payload)
-        x = reference.dequantize(got.payload, got.scales, "bf16", None, got.shape, got.dtype)
-        want = reference.dequantize(p.payload, p.scales, "bf16", None, p.shape, p.dtype)
+        x = reference.dequantize(got.payload, got.scales, CodecSpec("bf16", None), got.shape, got.dtype)
+        want = reference.dequantize(p.payload, p.scales, CodecSpec("bf16", None), p.shape, p.dtype)
         assert torch.equal(x, want)
     for tp in (2, 4):  # another rank count reads its slice of the same bits
         half = tiny_layout(tp, 1)
-        layer = next(l.name for l in half.layers if l.kind.value == "state")
+        layer = next(lay.name for lay in half.layers if lay.kind.value == "state")
         got = store.load(info, half, layer, "recurrent")
-        full = packed[(layer, "recurrent")].payload.view(torch.int16).reshape(-1, *half.layer(layer).page.field("recurrent").logical_shape)
+        logical = half.layer(layer).page.field("recurrent").logical_shape
+        full = packed[(layer, "recurrent")].payload.view(torch.int16).reshape(-1, *logical)
         heads = half.layer(layer).page.field("recurrent").shape[0]
         assert torch.equal(got.payload.view(torch.int16).reshape(-1), full[0, heads: 2 * heads].reshape(-1))
 
@@ -57,7 +59,7 @@ def test_bf16_entry_reads_as_values(saved):
     layers = info.arrays()["recurrent"].layers
     for i, layer in enumerate(layers):
         p = packed[(layer, "recurrent")]
-        want = reference.dequantize(p.payload, p.scales, "bf16", None, p.shape, p.dtype)[0].numpy()
+        want = reference.dequantize(p.payload, p.scales, CodecSpec("bf16", None), p.shape, p.dtype)[0].numpy()
         np.testing.assert_array_equal(e["recurrent"][i], want)
     plain = zarr.open_group(str(path), mode="r")["recurrent"]
     assert plain.dtype == np.dtype("uint16")
@@ -65,5 +67,5 @@ def test_bf16_entry_reads_as_values(saved):
     assert attrs["codec"] == "bf16" and "bfloat16" in attrs["dequantize"]
     bits = np.asarray(plain[0]).astype(np.uint32) << 16  # what the attribute says to do
     first = packed[(layers[0], "recurrent")]
-    want = reference.dequantize(first.payload, first.scales, "bf16", None, first.shape, first.dtype)[0]
+    want = reference.dequantize(first.payload, first.scales, CodecSpec("bf16", None), first.shape, first.dtype)[0]
     np.testing.assert_array_equal(bits.view(np.float32), want.numpy())

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -48,12 +48,12 @@ def test_ls_shows_entries(filled, capsys):
     path, a, b = filled
     code, out, _ = run(capsys, "ls", "--store", path)
     assert code == 0
-    header = next(l for l in out.splitlines() if "entry" in l and "state" in l)
+    header = next(line for line in out.splitlines() if "entry" in line and "state" in line)
     assert [c.strip() for c in header.strip("┃│ ").split("┃")] == [
         "entry", "state", "anchor", "tokens", "stored", "logical", "ratio", "codecs", "tp", "age"]
     for info, codecs in ((a, "conv=int8:8 latent=fp8:whole recurrent=int8:whole"),
                          (b, "conv=raw latent=raw recurrent=raw")):
-        line = next((l for l in out.splitlines() if info.id in l), None)  # the full id, as `inspect` takes it
+        line = next((row for row in out.splitlines() if info.id in row), None)  # the full id, as `inspect` takes it
         assert line is not None, f"ls does not show {info.id} whole:\n{out}"
         for want in (" ok ", info.anchor, f"{info.num_tokens:,}", human_bytes(info.stored_bytes),
                      human_bytes(info.logical_bytes), codecs, "0s"):
@@ -69,7 +69,7 @@ def test_ls_shows_entries(filled, capsys):
 def test_inspect_by_printed_id_short_id_and_anchor(filled, capsys):
     path, a, _ = filled
     code, out, _ = run(capsys, "ls", "--store", path)
-    printed = next(w for l in out.splitlines() for w in l.split() if w.startswith(a.key))
+    printed = next(w for line in out.splitlines() for w in line.split() if w.startswith(a.key))
     assert printed == a.id
     short = f"{a.key[:12]}/{a.id.split('/')[1]}"
     for ref in (printed, short, a.id[:10]):

@@ -10,15 +10,16 @@ is clean; `gc` removes what the dead writer left.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from pathlib import Path
 import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,7 +40,8 @@ POINTS = ["start", "chunk:1", "chunk:4", "chunk:8", "part", "arrays", "publish",
 
 
 class Child:
-    """A `crash_child` process and a reader of its stdout lines."""
+    """A `crash_child` process and a reader of its stdout lines. Use it as a context manager:
+    on exit the process is killed if it still runs and its pipes are closed."""
 
     def __init__(self, cfg: dict) -> None:
         self.proc = subprocess.Popen(
@@ -48,7 +50,28 @@ class Child:
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._reader = threading.Thread(target=self._pump, daemon=True)
+        self._reader.start()
+
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Kill the process if it still runs, let the reader thread reach the end of stdout,
+        then close both pipes."""
+        try:
+            self.kill()
+            self._reader.join(timeout=30)
+        finally:
+            self.proc.stdout.close()
+            self.proc.stderr.close()
+
+    def printed(self) -> list[str]:
+        """Every line the process printed so far (those `expect` read, then the rest)."""
+        return [*self.seen, *list(self.lines.queue)]
 
     def _pump(self) -> None:
         for line in self.proc.stdout:
@@ -61,10 +84,11 @@ class Child:
                 line = self.lines.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
             except queue.Empty:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
+                    exited = self.proc.returncode
                     self.kill()
                     raise AssertionError(
                         f"expected the writer to print {prefix!r}; it printed {self.seen} and "
-                        f"{'exited with ' + str(self.proc.returncode) if self.proc.returncode is not None else 'timed out'}"
+                        f"{'timed out' if exited is None else f'exited with {exited}'}"
                         f"; stderr: {self.proc.stderr.read()[-2000:]}"
                     ) from None
                 continue
@@ -169,9 +193,9 @@ def entry_seed(store: Store, entry_id: str, n: int, seeds=(2, 3)) -> int:
 @pytest.mark.parametrize("point", POINTS)
 def test_kill_9_at_each_point_of_a_save(store, store_url, point):
     prev = save_previous(store)
-    child = Child(child_cfg(store_url, stop=[point], action="hang"))
-    child.expect(f"AT {point}")
-    child.kill()
+    with Child(child_cfg(store_url, stop=[point], action="hang")) as child:
+        child.expect(f"AT {point}")
+        child.kill()
     assert child.proc.returncode == -signal.SIGKILL
 
     published = point == "published"
@@ -202,12 +226,15 @@ def test_kill_9_after_a_delay(tmp_path, fraction):
     url = str(tmp_path / "store")
     store = Store.open(url)
     save_previous(store)
-    calib = Child(child_cfg((url, {}), anchor="calibration"))
-    _, duration = calib.finish()
-    child = Child(child_cfg((url, {})))
-    child.expect("READY")
-    time.sleep(duration * fraction)
-    child.kill()
+    with Child(child_cfg((url, {}), anchor="calibration")) as calib:
+        _, duration = calib.finish()
+    with Child(child_cfg((url, {}))) as child:
+        child.expect("READY")
+        time.sleep(duration * fraction)
+        child.kill()
+    # captured, so a failure says where the kill landed
+    print(f"killed {duration * fraction:.3f} s after READY (the calibration save took {duration:.3f} s): "
+          f"exit status {child.proc.returncode}, the writer printed {child.printed()}")
     hit = fresh(store).lookup(fingerprint_hash=fp(), tokens=TOKENS, anchor=ANCHOR)
     assert hit is not None and hit.num_tokens in (PREV_N, NEW_N), hit
     committed = assert_no_partial_entry(store)
@@ -221,11 +248,13 @@ def test_two_writers_of_one_entry(store, store_url, tmp_path, sync):
     """Two processes save the same entry (same anchor and prefix, different values), released
     at the same instant at `sync`: one complete entry remains, holding one writer's values."""
     go = tmp_path / "go"
-    children = [Child(child_cfg(store_url, seed=seed, stop=[sync], action=f"wait:{go}")) for seed in (2, 3)]
-    for c in children:
-        c.expect(f"AT {sync}")
-    go.touch()
-    ids = [c.finish()[0] for c in children]
+    with contextlib.ExitStack() as stack:
+        children = [stack.enter_context(Child(child_cfg(store_url, seed=seed, stop=[sync], action=f"wait:{go}")))
+                    for seed in (2, 3)]
+        for c in children:
+            c.expect(f"AT {sync}")
+        go.touch()
+        ids = [c.finish()[0] for c in children]
     s = fresh(store)
     hit = s.lookup(fingerprint_hash=fp(), tokens=TOKENS, anchor=ANCHOR)
     assert hit is not None and hit.num_tokens == NEW_N and hit.id in ids, (hit, ids)
@@ -247,13 +276,10 @@ def test_lease_spares_an_entry_read_by_another_process(store, store_url):
     layout = tiny_layout()
     a = store.save(layout, CODECS, TOKENS, all_packed(layout, CODECS, PREV_N), num_tokens=PREV_N, anchor="a")
     b = store.save(layout, CODECS, TOKENS, all_packed(layout, CODECS, PREV_N), num_tokens=PREV_N, anchor="b")
-    reader = Child({**child_cfg(store_url), "mode": "pin", "entry": a.id})
-    try:
+    with Child({**child_cfg(store_url), "mode": "pin", "entry": a.id}) as reader:  # killed on exit
         reader.expect("AT pinned")
         evicted = fresh(store).evict(capacity_bytes=0)
         assert evicted == [b.id], f"eviction should skip the leased {a.id}, evicted {evicted}"
-    finally:
-        reader.kill()
     if store.backend.atomic_publish:  # local: the lease names a dead pid, so it is stale now
         assert fresh(store).evict(capacity_bytes=0) == [a.id]
         assert fresh(store).gc(stale_after=3600)["stale_leases"] == 1

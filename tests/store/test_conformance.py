@@ -7,6 +7,7 @@ import pytest
 import torch
 import zarr
 
+from anchorkv.codec import CodecSpec
 from anchorkv.kernels import reference
 from anchorkv.store import CorruptEntry, EntryNotFound, FingerprintMismatch, IncompleteEntry
 from anchorkv.store.keys import TOKEN_BLOCK
@@ -145,7 +146,8 @@ class TestStoreConformance:
     def test_fingerprint_mismatch_is_refused(self, store):
         info = save(store)
         other = tiny_layout(architecture="OtherModel")
-        assert store.lookup(fingerprint_hash=other.fingerprint_hash(), tokens=tokens(N), anchor="alice-software-tokyo") is None
+        assert store.lookup(fingerprint_hash=other.fingerprint_hash(), tokens=tokens(N),
+                            anchor="alice-software-tokyo") is None
         with pytest.raises(FingerprintMismatch, match=info.id):
             store.load(info, other, "model.layers.0.attn", "conv")
 
@@ -197,7 +199,8 @@ class TestStoreConformance:
             w0.write_layer(layer, field, p)
         with pytest.raises(IncompleteEntry, match=r"ranks \[1\] of 2"):
             w0.commit()
-        w1.write_layer("model.layers.0.attn", "conv", rank_packed(w1.layout, "model.layers.0.attn", "conv", "int8:8", N))
+        w1.write_layer("model.layers.0.attn", "conv",
+                       rank_packed(w1.layout, "model.layers.0.attn", "conv", "int8:8", N))
         w1.finish_rank()
         with pytest.raises(IncompleteEntry, match="never written"):
             store.commit_staged("wpartial")
@@ -218,7 +221,7 @@ class TestStoreConformance:
         assert group["recurrent"].shape == (3, 8, 16, 16)
         assert group.attrs["anchorkv"]["num_tokens"] == N
         ref = rank_packed(tiny_layout(), "model.layers.1.attn", "recurrent", CODECS["recurrent"], N)
-        expected = reference.dequantize(ref.payload, ref.scales, "int8", 16, ref.shape, torch.float32)[0]
+        expected = reference.dequantize(ref.payload, ref.scales, CodecSpec("int8", 16), ref.shape, torch.float32)[0]
         codes, scales = group["recurrent"][1], group["recurrent_scales"][1]  # plain int8 and float32
         assert codes.dtype == np.int8 and scales.shape == (8, 16, 1, 1)
         np.testing.assert_array_equal(codes.astype(np.float32) * scales[..., 0], expected.numpy())

@@ -153,7 +153,7 @@ def test_packaging_extras():
 def test_cpu_use_never_imports_triton():
     code = ("import sys\nsys.modules['triton'] = None\nsys.modules['triton.language'] = None\n"
             "import torch\nimport anchorkv.codec, anchorkv.store.store, anchorkv.connector\n"
-            "from anchorkv.kernels import reference\n"
-            "p, s = reference.quantize(torch.ones(4, 8), 'int8', 8)\nprint(p.numel(), s.numel())\n")
+            "from anchorkv.codec import CodecSpec\nfrom anchorkv.kernels import reference\n"
+            "p, s = reference.quantize(torch.ones(4, 8), CodecSpec('int8', 8))\nprint(p.numel(), s.numel())\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0 and res.stdout.split() == ["32", "4"], res.stderr[-2000:]

@@ -2,17 +2,18 @@
 
 import base64
 import json
-from pathlib import Path
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import zarr
 
+from anchorkv.codec import CodecSpec
 from anchorkv.kernels import reference
 from anchorkv.store.errors import FormatError
-from anchorkv.store.format import MAX_TP, TOKEN_CHUNK, ChunkCodec, crc32c
+from anchorkv.store.format import MAX_TP, TOKEN_CHUNK, QuantChunkEncoding, crc32c
 from anchorkv.store.store import Store
 from tests.store import golden
 from tests.store.helpers import CODECS, RAW_CODECS, all_packed, logical_values, rank_packed, tiny_layout, tokens
@@ -35,7 +36,7 @@ def test_golden_chunk_bytes(name):
     fixture = _fixture(name)
     case = next(c for c in golden.CASES if c[0] == name)
     assert golden.encode_case(*case[1:]) == fixture
-    codec = ChunkCodec.from_config(fixture["codec"])
+    codec = QuantChunkEncoding.from_config(fixture["codec"])
     data = b"".join(base64.b64decode(a["chunk_b64"]) for a in fixture["arrays"].values())
     values = codec.decode(data, tuple(fixture["chunk_shape"]))
     assert codec.encode(values) == data or codec.format.value != "raw"
@@ -52,16 +53,17 @@ def test_golden_shard_bytes(name):
     case = next(c for c in golden.SHARD_CASES if c[0] == name)
     assert golden.encode_shard_case(*case[1:]) == fixture
     fmt, group, dtype, tokens_, shard_tokens = case[1:]
-    codec = ChunkCodec.from_config(fixture["codec"])
+    codec = QuantChunkEncoding.from_config(fixture["codec"])
     values = torch.from_numpy(golden.shard_values(tokens_)).to(getattr(torch, dtype))
-    payload, scales = reference.quantize(values, fmt, group)
+    payload, scales = reference.quantize(values, CodecSpec(fmt, group))
     array = golden._layout(fmt, group, dtype, tuple(fixture["array_shape"]), tuple(fixture["chunk_shape"]),
                            tuple(fixture["shard_shape"]))
-    for part, data in zip(array.parts, (payload.numpy(), scales.numpy())):
+    for part, data in zip(array.parts, (payload.numpy(), scales.numpy()), strict=False):  # raw: no scales part
         mem = MemoryStore()
         arr = zarr.create_array(
             store=mem, shape=part.shape, chunks=part.chunks, shards=part.shards, dtype=part.dtype, fill_value=0,
-            compressors=None, config={"write_empty_chunks": tokens_ % shard_tokens == 0},  # skip the empty slot past the end
+            compressors=None,
+            config={"write_empty_chunks": tokens_ % shard_tokens == 0},  # skip the empty slot past the end
         )
         arr[:] = np.frombuffer(data.tobytes(), part.dtype).reshape(part.shape)
         key = "c/" + "/".join("0" * len(part.shape))
@@ -74,9 +76,9 @@ def test_golden_shard_bytes(name):
 @pytest.mark.parametrize("fmt,group,dtype", [("raw", None, "bfloat16"), ("fp8", 24, "bfloat16"),
                                              ("int8", 8, "float32"), ("int4", 6, "float16")])
 def test_chunk_bytes_are_the_reference_quantize(fmt, group, dtype):
-    codec = ChunkCodec(fmt, group, dtype)
+    codec = QuantChunkEncoding(fmt, group, dtype)
     x = logical_values(1, "latent", 7).to(getattr(torch, dtype))
-    payload, scales = reference.quantize(x, fmt, group)
+    payload, scales = reference.quantize(x, CodecSpec(fmt, group))
     data = codec.encode(x.float().numpy())
     assert data == payload.numpy().tobytes() + scales.contiguous().numpy().tobytes()
     assert sum(codec.nbytes((7, 72))) == len(data)
@@ -104,7 +106,7 @@ def expected_values(layout, info, packed) -> dict[str, np.ndarray]:
         rows = []
         for layer_name in array.layers:
             p = packed[(layer_name, name)]
-            x = reference.dequantize(p.payload, p.scales, p.codec.id, p.codec.group, p.shape, p.dtype).float()
+            x = reference.dequantize(p.payload, p.scales, p.codec, p.shape, p.dtype).float()
             f = layout.layer(layer_name).page.field(name)
             rows.append(x.reshape(-1, f.shape[-1])[: info.num_tokens] if array.kind == "paged" else x[0])
         out[name] = torch.stack(rows).numpy()
@@ -125,7 +127,7 @@ def test_standard_readers_without_anchorkv(entry, tmp_path):
     res = subprocess.run([sys.executable, str(script), str(store.backend.root / info.path), str(out)],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, f"a plain reader failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
-    opened = [l.split()[:2] for l in res.stdout.splitlines()]
+    opened = [line.split()[:2] for line in res.stdout.splitlines()]
     assert sorted(opened) == sorted([r, f] for r in ("zarr", "tensorstore") for f in info.manifest["arrays"])
     got = np.load(out)
     for name, want in expected_values(layout, info, packed).items():
@@ -195,7 +197,7 @@ def test_zarr_write_gives_fast_path_bytes(tmp_path, codecs, compressor, tp, n, w
             assert arr.shards == part.shards and str(arr.dtype) == part.dtype
             for i, layer_name in enumerate(group[part.name].attrs["anchorkv"]["layers"]):
                 x = logical_values(layout.layer(layer_name).index, name, info.num_tokens)
-                encoded = reference.quantize(x, array.codec.format, array.codec.group)[k].numpy()
+                encoded = reference.quantize(x, array.codec.spec)[k].numpy()
                 arr[i] = np.frombuffer(encoded.tobytes(), part.dtype).reshape(part.shape[1:])
     shards = sorted(p.relative_to(src) for p in src.rglob("c.*"))
     assert shards == sorted(p.relative_to(dst) for p in dst.rglob("c.*"))
@@ -228,7 +230,8 @@ def test_shard_layout(tmp_path):
     assert arrays["recurrent"].shards == (1, 4, 16, 16) and arrays["recurrent"].chunks == (1, 1, 16, 16)
     assert arrays["conv"].shards == (1, 3, 3, 32) and arrays["conv"].chunks == (1, 3, 3, 8)
     assert arrays["latent"].shards == (1, 8 * TOKEN_CHUNK, 72) and arrays["latent"].shard_grid == (2, 2, 1)
-    files = sorted(str(p.relative_to(store.backend.root / info.path)) for p in (store.backend.root / info.path).rglob("c.*"))
+    entry_dir = store.backend.root / info.path
+    files = sorted(str(p.relative_to(entry_dir)) for p in entry_dir.rglob("c.*"))
     assert len(files) == 2 * (3 * 2 + 3 * 2 + 2 * 2) == len(info.manifest["shards"])  # codes + scales
     assert {f.split("/")[0] for f in files} == {"conv", "conv_scales", "recurrent", "recurrent_scales",
                                                  "latent", "latent_scales"}
@@ -241,7 +244,7 @@ def test_shard_layout(tmp_path):
     assert tuple(index[0, 0, 0]) == (0, size) and offset == 0
     assert (index[0, 1:, 0, :] == EMPTY).all()  # both offset and nbytes
     assert len(data) == size + 16 * 8 + 4 == info.manifest["shards"]["latent/c.0.1.0"][1]
-    for key, (crc, size, offset) in info.manifest["checksums"].items():
+    for key, (_crc, size, offset) in info.manifest["checksums"].items():
         if key.startswith(("recurrent/c.2.", "recurrent_scales/c.2.")):  # layer 2, heads h: shard h // 4, slot h % 4
             h = int(key.split(".")[2])
             assert offset == (h % 4) * size
@@ -307,7 +310,7 @@ layer3 = codes.astype(np.float32) * np.repeat(scales[..., 0], group, axis=-1)
 def _reference_recurrent(layout, info, i):
     name = info.arrays()["recurrent"].layers[i]
     p = rank_packed(layout, name, "recurrent", CODECS["recurrent"], info.num_tokens)
-    return reference.dequantize(p.payload, p.scales, p.codec.id, p.codec.group, p.shape, torch.float32)[0].numpy()
+    return reference.dequantize(p.payload, p.scales, p.codec, p.shape, torch.float32)[0].numpy()
 
 
 @pytest.mark.parametrize("snippet", ["anchorkv", "plain"])
@@ -321,7 +324,7 @@ def test_readme_snippets_read_an_entry(tmp_path, snippet):
     from anchorkv.codec.models import custom_layout
 
     base = tiny_layout()
-    pages = {l.kind.value: l.page for l in base.layers}
+    pages = {layer.kind.value: layer.page for layer in base.layers}
     kinds = ["state", "state", "paged", "state", "state"]
     layout = custom_layout("TinyHybrid4", [(f"model.layers.{i}.attn", k, pages[k]) for i, k in enumerate(kinds)],
                            block_size=base.block_size, tp_size=1, tp_rank=0)

@@ -9,8 +9,8 @@ way no load returns a byte and lookup skips the entry.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -64,7 +64,8 @@ def test_digit_flips_anywhere_in_the_manifest_are_refused(saved):
     assert missed == []
 
 
-@pytest.mark.parametrize("what", ["num_tokens", "shard_axis", "layers", "offset", "chunk_size", "tp_size", "prefix_hash"])
+@pytest.mark.parametrize("what", ["num_tokens", "shard_axis", "layers", "offset", "chunk_size", "tp_size",
+                                  "prefix_hash"])
 def test_consistent_rewrites_are_refused(saved, what):
     """The manifest rewritten with a valid checksum: the cross-checks refuse it."""
     root, info, meta, text = saved

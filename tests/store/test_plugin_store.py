@@ -19,9 +19,10 @@ from anchorkv.store import format as F
 from anchorkv.store import plugin_format as PF
 from anchorkv.store.errors import FormatError, OtherFormat, StoreError
 from anchorkv.store.format import FORMAT_VERSION, PLUGIN_FORMAT_VERSION, array_layouts
-from anchorkv.store.plugin_format import MissingCodec
 from anchorkv.store.manifest import manifest_checksum
+from anchorkv.store.plugin_format import MissingCodec
 from anchorkv.store.store import Store
+from anchorkv.testing.metrics import sqnr_db
 from tests.codec.test_plugin_codec import install_example, uninstall_plugins
 from tests.store import helpers as H
 
@@ -120,7 +121,7 @@ def test_round_trip_against_the_plugins_own_decode(tmp_path, lowrank, write_tp, 
                 if field == "latent":  # rows past the entry's end: zero bytes, never restored
                     got, want = got.reshape(-1, H.ROW)[:N], want.reshape(-1, H.ROW)[:N]
                 assert torch.equal(got, want)
-                assert lowrank.sqnr_db(H.logical_values(3, "recurrent")[layout.layer(name).page.field(field)
+                assert sqnr_db(H.logical_values(3, "recurrent")[layout.layer(name).page.field(field)
                                        .rank_slice()] if field == "recurrent" else
                                        H.logical_values(2, "latent", N), got.reshape(want.shape)) > 20.0
 
@@ -267,7 +268,8 @@ def test_writer_refuses_a_packed_of_other_options(tmp_path, lowrank):
         packed = _packed(layout, codecs)
         w = store.begin_entry(layout, codecs, H.tokens(N), anchor="x")
         other = Packed(CodecSpec("lowrank", None, {**codecs["latent"].options, "digest": "0" * 16}),
-                       *[getattr(packed[("model.layers.2.attn", "latent")], k) for k in ("shape", "dtype", "payload", "scales")])
+                       *[getattr(packed[("model.layers.2.attn", "latent")], k)
+                         for k in ("shape", "dtype", "payload", "scales")])
         with pytest.raises(FormatError, match="options it recorded at begin_entry"):
             w.write_layer("model.layers.2.attn", "latent", other)
         short = packed[("model.layers.2.attn", "latent")]
@@ -305,20 +307,20 @@ def test_an_older_reader_leaves_plugin_entries_alone(tmp_path, lowrank, monkeypa
         assert report["removed"] == []
 
 
-def test_chunk_codec_encode_decode_match_the_plugin(lowrank):
-    """`PluginChunkCodec` (what conformance tools use per chunk) agrees with the plug-in."""
+def test_chunk_encoding_encode_decode_match_the_plugin(lowrank):
+    """`PluginChunkEncoding` (what conformance tools use per chunk) agrees with the plug-in."""
     layout = H.tiny_layout()
-    codec = array_layouts(layout, _specs(lowrank), N)["latent"].codec
-    assert isinstance(codec, PF.PluginChunkCodec) and F.ChunkCodec.from_config(codec.to_config()) == codec
+    encoding = array_layouts(layout, _specs(lowrank), N)["latent"].codec
+    assert isinstance(encoding, PF.PluginChunkEncoding) and F.encoding_from_config(encoding.to_config()) == encoding
     x = H.logical_values(2, "latent", 64).float().numpy().reshape(1, 64, H.ROW)
-    data = codec.encode(x)
+    data = encoding.encode(x)
     plug = get_codec("lowrank")
-    payload, _ = plug.encode(torch.from_numpy(x).to(torch.bfloat16), codec.spec)
+    payload, _ = plug.encode(torch.from_numpy(x).to(torch.bfloat16), encoding.spec)
     assert data == payload.numpy().tobytes()
-    want = plug.decode(payload, torch.empty(0, 0), codec.spec, x.shape, torch.bfloat16).float().numpy()
-    assert np.array_equal(codec.decode(data, x.shape), want)
+    want = plug.decode(payload, torch.empty(0, 0), encoding.spec, x.shape, torch.bfloat16).float().numpy()
+    assert np.array_equal(encoding.decode(data, x.shape), want)
     with pytest.raises(StoreError, match="'absent'"):  # MissingCodec without the plug-in
-        PF.PluginChunkCodec.from_config({**codec.to_config(), "plugin": "absent"}).decode(data, x.shape)
+        PF.PluginChunkEncoding.from_config({**encoding.to_config(), "plugin": "absent"}).decode(data, x.shape)
 
 
 def _kv_layout(tp: int, r: int, block_size: int = 16):
@@ -373,7 +375,7 @@ def test_kv_rows_split_by_heads_restore_at_another_tp(tmp_path, lowrank):
             x = _kv_values(layout.layer(name).index, field, n)
             want = plug.decode(*plug.encode(x, codecs[field]), codecs[field], tuple(x.shape), x.dtype)
             assert torch.equal(got, want)
-            assert lowrank.sqnr_db(x, got) > 40.0
+            assert sqnr_db(x, got) > 40.0
 
 
 def test_open_entry_decodes_plugin_fields(tmp_path, lowrank, monkeypatch):

@@ -71,12 +71,12 @@ def test_stats_table(filled, capsys):
     path, a, b, c = filled
     code, out, _ = stats(capsys, path)
     assert code == 0
-    lines = {m.group(1): l for l in out.splitlines() if (m := re.match(r"^ *([a-z]+)  ", l))}
+    lines = {m.group(1): line for line in out.splitlines() if (m := re.match(r"^ *([a-z]+)  ", line))}
     assert "3 (1 damaged, 2 ok; 1 anchored, 1 token-keyed)" in lines["entries"]
     assert "1,000" in lines["tokens"]
     assert "`anchorkv gc` removes them" in lines["stored"]
     assert "not given" in lines["capacity"]
-    row = next(l for l in out.splitlines() if "latent" in l and "fp8:whole" in l)
+    row = next(line for line in out.splitlines() if "latent" in line and "fp8:whole" in line)
     latent = sum(v[1] for k, v in a.manifest["shards"].items() if k.split("/")[0] in ("latent", "latent_scales"))
     assert human_bytes(latent) in row
 

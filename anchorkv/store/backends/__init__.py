@@ -36,7 +36,8 @@ def open_backend(url: str | os.PathLike, **options: Any) -> Backend:
                                f"scheme {scheme}:// (for Google Cloud Storage use its S3-compatible endpoint: "
                                "s3://bucket/prefix?endpoint=https://storage.googleapis.com with HMAC keys)")
     if options:
-        raise StoreUnavailable(f"a local store takes no storage_options, found {sorted(options)}; they are for s3:// stores")
+        raise StoreUnavailable(f"a local store takes no storage_options, found {sorted(options)}; "
+                               "they are for s3:// stores")
     return LocalBackend(text.removeprefix("file://"))
 
 

@@ -16,6 +16,7 @@ from anchorkv.store.backends._protocol import Buffers
 from anchorkv.store.errors import StoreUnavailable, explain
 
 if TYPE_CHECKING:
+    from obstore.store import ClientConfig
     from zarr.storage import ObjectStore
 
 
@@ -38,18 +39,17 @@ class ObjectBackend:
             from obstore.store import S3Store
         except ModuleNotFoundError as e:
             raise StoreUnavailable(explain(e, url)) from None
-        opts = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        opts: dict[str, Any] = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
         opts.update(options)
         if str(opts.get("endpoint", "")).startswith("http://"):
             opts.setdefault("allow_http", True)
         for k in ("allow_http", "virtual_hosted_style_request"):
             if isinstance(opts.get(k), str):
                 opts[k] = opts[k].lower() in ("1", "true", "yes")
-        client = {k: opts.pop(k) for k in ("allow_http", "timeout", "connect_timeout") if k in opts}
-        if "timeout" not in client:
-            client["timeout"] = "30s"
-        if "connect_timeout" not in client:
-            client["connect_timeout"] = "5s"
+        client: ClientConfig = {"timeout": opts.pop("timeout", "30s"),
+                                "connect_timeout": opts.pop("connect_timeout", "5s")}
+        if "allow_http" in opts:
+            client["allow_http"] = opts.pop("allow_http")
         self.prefix = parsed.path.strip("/")
         self.url = f"s3://{parsed.netloc}/{self.prefix}".rstrip("/")
         self.store = S3Store(parsed.netloc, prefix=self.prefix or None, client_options=client, **opts)

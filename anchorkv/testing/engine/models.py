@@ -37,6 +37,8 @@ def make(kind: str, path: str | Path, seed: int = 0, **overrides) -> Path:
     import torch
     import transformers
 
+    config: transformers.PretrainedConfig
+    cls: type[transformers.PreTrainedModel]
     if kind == "qwen3_next":
         config = transformers.Qwen3NextConfig(**{**QWEN3_NEXT, **overrides})
         cls = transformers.Qwen3NextForCausalLM
@@ -46,7 +48,9 @@ def make(kind: str, path: str | Path, seed: int = 0, **overrides) -> Path:
     else:
         raise ValueError(f"model kind must be one of {KINDS}, found {kind!r}")
     torch.manual_seed(seed)
-    model = cls(config).to(torch.bfloat16)
+    # transformers wraps `to` with functools.wraps(torch.nn.Module.to), which types it as the
+    # unbound function: mypy would take the dtype for `self`
+    model = cls(config).to(torch.bfloat16)  # type: ignore[arg-type]
     path = Path(path)
     model.save_pretrained(path)
     return path

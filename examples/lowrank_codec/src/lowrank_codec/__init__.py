@@ -39,7 +39,7 @@ from anchorkv.codec import CodecSpec
 from anchorkv.codec.registry import EncodedRow
 
 __all__ = ["LowRankCodec", "LowRankProjection", "codec_config", "fit_projection", "load_projection",
-           "save_projection", "sqnr_db"]
+           "save_projection"]
 
 #: code dtype -> (torch dtype, Zarr v3 data type the codes are stored as)
 CODE_DTYPES = {"float16": (torch.float16, "float16"), "bfloat16": (torch.bfloat16, "uint16"),
@@ -59,7 +59,7 @@ class LowRankProjection(torch.nn.Module):
         self.register_buffer("P", projection.to(torch.float64).contiguous())
 
     @classmethod
-    def fit(cls, rows: torch.Tensor, rank: int) -> "LowRankProjection":
+    def fit(cls, rows: torch.Tensor, rank: int) -> LowRankProjection:
         return cls(fit_projection(rows, rank))
 
     @property
@@ -121,13 +121,6 @@ def load_projection(path: str | os.PathLike) -> torch.Tensor:
     if arr.ndim != 2 or arr.dtype.kind != "f":
         raise ValueError(f"{path}: expected a float [W, r] array, found {arr.dtype} {list(arr.shape)}")
     return torch.from_numpy(arr.astype(np.float32))
-
-
-def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio of `y` as an approximation of `x`, in dB."""
-    x64, err = x.to(torch.float64), y.to(torch.float64) - x.to(torch.float64)
-    noise = float((err * err).sum())
-    return math.inf if noise == 0 else 10.0 * math.log10(float((x64 * x64).sum()) / noise)
 
 
 @functools.lru_cache(maxsize=16)
@@ -197,7 +190,8 @@ class LowRankCodec:
 
     def describe(self, spec: CodecSpec) -> str:
         o = spec.options
-        return (f"x[..., :] = codes[..., :] ({o.get('code_dtype', 'float16')}{' bits' if o.get('code_dtype') == 'bfloat16' else ''}, "
+        bits = " bits" if o.get("code_dtype") == "bfloat16" else ""
+        return (f"x[..., :] = codes[..., :] ({o.get('code_dtype', 'float16')}{bits}, "
                 f"{o.get('rank')} per row) @ P^T, P = base64 float32 little-endian [{o.get('width')}, {o.get('rank')}] "
                 "in config.projection; then rounded to source_dtype")
 

@@ -11,8 +11,8 @@ page description into a `StridedField`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 
 import torch
 

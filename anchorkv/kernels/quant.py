@@ -8,6 +8,7 @@ bytes they produce.
 from __future__ import annotations
 
 from enum import Enum
+from typing import Protocol
 
 
 class Quant(str, Enum):
@@ -21,6 +22,31 @@ class Quant(str, Enum):
 
     def __str__(self) -> str:  # so f-strings and json show "fp8", not "Quant.FP8"
         return self.value
+
+
+class QuantSpec(Protocol):
+    """What the kernels read of a codec spec: a built-in format's id and its group size (`None`:
+    the whole last axis). `anchorkv.codec.CodecSpec` is one: the connector's configured spec
+    reaches the kernels as it is, never split into loose (format, group) arguments."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def group(self) -> int | None: ...
+
+
+#: `Quant(id)` as a dict lookup (an Enum call costs more than the rest of a launch signature).
+QUANT: dict[str, Quant] = {**{q: q for q in Quant}, **{q.value: q for q in Quant}}
+
+
+def quant_of(spec: QuantSpec) -> Quant:
+    """The built-in format `spec` names; a clear error for any other codec id."""
+    fmt = QUANT.get(spec.id)
+    if fmt is None:
+        raise ValueError(f"the kernels pack the built-in formats {', '.join(q.value for q in Quant)}; "
+                         f"found codec {spec.id!r} (a plug-in codec encodes through its own encode/decode)")
+    return fmt
 
 
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
