@@ -28,7 +28,7 @@ another round's (or provider's) data.
 
 A second table scales the MLA latent alone (7 layers) from 1920 to 122,880 tokens (quick mode:
 the two smallest), store-raw against plain. Results: `benchmarks/results/<machine>-store.json`
-(`benchmarks.machine`; the run recorded before that naming: `cpu-x86_64-store.json`).
+(`benchmarks.machine`; the recorded run: `cpu-x86-64-2c-store.json`).
 
     .venv/bin/python -m pytest benchmarks/bench_store.py --benchmark-only --benchmark-json=/tmp/store.json
 """

@@ -21,8 +21,8 @@ stores its K/V raw, so its presets differ in name only (measured anyway). On vll
 hybrid's SSM state is bf16 (mamba_ssm_cache_dtype "auto"; the GDN kernel needs bf16), so the
 `bf16` codec of `compact` and `smallest` stores it without loss there: this engine cannot show
 their fidelity cost, only that they restore and agree.
-Results: benchmarks/results/<machine>-engine-agreement.{json,md} (`benchmarks.machine`; the run
-recorded before that naming: cpu-engine-agreement.{json,md}).
+Results: benchmarks/results/<machine>-engine-agreement.{json,md} (`benchmarks.machine`; the
+recorded run: cpu-x86-64-2c-engine-agreement.{json,md}).
 """
 
 from __future__ import annotations

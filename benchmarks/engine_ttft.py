@@ -16,8 +16,8 @@ TTFT is the wall time of a `generate` call of one request with max_tokens=1 (adm
 load, prefill, first token), measured `--repeat` times (a different P each time; the median is
 reported); vLLM's prefix cache is emptied before each request. Each engine first serves a
 small request so that one-time start-up work is not timed. Results:
-benchmarks/results/<machine>-engine-ttft.{json,md} (`benchmarks.machine`; the run recorded
-before that naming: cpu-engine-ttft.{json,md}).
+benchmarks/results/<machine>-engine-ttft.{json,md} (`benchmarks.machine`; the recorded run:
+cpu-x86-64-2c-engine-ttft.{json,md}).
 """
 
 from __future__ import annotations
