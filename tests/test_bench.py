@@ -229,17 +229,16 @@ def test_decay_regimes_hit_their_median(kind, decay):
     assert 0 < torch.sigmoid(inp["beta_in"]).min() and torch.sigmoid(inp["beta_in"]).max() < 1
 
 
-def test_gates_are_fla_s_gates_and_the_formula():
+@pytest.mark.parametrize("kind,shape", [("kda", (5, 3, 8)), ("gdn", (5, 3))])
+def test_gates_are_fla_s_gates_and_the_formula(kind, shape):
     """The study's gates are fla's `naive_kda_gate` / `naive_gdn_gate`, compiled from fla's
     source (`fla_ref.naive_gate`): they must be fla-core 0.6.0's and equal the published formula."""
     g = torch.Generator().manual_seed(8)
-    for kind, shape in (("kda", (5, 3, 8)), ("gdn", (5, 3))):
-        p = layers.LayerParams.random(kind, 3, 8, g)
-        x = torch.randn(shape, generator=g)
-        bias = p.dt_bias if kind == "kda" else p.dt_bias
-        want = -p.A_log.exp().reshape(3, *([1] * (len(shape) - 2))) * torch.nn.functional.softplus(x + bias)
-        torch.testing.assert_close(layers.gate(x, p), want)
-        assert fla_ref.naive_gate(kind).__name__ == {"kda": "naive_kda_gate", "gdn": "naive_gdn_gate"}[kind]
+    p = layers.LayerParams.random(kind, 3, 8, g)
+    x = torch.randn(shape, generator=g)
+    want = -p.A_log.exp().reshape(3, *([1] * (len(shape) - 2))) * torch.nn.functional.softplus(x + p.dt_bias)
+    torch.testing.assert_close(layers.gate(x, p), want)
+    assert fla_ref.naive_gate(kind).__name__ == {"kda": "naive_kda_gate", "gdn": "naive_gdn_gate"}[kind]
 
 
 def test_latent_models_with_and_without_outliers():

@@ -199,7 +199,8 @@ def test_user_errors_are_one_or_two_lines(filled, tmp_path, argv, expect):
     assert sorted(tmp_path.rglob("*")) == before, "a failed command wrote something"
 
 
-def test_read_only_store(filled, capsys, monkeypatch):
+@pytest.mark.parametrize("command", ["rm", "gc --capacity 0", "gc"])
+def test_read_only_store(filled, capsys, monkeypatch, command):
     """Writes failing (a read-only file system): gc and rm fail with the reason, Store.open for
     a writer fails at once (the connector's start-up), ls still lists."""
     import errno
@@ -216,9 +217,9 @@ def test_read_only_store(filled, capsys, monkeypatch):
         monkeypatch.setattr(LocalBackend, name, refuse)
     with pytest.raises(StoreUnavailable, match="file system is read-only"):
         Store.open(path)
-    for argv in (["rm", a.id], ["gc", "--capacity", "0"], ["gc"]):
-        code, out, err = run(capsys, *argv, "--store", path)
-        assert code == 2 and "read-only" in err and "Traceback" not in err, (argv, err)
+    argv = [*command.split(), a.id] if command == "rm" else command.split()
+    code, out, err = run(capsys, *argv, "--store", path)
+    assert code == 2 and "read-only" in err and "Traceback" not in err, err
     code, out, _ = run(capsys, "ls", "--store", path)
     assert code == 0 and a.id in out
 

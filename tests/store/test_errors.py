@@ -60,31 +60,30 @@ def test_s3_typo_prefix_is_reported_and_nothing_is_written(s3_endpoint):
 
 
 @pytest.mark.s3
-def test_s3_missing_bucket(s3_endpoint):
+@pytest.mark.parametrize("create", [False, True])
+def test_s3_missing_bucket(s3_endpoint, create):
     options = {**S3_OPTIONS, "endpoint": s3_endpoint}
-    for create in (False, True):
-        with pytest.raises(StoreUnavailable, match="the bucket does not exist; create it"):
-            Store.open("s3://no-such-bucket-here/p", create=create, **options)
+    with pytest.raises(StoreUnavailable, match="the bucket does not exist; create it"):
+        Store.open("s3://no-such-bucket-here/p", create=create, **options)
 
 
 @pytest.mark.s3
-def test_s3_cli_errors_are_one_or_two_lines(s3_endpoint, tmp_path):
-    """No credentials (the CLI, AWS variables unset) and a missing bucket: a line naming the
-    fix, no traceback, nothing of obstore's debug dump."""
-    bucket = make_s3_bucket(s3_endpoint)
-    cases = [
-        (f"s3://{bucket}/p?endpoint={s3_endpoint}&region=us-east-1", "storage_options"),
-        (f"s3://no-such-bucket-here/p?endpoint={s3_endpoint}&region=us-east-1", None),
-        (f"s3://{bucket}/p?endpoint={s3_endpoint}&acess_key_id=x", "is not valid for store 'S3'; expected S3 "
-                                                                   "storage_options such as endpoint"),
-    ]
-    for url, expect in cases:
-        env = NO_AWS if expect else {**NO_AWS, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-        res = subprocess.run([sys.executable, "-m", "anchorkv", "ls", "--store", url], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=180)
-        lines = res.stderr.strip().splitlines()
-        assert res.returncode == 2 and 1 <= len(lines) <= 2 and "Traceback" not in res.stderr, res.stderr
-        assert (expect or "the bucket does not exist") in res.stderr, res.stderr
+@pytest.mark.parametrize("bucket,query,expect", [
+    ("new", "region=us-east-1", "storage_options"),  # no credentials
+    ("no-such-bucket-here", "region=us-east-1", None),  # credentials, no bucket
+    ("new", "acess_key_id=x", "is not valid for store 'S3'; expected S3 storage_options such as endpoint"),
+], ids=["no-credentials", "missing-bucket", "misspelt-option"])
+def test_s3_cli_errors_are_one_or_two_lines(s3_endpoint, bucket, query, expect):
+    """No credentials (the CLI, AWS variables unset), a missing bucket and a misspelt option: a
+    line naming the fix, no traceback, nothing of obstore's debug dump."""
+    bucket = make_s3_bucket(s3_endpoint) if bucket == "new" else bucket
+    url = f"s3://{bucket}/p?endpoint={s3_endpoint}&{query}"
+    env = NO_AWS if expect else {**NO_AWS, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+    res = subprocess.run([sys.executable, "-m", "anchorkv", "ls", "--store", url], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=180)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and 1 <= len(lines) <= 2 and "Traceback" not in res.stderr, res.stderr
+    assert (expect or "the bucket does not exist") in res.stderr, res.stderr
 
 
 def test_s3_without_the_extra(tmp_path):
