@@ -133,11 +133,11 @@ def _per_launch(name, req, prof, iters) -> None:
     events in launch order."""
     from anchorkv.kernels import triton_pack, triton_unpack
 
-    plans = triton_pack._plans if name == "pack" else triton_unpack._plans
-    if not plans:
+    plan = (triton_pack._plans if name == "pack" else triton_unpack._plans).newest()
+    if plan is None:
         return
-    plan = next(reversed(plans.values()))
-    launches = [launch for launch in (plan.launches if name == "pack" else plan) if launch.runs]
+    launches = [launch for launch in (plan.launches if isinstance(plan, triton_pack._Plan) else plan)
+                if launch.runs]
     kernel = "_pack_kernel" if name == "pack" else "_unpack_kernel"
     events = sorted((ev for ev in prof.events()
                      if ev.device_type == torch.autograd.DeviceType.CUDA and kernel in ev.name),

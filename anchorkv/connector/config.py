@@ -140,7 +140,13 @@ class ConnectorConfig:
         return cls(**kwargs)
 
     def codec_for(self, field_name: str) -> CodecSpec:
-        return self.codec.get(field_name, CodecSpec("raw", None))
+        """The codec of a field kind; raw (exact) for kinds the config does not name."""
+        return self.codec.get(field_name, _EXACT)
+
+
+#: The codec of field kinds a config does not name (one object: the save path asks per field
+#: every step, and a spec checks its options when it is built).
+_EXACT = CodecSpec("raw", None)
 
 
 def _parse_codecs(value: Any) -> dict[str, CodecSpec]:

@@ -16,8 +16,10 @@ from __future__ import annotations
 import functools
 import math
 from array import array
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
@@ -234,6 +236,59 @@ def plan_key(items, ids: list[tuple[int, ...]]) -> tuple:
                   QUANT.get(it.spec.id), it.spec.group, len(i)) for it, i in zip(items, ids, strict=True))
 
 
+class _HashedKey:
+    """A plan key hashed once: a dict lookup and an LRU touch would otherwise each hash the
+    whole tuple again (about 47 x 7 values for a Kimi-Linear request)."""
+
+    __slots__ = ("key", "hash")
+
+    def __init__(self, key: tuple) -> None:
+        self.key, self.hash = key, hash(key)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _HashedKey) and self.hash == other.hash and self.key == other.key
+
+
+P = TypeVar("P")
+
+
+class PlanCache(Generic[P]):
+    """Launch plans of the most recent item lists, least recently used first out.
+
+    A plan holds aliases of its regions (so an address in a key can never be reused by another
+    allocation while the plan lives); a connector packs the same few lists every step, so a
+    handful is enough. The key is `plan_key`; `build(items, ids)` makes a missing plan.
+    """
+
+    def __init__(self, size: int, build: Callable[[Sequence, list[tuple[int, ...]]], P]) -> None:
+        self.size, self.build = size, build
+        self._plans: OrderedDict[_HashedKey, P] = OrderedDict()
+
+    def get(self, items: Sequence, ids: list[tuple[int, ...]]) -> P:
+        key = _HashedKey(plan_key(items, ids))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self.build(items, ids)
+            if len(self._plans) > self.size:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return plan
+
+    def newest(self) -> P | None:
+        """The most recently used plan (diagnostics: `benchmarks.profile_kernels`)."""
+        return next(reversed(self._plans.values()), None)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+
 def byte_address(t: torch.Tensor) -> int:
     """Address of the first byte of `t` (its storage start plus its storage offset)."""
     return t.data_ptr()
@@ -248,8 +303,13 @@ def anchor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def element_offset(address: int, base: torch.Tensor, what: str) -> int:
     """`address - base`, in elements of `base`; both must be aligned to its element size."""
-    size = base.element_size()
-    delta = address - base.untyped_storage().data_ptr()
+    return offset_in(address, base.untyped_storage().data_ptr(), base.element_size(), what)
+
+
+def offset_in(address: int, base_address: int, size: int, what: str) -> int:
+    """`element_offset` with the base's address and element size already looked up (a launch
+    computes one per member against the same base)."""
+    delta = address - base_address
     if delta % size:
         raise ValueError(
             f"{what} at byte address {address:#x} is not {size}-byte aligned relative to the "

@@ -31,6 +31,23 @@ class StridedField:
     offset: int  # bytes from the start of a page
     block_stride: int  # bytes from one page to the next
 
+    def __post_init__(self) -> None:
+        # Launch plans are keyed by the fields of every item of a call (`batch.plan_key`): the
+        # hash is computed once here, not by the dataclass's generated method on every lookup.
+        object.__setattr__(self, "_hash", hash((self.dtype, self.shape, self.strides, self.offset,
+                                                 self.block_stride)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
+
+    def __getstate__(self) -> dict:
+        # hashes differ between processes (torch.dtype and str hashes): never ship one
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
+
     @property
     def itemsize(self) -> int:
         return self.dtype.itemsize

@@ -13,7 +13,6 @@ the tables, launch) -> `pack_many` (the public function; `kernels.pack` is one i
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -317,25 +316,15 @@ class _Plan:
         return out
 
 
-#: Plans of the most recent item lists. A plan holds aliases of its regions (so an address in
-#: a key can never be reused by another allocation while the plan lives); a connector packs the
-#: same few lists every step, so a handful is enough.
+#: Plans of the most recent item lists (see `batch.PlanCache`).
 PLAN_CACHE_SIZE = 8
-_plans: OrderedDict[tuple, _Plan] = OrderedDict()
+_plans: batch.PlanCache[_Plan] = batch.PlanCache(PLAN_CACHE_SIZE, _Plan)
 
 
 def _plan_for(items: Sequence[PackItem], ids: list[tuple[int, ...]]) -> _Plan:
     """The cached plan of `items` (keyed by what a plan depends on: each item's device, region
     address, field, format, group and number of ids)."""
-    key = batch.plan_key(items, ids)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plans[key] = _Plan(items, ids)
-        if len(_plans) > PLAN_CACHE_SIZE:
-            _plans.popitem(last=False)
-    else:
-        _plans.move_to_end(key)
-    return plan
+    return _plans.get(items, ids)
 
 
 def pack_many(items: Sequence[PackItem]) -> list[tuple[torch.Tensor, torch.Tensor]]:

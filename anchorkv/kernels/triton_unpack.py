@@ -12,7 +12,6 @@ validates the payloads and builds the item table) ->
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -101,26 +100,35 @@ def _unpack_kernel(
             tl.store(p_dst, narrow(v * scale[:, None], DST), mask=m)
 
 
+def _same_device(t: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """`t.device == buffer.device`; on CUDA by index (a device object per tensor costs ~1 us)."""
+    if t.is_cuda:
+        return buffer.is_cuda and t.get_device() == buffer.get_device()
+    return t.device == buffer.device
+
+
 def _check(item: UnpackItem, cut: batch.FieldCut, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The item's payload and scales, validated, contiguous and aligned for the kernel."""
     payload, scales = item.payload, item.scales
-    device = item.buffer.device
     want_bytes = n * cut.payload_per_block
-    if payload.dtype != torch.uint8 or payload.numel() != want_bytes or payload.device != device:
+    if (payload.dtype != torch.uint8 or payload.numel() != want_bytes
+            or not _same_device(payload, item.buffer)):
         raise ValueError(
-            f"payload must be {want_bytes} uint8 bytes on {device} for {n} blocks of "
+            f"payload must be {want_bytes} uint8 bytes on {item.buffer.device} for {n} blocks of "
             f"{cut.fmt} {list(item.field.shape)} {cut.dtype}, found {payload.numel()} "
             f"{payload.dtype} on {payload.device}"
         )
     if cut.columns:
         want = (n * cut.groups, cut.columns)
-        if scales.dtype != torch.float32 or tuple(scales.shape) != want or scales.device != device:
+        if (scales.dtype != torch.float32 or tuple(scales.shape) != want
+                or not _same_device(scales, item.buffer)):
             raise ValueError(
-                f"scales must be float32 {list(want)} on {device}, found {scales.dtype} "
+                f"scales must be float32 {list(want)} on {item.buffer.device}, found {scales.dtype} "
                 f"{list(scales.shape)} on {scales.device}"
             )
-    payload = payload.contiguous().reshape(-1)
-    if batch.byte_address(payload) % batch.payload_dtype(cut).itemsize:
+    if payload.dim() != 1 or not payload.is_contiguous():
+        payload = payload.contiguous().reshape(-1)
+    if payload.data_ptr() % batch.payload_dtype(cut).itemsize:
         payload = payload.clone()  # a fresh allocation is aligned for the wide loads
     return payload, scales.contiguous()
 
@@ -163,9 +171,11 @@ class _Launch:
             sc = torch.zeros(1, dtype=torch.int32, device=device)
         rows: list[int] = []
         in_offsets = [cut.numel, cut.g]
+        pay_at, pay_size = pay.untyped_storage().data_ptr(), pay.element_size()
+        sc_at = sc.untyped_storage().data_ptr()
         for m, (origin, stride), (payload, scales) in zip(self.members, self.static, checked, strict=True):
-            pay_off = batch.element_offset(batch.byte_address(payload), pay, "payload")
-            sc_off = batch.element_offset(batch.byte_address(scales), sc, "scales") if cut.columns else 0
+            pay_off = batch.offset_in(payload.data_ptr(), pay_at, pay_size, "payload")
+            sc_off = batch.offset_in(scales.data_ptr(), sc_at, 4, "scales") if cut.columns else 0
             rows += (origin, stride, pay_off, sc_off, *ids[m])
             in_offsets.append(pay_off)
         if cut.fmt is Quant.INT4:  # two codes a byte: group starts are (element offset) / 2
@@ -179,23 +189,18 @@ class _Launch:
         return rows, go
 
 
-#: Launch plans of the most recent item lists (see `triton_pack.PLAN_CACHE_SIZE`).
-_plans: OrderedDict[tuple, list[_Launch]] = OrderedDict()
+def _build(items: Sequence[UnpackItem], ids: list[tuple[int, ...]]) -> list[_Launch]:
+    keys = [batch.signature(it.buffer.device, it.field, i, it.spec)
+            for it, i in zip(items, ids, strict=True)]
+    return [_Launch(items, members, len(ids[members[0]])) for members in batch.group_items(keys)]
+
+
+#: Launch plans of the most recent item lists (see `batch.PlanCache`).
+_plans: batch.PlanCache[list[_Launch]] = batch.PlanCache(PLAN_CACHE_SIZE, _build)
 
 
 def _plan_for(items: Sequence[UnpackItem], ids: list[tuple[int, ...]]) -> list[_Launch]:
-    key = batch.plan_key(items, ids)
-    plan = _plans.get(key)
-    if plan is None:
-        keys = [batch.signature(it.buffer.device, it.field, i, it.spec)
-                for it, i in zip(items, ids, strict=True)]
-        plan = _plans[key] = [_Launch(items, members, len(ids[members[0]]))
-                              for members in batch.group_items(keys)]
-        if len(_plans) > PLAN_CACHE_SIZE:
-            _plans.popitem(last=False)
-    else:
-        _plans.move_to_end(key)
-    return plan
+    return _plans.get(items, ids)
 
 
 def unpack_many(items: Sequence[UnpackItem]) -> None:

@@ -120,3 +120,56 @@ def test_cuda_without_triton_names_the_extra(monkeypatch):
     with pytest.raises(ImportError, match=r"anchorkv\[gpu\]"):
         dispatch.backend_for(torch.device("cuda"))
     assert dispatch.backend_for(torch.device("cpu")) == "reference"
+
+
+_REGION = torch.zeros(4 * 4096, dtype=torch.uint8)
+
+
+def _items(n_ids: int, *, offset: int = 0, buf: torch.Tensor = _REGION):
+    field = StridedField(torch.bfloat16, (4, 64), (64, 1), offset, 4096)
+    items = [PackItem(buf, field, tuple(range(n_ids)), 4, CodecSpec("fp8", 32))]
+    return items, batch.check_all_ids(items)
+
+
+def test_plan_cache_reuses_a_plan_and_evicts_the_least_recently_used():
+    built = []
+    cache = batch.PlanCache(2, lambda items, ids: built.append(len(ids[0])) or object())
+    one, two, three = _items(1), _items(2), _items(3)
+    p1 = cache.get(*one)
+    assert cache.get(*_items(1)) is p1  # equal items (a new list, new objects): the same plan
+    p2 = cache.get(*two)
+    assert cache.get(*one) is p1  # touched: `two` is now the oldest
+    cache.get(*three)
+    assert len(cache) == 2 and built == [1, 2, 3]
+    assert cache.get(*one) is p1 and built == [1, 2, 3]
+    assert cache.get(*two) is not p2 and built == [1, 2, 3, 2]  # evicted, rebuilt
+    assert cache.newest() is cache.get(*two)
+
+
+def test_plan_cache_keys_on_the_field_and_the_region():
+    cache = batch.PlanCache(4, lambda items, ids: object())
+    plan = cache.get(*_items(1))
+    assert cache.get(*_items(1, offset=128)) is not plan
+    assert cache.get(*_items(1, buf=_REGION.clone())) is not plan
+
+
+def test_strided_field_hash_is_cached_and_never_pickled():
+    """Plan keys hash every item's field; the hash is computed once per field object. Hashes
+    differ between processes, so a pickled field recomputes its own in the process that loads it."""
+    import pickle
+    import subprocess
+    import sys
+
+    field = StridedField(torch.bfloat16, (4, 64), (64, 1), 128, 4096)
+    same = StridedField(torch.bfloat16, (4, 64), (64, 1), 128, 4096)
+    assert hash(field) == hash(same) and field == same
+    assert hash(field) != hash(StridedField(torch.bfloat16, (4, 64), (64, 1), 0, 4096))
+    data = pickle.dumps(field)
+    assert b"_hash" not in data
+    code = ("import pickle, sys, torch\n"
+            "from anchorkv.kernels.strided import StridedField\n"
+            "got = pickle.loads(sys.stdin.buffer.read())\n"
+            "fresh = StridedField(torch.bfloat16, (4, 64), (64, 1), 128, 4096)\n"
+            "print(got in {fresh}, hash(got) == hash(fresh))\n")
+    out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, check=True)
+    assert out.stdout.split() == [b"True", b"True"]

@@ -158,3 +158,24 @@ def test_bad_groups_are_refused(codec, group, match):
     buffer = make_region(field, 1)
     with pytest.raises(ValueError, match=match):
         triton_pack(PackItem(buffer, field, [0], 1, CodecSpec(codec, group)))
+
+
+@pytest.mark.parametrize("what", ["payload", "scales"])
+def test_payload_or_scales_on_another_device_are_refused(what):
+    field = make_field(torch.float32, (3, 32), (32, 1))
+    buffer = make_region(field, 3)
+    payload, scales = reference.pack(PackItem(buffer, field, [0], 3, CodecSpec("int8", 32)))
+    if what == "payload":
+        payload = payload.to("meta")
+    else:
+        scales = scales.to("meta")
+    with pytest.raises(ValueError, match=f"{what} must be .* on cpu.*, found .* on meta"):
+        triton_unpack(UnpackItem(buffer, field, [2], 3, CodecSpec("int8", 32), payload, scales))
+
+
+def test_wrong_scales_shape_is_refused_with_what_was_expected():
+    field = make_field(torch.float32, (3, 32), (32, 1))
+    buffer = make_region(field, 3)
+    payload, scales = reference.pack(PackItem(buffer, field, [0], 3, CodecSpec("int8", 32)))
+    with pytest.raises(ValueError, match=r"scales must be float32 \[3, 1\] on cpu, found torch.float32 \[1, 3\]"):
+        triton_unpack(UnpackItem(buffer, field, [2], 3, CodecSpec("int8", 32), payload, scales.view(1, -1)))
