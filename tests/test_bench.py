@@ -329,3 +329,20 @@ def test_shipped_presets_are_the_rule_s_choice_on_the_recorded_study():
     shipped = {name: field_codecs(p, KIMI_FIELD_ROLES) for name, p in PRESETS.items()}  # roles -> fields
     assert recorded["presets"] == shipped and recorded["presets_match_shipped"]
     assert PRESETS["exact"] == DEFAULT_CODECS and set(DEFAULT_CODECS.values()) == {"raw"}
+
+
+def test_host_path_runs_on_a_cpu_and_names_every_step(tmp_path):
+    """`python -m benchmarks.host_path` (the launch path's host time, kernels stubbed) runs
+    without a GPU and writes every step's time under the machine's name."""
+    res = subprocess.run([sys.executable, "-m", "benchmarks.host_path", "--iters", "2", "--out", str(tmp_path)],
+                         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    [path] = tmp_path.glob("*-host-path.json")
+    data = json.loads(path.read_text())
+    steps = data["host_us_per_call"]
+    assert set(steps) == {
+        "kernels.pack_many", "kernels.pack_many: check the block ids", "kernels.pack_many: find the cached plan",
+        "kernels.pack_many: plan.run (outputs, tables)", "kernels.unpack_many",
+        "codec.pack_many (quant codecs)", "WorkerSide._pack (quant codecs)"}
+    assert all(math.isfinite(us) and us > 0 for us in steps.values()), steps
+    assert steps["kernels.pack_many"] > steps["kernels.pack_many: check the block ids"]
