@@ -25,9 +25,6 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the launchers take CPU tensors
-os.environ["ANCHORKV_BACKEND"] = "triton"
-
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -51,12 +48,24 @@ def per_call_us(fn, iters: int, repeats: int = 5) -> float:
 
 
 def measure(tp: int, iters: int, tokens: int | None = None) -> dict[str, float]:
+    """Host microseconds per call of each step, the kernels stubbed for the duration (the
+    caller sets TRITON_INTERPRET=1 and ANCHORKV_BACKEND=triton before triton is imported)."""
+    from anchorkv.kernels import triton_pack, triton_unpack
+
+    kernels = triton_pack._pack_kernel, triton_unpack._unpack_kernel
+    triton_pack._pack_kernel = _NoKernel()  # type: ignore[assignment]
+    triton_unpack._unpack_kernel = _NoKernel()  # type: ignore[assignment]
+    try:
+        return _measure(tp, iters, tokens)
+    finally:
+        triton_pack._pack_kernel, triton_unpack._unpack_kernel = kernels
+
+
+def _measure(tp: int, iters: int, tokens: int | None) -> dict[str, float]:
     from anchorkv.kernels import batch, triton_pack, triton_unpack
     from benchmarks.bench_kernels import request
     from benchmarks.bench_save_path import TOKENS, Request, request_layout
 
-    triton_pack._pack_kernel = _NoKernel()  # type: ignore[assignment]
-    triton_unpack._unpack_kernel = _NoKernel()  # type: ignore[assignment]
     req = request(tp)
     items, unpack_items = req.items, req.unpack_items
     ids = batch.check_all_ids(items)
@@ -87,6 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=400)
     ap.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes (default: %(default)s)")
     args = ap.parse_args(argv)
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the launchers take CPU tensors
+    os.environ["ANCHORKV_BACKEND"] = "triton"
     from benchmarks.machine import device_info, machine_name
 
     started = time.perf_counter()

@@ -285,9 +285,6 @@ class PlanCache(Generic[P]):
     def __len__(self) -> int:
         return len(self._plans)
 
-    def clear(self) -> None:
-        self._plans.clear()
-
 
 def byte_address(t: torch.Tensor) -> int:
     """Address of the first byte of `t` (its storage start plus its storage offset)."""

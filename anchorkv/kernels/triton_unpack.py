@@ -172,10 +172,10 @@ class _Launch:
         rows: list[int] = []
         in_offsets = [cut.numel, cut.g]
         pay_at, pay_size = pay.untyped_storage().data_ptr(), pay.element_size()
-        sc_at = sc.untyped_storage().data_ptr()
+        sc_at, sc_size = sc.untyped_storage().data_ptr(), sc.element_size()
         for m, (origin, stride), (payload, scales) in zip(self.members, self.static, checked, strict=True):
             pay_off = batch.offset_in(payload.data_ptr(), pay_at, pay_size, "payload")
-            sc_off = batch.offset_in(scales.data_ptr(), sc_at, 4, "scales") if cut.columns else 0
+            sc_off = batch.offset_in(scales.data_ptr(), sc_at, sc_size, "scales") if cut.columns else 0
             rows += (origin, stride, pay_off, sc_off, *ids[m])
             in_offsets.append(pay_off)
         if cut.fmt is Quant.INT4:  # two codes a byte: group starts are (element offset) / 2
