@@ -417,4 +417,8 @@ def _check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:
 
 
 def now() -> float:
-    return time.time()
+    """The time a manifest records, in whole microseconds: every digit written then means
+    something. `time.time()`'s shortest repr carries a 17th digit that float64 cannot hold, so
+    a changed last digit could parse to the same value and slip past the manifest checksum
+    (which covers the parsed manifest)."""
+    return round(time.time(), 6)

@@ -162,3 +162,16 @@ def test_verify_checks_the_arrays_zarr_json(saved):
     problems = Store.open(root, create=False).verify(info.id)
     assert problems == [f"entry {info.id}: array 'latent': its zarr.json disagrees with the manifest in ['shape'] "
                         "(other Zarr readers would misread it)"], problems
+
+
+@pytest.mark.parametrize("t", [1795563986.8385925, 1700000000.0000002, 1999999999.9999998, 4102444800.1234567])
+def test_every_digit_of_a_recorded_time_is_significant(monkeypatch, t):
+    """A manifest's `created` changed in any one digit is another value (so the checksum sees
+    it): the digits past float64's precision that `time.time()` can carry are not written."""
+    from anchorkv.store import manifest
+
+    monkeypatch.setattr(manifest.time, "time", lambda: t)
+    text = json.dumps(manifest.now())
+    for pos in (m.start() for m in re.finditer(r"\d", text)):
+        flipped = text[:pos] + str((int(text[pos]) + 1) % 10) + text[pos + 1:]
+        assert json.loads(flipped) != json.loads(text), (text, flipped)
