@@ -75,6 +75,8 @@ def _measure(tp: int, iters: int, tokens: int | None) -> dict[str, float]:
         "kernels.pack_many: check the block ids": per_call_us(lambda: batch.check_all_ids(items), iters),
         "kernels.pack_many: find the cached plan": per_call_us(lambda: triton_pack._plan_for(items, ids), iters),
         "kernels.pack_many: plan.run (outputs, tables)": per_call_us(lambda: plan.run(ids), iters),
+        "kernels.PackSet.pack (the same items as fixed targets)": per_call_us(
+            lambda: req.pack_set.pack(req.slot_ids), iters),
         "kernels.unpack_many": per_call_us(lambda: triton_unpack.unpack_many(unpack_items), iters),
     }
     if tp == 1:  # the save path's request (bench_save_path) is a tp=1 one

@@ -111,6 +111,8 @@ def _host_breakdown(req, iters: int = 200) -> None:
             return lambda **kw: launches.append((grid, kw))
 
     steps = {"kernels.pack_many (all of it)": lambda: kernels.pack_many(items),
+             "kernels.PackSet.pack (all of it)": lambda: req.pack_set.pack(req.slot_ids),
+             "PackSet.pack + pinned host copies": lambda: req.pack_set.pack(req.slot_ids).to_host(pin=True),
              "check the block ids": lambda: batch.check_all_ids(items),
              "find the cached plan": lambda: tp._plan_for(items, ids)}
     tp._pack_kernel = Recorder()

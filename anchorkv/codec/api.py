@@ -2,12 +2,14 @@
 
 `pack_many` / `unpack_many` do the same for all the (layer, field) pairs of one request at
 once: the built-in codecs then share a few kernel launches (`anchorkv.kernels.pack_many`), so a
-Kimi-Linear request (47 pairs) is not 47 launches.
+Kimi-Linear request (47 pairs) is not 47 launches. A `Packer` packs the same pairs call after
+call (a connector's saves), only the blocks changing: the per-call host work is the launches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -121,3 +123,95 @@ def unpack_many(requests: Sequence[tuple[Packed, CacheView, str, object]]) -> No
     kernels.unpack_many(items)
     for packed, view, field, ids in custom:
         unpack(packed, view, field, ids)
+
+
+@dataclass(frozen=True)
+class _PartMeta:
+    spec: CodecSpec
+    shape: tuple[int, ...]  # the field's shape (without the block axis)
+    dtype: torch.dtype
+    slot: int
+    quant: int | None  # index in the Packer's kernel set; None: a custom codec
+
+
+class Packer:
+    """`pack_many` of the same (view, field, codec) parts, call after call; each call names the
+    block ids of each *slot* and part i packs the blocks of slot `slot_i` (a connector: one slot
+    per KV-cache group).
+
+    Everything that does not depend on the blocks is resolved once: codec specs, fields, the
+    kernels' `PackSet` of the built-in codecs' parts. `pack` returns `PackedParts`, whose
+    `Packed` views are made when asked for (`packed()`), so a caller can move the bytes to the
+    host first and cut them into parts on another thread. Parts with custom codecs are encoded
+    one by one at each call.
+    """
+
+    def __init__(self, parts: Sequence[tuple[CacheView, str, CodecSpec | str, int]]) -> None:
+        metas: list[_PartMeta] = []
+        targets: list[kernels.PackTarget] = []
+        slots: list[int] = []
+        self._custom: list[tuple[int, CacheView, str, CodecSpec, int]] = []
+        for view, field, codec, slot in parts:
+            spec = CodecSpec.parse(codec)
+            f = view.page.field(field)
+            quant = None
+            if isinstance(get_codec(spec.id), QuantCodec):
+                quant = len(targets)
+                targets.append(kernels.PackTarget(view.region.buffer, f.strided(view.region.block_stride),
+                                                  view.region.num_blocks, spec))
+                slots.append(slot)
+            else:
+                self._custom.append((len(metas), view, field, spec, slot))
+            metas.append(_PartMeta(spec, tuple(f.shape), f.dtype, slot, quant))
+        self.metas: tuple[_PartMeta, ...] = tuple(metas)
+        self._set = kernels.PackSet(targets, slots) if targets else None
+
+    def __len__(self) -> int:
+        return len(self.metas)
+
+    def pack(self, ids_by_slot: Sequence) -> PackedParts:
+        """Pack every part's blocks `ids_by_slot[slot]` (lists or tuples of ints: no device
+        synchronization)."""
+        quant = self._set.pack(ids_by_slot) if self._set is not None else None
+        custom = {i: pack(view, field, ids_by_slot[slot], spec) for i, view, field, spec, slot in self._custom}
+        counts = tuple(len(ids_by_slot[m.slot]) for m in self.metas)
+        return PackedParts(self.metas, counts, quant, custom)
+
+
+@dataclass(frozen=True)
+class PackedParts:
+    """The result of one `Packer.pack`: the built-in codecs' parts in one `kernels.PackedBatch`
+    (two allocations), the custom codecs' as `Packed`; `packed()` lists every part in order."""
+
+    metas: tuple[_PartMeta, ...]
+    counts: tuple[int, ...]  # blocks packed, per part
+    quant: kernels.PackedBatch | None
+    custom: dict[int, Packed]
+
+    def to_host(self, *, pin: bool = True) -> PackedParts:
+        """The parts in host memory, copied asynchronously on the current stream (into
+        page-locked memory with `pin`): two copies for all the built-in codecs' parts, two per
+        custom part. Itself when everything is on the host already."""
+        quant = self.quant.to_host(pin=pin) if self.quant is not None else None
+        custom = {i: p if p.payload.device.type == "cpu" else _host_copy(p, pin)
+                  for i, p in self.custom.items()}
+        return PackedParts(self.metas, self.counts, quant, custom)
+
+    def packed(self) -> list[Packed]:
+        out = []
+        for i, (meta, n) in enumerate(zip(self.metas, self.counts, strict=True)):
+            if meta.quant is None:
+                out.append(self.custom[i])
+                continue
+            assert self.quant is not None
+            payload, scales = self.quant.part(meta.quant)
+            out.append(Packed(meta.spec, (n, *meta.shape), meta.dtype, payload, scales))
+        return out
+
+
+def _host_copy(p: Packed, pin: bool) -> Packed:
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and t.numel() > 0)
+        return out.copy_(t, non_blocking=True) if t.numel() else out
+
+    return Packed(p.codec, p.shape, p.dtype, copy(p.payload), copy(p.scales.contiguous()))

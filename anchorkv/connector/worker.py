@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from anchorkv.codec import CacheView, ModelLayout, Packed, pack_many, unpack_many
+from anchorkv.codec import CacheView, ModelLayout, Packed, PackedParts, Packer, unpack_many
 from anchorkv.codec.layout import Field, PageLayout
 from anchorkv.connector.config import ConnectorConfig
 from anchorkv.connector.counters import Counters, Miss, load_miss_of
@@ -71,17 +71,19 @@ class WorkerSide:
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-load")
         self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-save")
         self._stream: torch.cuda.Stream | None = None
+        self._save_set: tuple[Packer, list[tuple[str, str, GroupKind]]] | None = None
         self.stats = Counters(primary=tp_rank == 0)
 
     def register(self, layout: ModelLayout, views: dict[str, CacheView]) -> None:
         self.layout, self.views = layout, views
+        self._save_set = None
         device = next(iter(views.values())).region.device
         if device.type == "cuda":
             self._stream = torch.cuda.Stream(device=device)
 
     # -------------------------------------------------------------------- what a spec touches
 
-    def _parts(self, blocks: tuple[tuple[int, ...], ...]):
+    def _parts(self, blocks: Sequence):
         """(layer, field, block ids, kind) of every field a load or save touches."""
         for g in self.groups:
             for name in g.layers:
@@ -128,42 +130,56 @@ class WorkerSide:
             if packed is not None:
                 self._save_pool.submit(self._write, spec, packed, ready)
 
-    def _pack(self, spec: SaveSpec) -> tuple[dict[PartKey, Packed], Any]:
+    def _packer(self) -> tuple[Packer, list[tuple[str, str, GroupKind]]]:
+        """The `Packer` of every (layer, field) a save touches (one slot per KV-cache group) and
+        those parts' (layer, field, kind); built at the first save: the views never change."""
+        if self._save_set is None:
+            slots = tuple(range(max((g.index for g in self.groups), default=-1) + 1))
+            parts = list(self._parts(slots))  # each part's "blocks" is its slot: its group's index
+            packer = Packer([(self.views[layer], fname, self.config.codec_for(fname), slot)
+                             for layer, fname, slot, _ in parts])
+            self._save_set = packer, [(layer, fname, kind) for layer, fname, _, kind in parts]
+        return self._save_set
+
+    def _pack(self, spec: SaveSpec) -> tuple[PackedParts, Any]:
         """Pack every (layer, field) of the request in a few launches; on CUDA, on the side
-        stream after the forward pass, then copy to pinned host memory there too. Returns the
-        host-bound parts and an event the writer thread waits on (None on a CPU)."""
+        stream after the forward pass, then copy the packed bytes to pinned host memory there
+        too (two copies). Returns the packed parts and an event the writer thread waits on (None
+        on a CPU). The parts are cut into `Packed` views by the writer thread (`_host_parts`):
+        the step pays for the launches and the copies only."""
+        packer, _ = self._packer()
         stream = self._stream
         if stream is not None:  # order after the forward pass without blocking the host
             stream.wait_stream(torch.cuda.current_stream(stream.device))
-        parts = list(self._parts(spec.blocks))
+        ready = None
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            packed = pack_many([(self.views[layer], fname, ids, self.config.codec_for(fname))
-                                for layer, fname, ids, kind in parts])
-            trimmed = []
-            for (_, _, _, kind), p in zip(parts, packed, strict=True):
-                if kind is GroupKind.PAGED:
-                    p = p.reshape(p.shape[0] * p.shape[1], *p.shape[2:]).narrow(0, spec.num_tokens)
-                trimmed.append(p)
+            packed = packer.pack(spec.blocks)
             if stream is not None:
-                trimmed = _to_pinned_host(trimmed)
-            out: dict[PartKey, Packed] = {(layer, fname): p
-                                          for (layer, fname, _, _), p in zip(parts, trimmed, strict=True)}
-            ready = None
-            if stream is not None:
+                packed = packed.to_host(pin=True)
                 ready = torch.cuda.Event()
                 ready.record(stream)
         if stream is not None:
             # the next forward may write these blocks (vLLM frees and reuses align-mode state
             # blocks from the next step on): it runs after the packs have read them
             torch.cuda.current_stream(stream.device).wait_stream(stream)
-        return out, ready
+        return packed, ready
 
-    def _write(self, spec: SaveSpec, packed: dict[PartKey, Packed], ready: Any) -> None:
+    def _host_parts(self, spec: SaveSpec, packed: PackedParts) -> dict[PartKey, Packed]:
+        """The request's parts as host `Packed`s, paged fields cut to the saved tokens."""
+        _, keys = self._packer()
+        out: dict[PartKey, Packed] = {}
+        for (layer, fname, kind), p in zip(keys, packed.packed(), strict=True):
+            if kind is GroupKind.PAGED:
+                p = p.reshape(p.shape[0] * p.shape[1], *p.shape[2:]).narrow(0, spec.num_tokens)
+            out[(layer, fname)] = p.to("cpu")  # no copy when already on the host
+        return out
+
+    def _write(self, spec: SaveSpec, packed: PackedParts, ready: Any) -> None:
         t0 = time.perf_counter()
         try:
             if ready is not None:
                 ready.synchronize()  # the pinned host copies are complete
-            host = {k: p.to("cpu") for k, p in packed.items()}  # no copy when already on the host
+            host = self._host_parts(spec, packed)
             poisoned = sum(p.poisoned_groups() for p in host.values())
             if poisoned:
                 log.warning("anchorkv: request %s has %d groups with NaN/Inf state; not saved",
@@ -343,54 +359,6 @@ class WorkerSide:
     def shutdown(self) -> None:
         self._save_pool.shutdown(wait=True)
         self._load_pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _to_pinned_host(parts: list[Packed]) -> list[Packed]:
-    """Asynchronous copies of every part into pinned host memory (on the current stream): one
-    copy per device allocation the parts share (the kernels put all payloads of a call in one
-    allocation and all scales in another), not two per part."""
-    host = _pinned_copies([t for p in parts for t in (p.payload, p.scales)])
-    return [Packed(p.codec, p.shape, p.dtype, host[2 * i], host[2 * i + 1])
-            for i, p in enumerate(parts)]
-
-
-def _pinned_copies(tensors: list[torch.Tensor], *, pin: bool = True) -> list[torch.Tensor]:
-    """Pinned host copies of device tensors, made asynchronously: one `non_blocking` copy of
-    the byte span each storage's contiguous tensors cover (a span with more than a quarter of
-    bytes nobody asked for is copied tensor by tensor instead). `pin=False` (tests on a machine
-    without CUDA) makes ordinary host memory."""
-    spans: dict[int, list] = {}  # storage address -> [first byte, end byte, wanted bytes, storage]
-    for t in tensors:
-        if t.numel() and t.is_contiguous():
-            storage = t.untyped_storage()
-            lo = t.storage_offset() * t.element_size()
-            span = spans.setdefault(storage.data_ptr(), [lo, lo, 0, storage])
-            span[0], span[1] = min(span[0], lo), max(span[1], lo + t.nbytes)
-            span[2] += t.nbytes
-    copied: dict[int, tuple[int, torch.Tensor]] = {}
-    for address, (lo, hi, wanted, storage) in spans.items():
-        lo -= lo % 16  # element offsets inside the copy keep their alignment
-        if 4 * (hi - lo) > 5 * wanted:
-            continue
-        src = torch.empty(0, dtype=torch.uint8, device=storage.device)
-        src.set_(storage, lo, (hi - lo,), (1,))
-        dst = torch.empty(hi - lo, dtype=torch.uint8, pin_memory=pin)
-        dst.copy_(src, non_blocking=True)
-        copied[address] = (lo, dst)
-    out = []
-    for t in tensors:
-        hit = copied.get(t.untyped_storage().data_ptr()) if t.numel() and t.is_contiguous() else None
-        if hit is None:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and t.numel() > 0)
-            if t.numel():
-                host.copy_(t, non_blocking=True)
-        else:
-            lo, dst = hit
-            byte = t.storage_offset() * t.element_size() - lo
-            host = torch.empty(0, dtype=t.dtype)
-            host.set_(dst.untyped_storage(), byte // t.element_size(), t.shape, t.stride())
-        out.append(host)
-    return out
 
 
 def _leading_rows(view: CacheView, fname: str, rows: int) -> CacheView:

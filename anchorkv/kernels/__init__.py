@@ -7,7 +7,8 @@ oracle in `reference.py` that defines its exact bytes. Every entry point takes i
 scales). `pack` and `unpack` here pick a backend per call with
 `anchorkv.kernels.dispatch.backend_for`: Triton for CUDA tensors, the reference on CPU.
 `pack_many` / `unpack_many` do the same for a batch of items (all the (layer, field) pairs of
-one request) in as few launches as possible.
+one request) in as few launches as possible. A `PackSet` packs the same targets call after call
+(a connector's every save), only the block ids changing, into one `PackedBatch`.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import torch
 
 from anchorkv.kernels import reference
 from anchorkv.kernels.dispatch import backend_for
-from anchorkv.kernels.items import PackItem, UnpackItem
+from anchorkv.kernels.items import PackItem, PackTarget, Span, UnpackItem
+from anchorkv.kernels.packset import PackedBatch, PackSet
 from anchorkv.kernels.quant import Quant, QuantSpec
 from anchorkv.kernels.strided import StridedField, field_view
 
 __all__ = [
-    "PackItem", "Quant", "QuantSpec", "StridedField", "UnpackItem", "backend_for", "field_view", "pack",
-    "pack_many", "reference", "unpack", "unpack_many",
+    "PackItem", "PackSet", "PackTarget", "PackedBatch", "Quant", "QuantSpec", "Span", "StridedField",
+    "UnpackItem", "backend_for", "field_view", "pack", "pack_many", "reference", "unpack", "unpack_many",
 ]
 
 

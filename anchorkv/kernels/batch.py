@@ -327,9 +327,9 @@ def field_origin(buffer: torch.Tensor, field: StridedField) -> int:
     return byte_address(buffer) + field.offset
 
 
-def signature(device: torch.device, field: StridedField, ids: Sequence[int], spec: QuantSpec) -> tuple:
-    """Items with equal signatures share one launch."""
-    return (device, field.dtype, field.shape, field.strides, QUANT.get(spec.id), spec.group, len(ids))
+def signature(device: torch.device, field: StridedField, n: int, spec: QuantSpec) -> tuple:
+    """Items with equal signatures (`n`: their number of block ids) share one launch."""
+    return (device, field.dtype, field.shape, field.strides, QUANT.get(spec.id), spec.group, n)
 
 
 def group_items(keys: Sequence[tuple]) -> list[list[int]]:

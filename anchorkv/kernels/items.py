@@ -28,6 +28,17 @@ class PackItem:
 
 
 @dataclass(frozen=True)
+class PackTarget:
+    """A `PackItem` without its block ids: what a `kernels.PackSet` packs call after call
+    (the connector packs the same (layer, field) pairs every step; only the blocks change)."""
+
+    buffer: torch.Tensor
+    field: StridedField
+    num_blocks: int
+    spec: QuantSpec
+
+
+@dataclass(frozen=True)
 class UnpackItem:
     """The argument of every unpack entry point: decode (`payload`, `scales`), packed with
     `spec`, into `field` of blocks `block_ids` of the region in `buffer`."""
@@ -39,3 +50,16 @@ class UnpackItem:
     spec: QuantSpec
     payload: torch.Tensor
     scales: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where one item's outputs lie in a call's two allocations: its payload bytes
+    `[payload_at, payload_at + payload_bytes)` of the uint8 payload, and its `scale_rows` x
+    `columns` scales from fp32 element `scales_at` (`columns` 0: no scales, raw and bf16)."""
+
+    payload_at: int
+    payload_bytes: int
+    scales_at: int
+    scale_rows: int
+    columns: int

@@ -32,7 +32,7 @@ from anchorkv.kernels.bits import (
     row_min,
     widen,
 )
-from anchorkv.kernels.items import PackItem
+from anchorkv.kernels.items import PackItem, PackTarget, Span
 from anchorkv.kernels.quant import FP8_MAX, INT4_LEVELS, INT8_MAX, POISON_SCALE_BITS
 
 # Globals a @triton.jit function reads must be constexprs (a GPU compile refuses plain floats).
@@ -231,7 +231,7 @@ class _Launch:
     __slots__ = ("members", "static", "cut", "n", "src", "align", "grid", "common", "pay_at",
                  "per_payload", "sc_at", "per_groups", "runs")
 
-    def __init__(self, items: Sequence[PackItem], members: list[int], n: int, pay_at: int,
+    def __init__(self, items: Sequence[PackItem | PackTarget], members: list[int], n: int, pay_at: int,
                  sc_at: int) -> None:
         first = items[members[0]]
         cut = batch.field_cut(first.field, first.spec)
@@ -262,29 +262,59 @@ class _Launch:
 class _Plan:
     """Everything about packing one list of items that does not depend on the block ids: the
     launches (items grouped by signature), their static table columns, alignment claims, launch
-    configurations and output offsets. Built once per distinct item list (`_plan_for`); a call
-    then only checks the ids, allocates the outputs, stages the tables and launches."""
+    configurations and where each item's outputs lie (`spans`). Built once per distinct item
+    list (`_plan_for`, or once per block count by a `kernels.PackSet`); a call then only
+    allocates the outputs, stages the tables and launches (`launch`)."""
 
-    def __init__(self, items: Sequence[PackItem], ids: list[tuple[int, ...]]) -> None:
+    def __init__(self, items: Sequence[PackItem | PackTarget], lens: Sequence[int]) -> None:
         self.device = items[0].buffer.device
         self.count = len(items)
-        keys = [batch.signature(it.buffer.device, it.field, i, it.spec)
-                for it, i in zip(items, ids, strict=True)]
+        keys = [batch.signature(it.buffer.device, it.field, n, it.spec)
+                for it, n in zip(items, lens, strict=True)]
         self.launches: list[_Launch] = []
+        spans: list = [None] * self.count
         pay, sc = 0, 0
         for members in batch.group_items(keys):
-            launch = _Launch(items, members, len(ids[members[0]]), pay, sc)
+            launch = _Launch(items, members, lens[members[0]], pay, sc)
             self.launches.append(launch)
+            cols = launch.cut.columns
+            for k, m in enumerate(members):
+                spans[m] = Span(pay + k * launch.per_payload, launch.per_payload,
+                                sc + k * launch.per_groups * cols, launch.per_groups if cols else 0, cols)
             # every launch's outputs start 16-byte aligned (wide stores, any payload dtype view)
             pay += -(-launch.payload_bytes // batch.VECTOR_BYTES) * batch.VECTOR_BYTES
             sc += -(-launch.scale_values // 4) * 4
         self.payload_bytes, self.scale_values = pay, sc
+        self.spans: tuple[Span, ...] = tuple(spans)
 
-    def run(self, ids: list[tuple[int, ...]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def launch(self, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pack the items' blocks `ids` (checked by the caller): the call's payload (uint8) and
+        scales (fp32) allocations, each item's part where `spans` says."""
         payload = torch.empty(self.payload_bytes, dtype=torch.uint8, device=self.device)
         scales = torch.empty(self.scale_values, dtype=torch.float32, device=self.device)
-        out: list = [None] * self.count
         staged, rows_of = [], []
+        for launch in self.launches:
+            if not launch.runs:
+                continue
+            rows: list[int] = []
+            for m, (origin, stride) in zip(launch.members, launch.static, strict=True):
+                rows += (origin, stride, *ids[m])
+            staged.append(launch)
+            rows_of.append((self.device, rows))
+        for launch, table in zip(staged, batch.stage_tables(rows_of), strict=True):
+            _pack_kernel[launch.grid](
+                src=launch.src,
+                tab=table,
+                payload=payload.narrow(0, launch.pay_at, launch.payload_bytes).view(
+                    batch.payload_dtype(launch.cut)),
+                scales=scales.narrow(0, launch.sc_at, launch.scale_values).view(torch.int32),
+                **launch.common,
+            )
+        return payload, scales
+
+    def views(self, payload: torch.Tensor, scales: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One (payload, scales) view per item of a `launch`'s outputs, in item order."""
+        out: list = [None] * self.count
         for launch in self.launches:
             cut, count = launch.cut, len(launch.members)
             pay = payload.narrow(0, launch.pay_at, launch.payload_bytes)
@@ -295,30 +325,20 @@ class _Plan:
                 scs = (sc.view(count, -1, cut.columns).unbind(0) if launch.per_groups
                        else [sc] * count)
             else:
-                sc = scales.new_empty(0, 0)
-                scs = [sc] * count
+                scs = [scales.new_empty(0, 0)] * count
             for m, p, s in zip(launch.members, pays, scs, strict=True):
                 out[m] = (p, s)
-            if launch.runs:
-                rows: list[int] = []
-                for m, (origin, stride) in zip(launch.members, launch.static, strict=True):
-                    rows += (origin, stride, *ids[m])
-                staged.append((launch, pay, sc))
-                rows_of.append((self.device, rows))
-        for (launch, pay, sc), table in zip(staged, batch.stage_tables(rows_of), strict=True):
-            _pack_kernel[launch.grid](
-                src=launch.src,
-                tab=table,
-                payload=pay.view(batch.payload_dtype(launch.cut)),
-                scales=sc.view(torch.int32),
-                **launch.common,
-            )
         return out
+
+    def run(self, ids: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`launch`, then its per-item views."""
+        return self.views(*self.launch(ids))
 
 
 #: Plans of the most recent item lists (see `batch.PlanCache`).
 PLAN_CACHE_SIZE = 8
-_plans: batch.PlanCache[_Plan] = batch.PlanCache(PLAN_CACHE_SIZE, _Plan)
+_plans: batch.PlanCache[_Plan] = batch.PlanCache(
+    PLAN_CACHE_SIZE, lambda items, ids: _Plan(items, [len(i) for i in ids]))
 
 
 def _plan_for(items: Sequence[PackItem], ids: list[tuple[int, ...]]) -> _Plan:

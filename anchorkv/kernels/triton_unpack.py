@@ -190,7 +190,7 @@ class _Launch:
 
 
 def _build(items: Sequence[UnpackItem], ids: list[tuple[int, ...]]) -> list[_Launch]:
-    keys = [batch.signature(it.buffer.device, it.field, i, it.spec)
+    keys = [batch.signature(it.buffer.device, it.field, len(i), it.spec)
             for it, i in zip(items, ids, strict=True)]
     return [_Launch(items, members, len(ids[members[0]])) for members in batch.group_items(keys)]
 

@@ -10,6 +10,7 @@ from anchorkv.codec import (
     CacheView,
     CodecSpec,
     Packed,
+    Packer,
     Region,
     available_codecs,
     get_codec,
@@ -216,6 +217,26 @@ def test_pack_many_and_unpack_many_equal_one_by_one(kimi_views, monkeypatch):
             unpack(p, exp_views[id(view)], field, ids)
         unpack_many([(p, view, field, ids) for p, (view, field), ids in batch])
         assert torch.equal(buf, expect)
+
+
+def test_packer_equals_pack_call_after_call(kimi_views, monkeypatch):
+    """`Packer` (what the connector saves with: fixed parts, block ids per slot) gives, call
+    after call, the `Packed` that `pack` gives part by part, a custom codec mixed in included,
+    before and after its bytes are moved to the host. (The Triton side of its `PackSet`:
+    tests/kernels/test_packset.py.)"""
+    monkeypatch.setattr(registry, "_codecs", dict(registry._codecs))
+    register_codec(HalfCodec)
+    _, kda, mla = kimi_views
+    parts = [(kda, "recurrent", "int8:128", 0), (kda, "conv", "fp8:64", 0), (mla, "latent", "fp8:whole", 1),
+             (kda, "recurrent", "test-half", 0), (mla, "latent", "int4:64", 1), (kda, "conv", "raw", 0)]
+    packer = Packer(parts)
+    assert len(packer) == 6
+    for ids in ([[1], [3, 4]], [(2,), (5,)], [[1], []]):
+        packed = packer.pack(ids)
+        for host in (packed, packed.to_host(pin=False)):
+            got = host.packed()
+            for p, (view, field, codec, slot) in zip(got, parts, strict=True):
+                assert _same(p, pack(view, field, ids[slot], codec)), (field, codec, ids)
 
 
 def test_unpack_many_checks_everything_before_writing(kimi_views):

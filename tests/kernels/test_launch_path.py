@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, CodecSpec, kimi_linear_layout
-from anchorkv.kernels import PackItem, UnpackItem, batch
+from anchorkv.kernels import PackItem, PackSet, PackTarget, UnpackItem, batch
 from anchorkv.kernels.strided import StridedField
 
 
@@ -96,7 +96,10 @@ def test_launch_path_never_synchronizes(tp):
             view.copy_(torch.randn(view.shape, device="cuda").to(strided.dtype))
             ids = [2] if str(layer.kind) == "state" else [4, 1, 3]
             items.append(PackItem(buf, strided, ids, blocks, CodecSpec("fp8", None)))
+    pack_set = PackSet([PackTarget(i.buffer, i.field, i.num_blocks, i.spec) for i in items],
+                       [0 if len(i.block_ids) == 1 else 1 for i in items])
     pack_many(items)  # compile outside the check
+    pack_set.pack([[2], [4, 1, 3]])
     torch.cuda.synchronize()
     with warnings.catch_warnings():  # torch warns that the mode is a prototype (torch 2.11)
         warnings.filterwarnings("ignore", "Synchronization debug mode is a prototype")
@@ -105,9 +108,14 @@ def test_launch_path_never_synchronizes(tp):
         packed = pack_many(items)
         unpack_many([UnpackItem(i.buffer, i.field, i.block_ids, i.num_blocks, i.spec, p, s)
                      for i, (p, s) in zip(items, packed, strict=True)])
+        host = pack_set.pack([[2], [4, 1, 3]]).to_host(pin=True)  # the connector's save step
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+    assert host.payload.is_pinned() and host.scales.is_pinned()
+    for k, (p, s) in enumerate(packed):
+        hp, hs = host.part(k)
+        assert torch.equal(hp, p.cpu()) and torch.equal(hs.view(torch.int32), s.cpu().view(torch.int32))
 
 
 def test_cuda_without_triton_names_the_extra(monkeypatch):

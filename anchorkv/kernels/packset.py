@@ -1,0 +1,150 @@
+"""`PackSet`: pack the same targets call after call, only the block ids changing.
+
+A connector packs the same (layer, field) pairs of its cache at every step that saves; what
+changes is which blocks. `pack_many` re-derives everything from its items on every call (keys,
+plan lookup, one output view per item); a `PackSet` fixes its targets once, so a call is: check
+the ids (once per slot), find the plan by the slots' lengths, stage the item tables, launch. Its
+result, a `PackedBatch`, is the call's two allocations (every payload in one uint8 tensor,
+every scale in one fp32 tensor) and where each target's part lies: it crosses to the host in two
+copies, and per-target views are made only when someone asks for them (on a writer thread, off
+the step's critical path).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from anchorkv.kernels import batch, reference
+from anchorkv.kernels.dispatch import backend_for
+from anchorkv.kernels.items import PackItem, PackTarget, Span
+
+#: Plans a `PackSet` keeps (one per distinct tuple of slot lengths; paged slots grow with the
+#: request, so a server sees a few dozen lengths, each plan a few kB).
+PLANS_PER_SET = 64
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """The outputs of one `PackSet.pack` call: all payloads in `payload` (uint8, 1-D), all
+    scales in `scales` (fp32, 1-D), target i's part at `spans[i]`."""
+
+    payload: torch.Tensor
+    scales: torch.Tensor
+    spans: tuple[Span, ...]
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def part(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target i's (payload uint8 `[bytes]`, scales fp32 `[rows, C]`), as `kernels.pack`
+        returns them; views of the batch's allocations."""
+        s = self.spans[i]
+        payload = self.payload.narrow(0, s.payload_at, s.payload_bytes)
+        if not s.columns:
+            return payload, self.scales.new_empty(0, 0)
+        return payload, self.scales.narrow(0, s.scales_at, s.scale_rows * s.columns).view(
+            s.scale_rows, s.columns)
+
+    def parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self.part(i) for i in range(len(self.spans))]
+
+    @property
+    def device(self) -> torch.device:
+        return self.payload.device
+
+    def to_host(self, *, pin: bool = True) -> PackedBatch:
+        """The batch in host memory: itself when it is there already, else two asynchronous
+        copies on the current stream (into page-locked memory with `pin`: a copy into pageable
+        memory would block the CPU until the stream drains). The host bytes are complete once
+        the stream has passed this point (record an event after it)."""
+        if self.payload.device.type == "cpu":
+            return self
+        return self.copy_to_host(pin=pin)
+
+    def copy_to_host(self, *, pin: bool) -> PackedBatch:
+        """`to_host` without the shortcut: always two new host tensors."""
+        payload = torch.empty(self.payload.shape, dtype=torch.uint8, pin_memory=pin)
+        scales = torch.empty(self.scales.shape, dtype=torch.float32, pin_memory=pin)
+        payload.copy_(self.payload, non_blocking=True)
+        scales.copy_(self.scales, non_blocking=True)
+        return PackedBatch(payload, scales, self.spans)
+
+
+class PackSet:
+    """Packs fixed targets; each call names the block ids of each *slot*, and target i reads
+    the ids of slot `slots[i]` (a connector: one slot per KV-cache group, whose layers share
+    their blocks).
+
+    All targets live on one device. On CUDA the Triton kernels run (one plan per distinct
+    tuple of slot lengths, kept while the set lives: regions stay aliased by the plan, so their
+    addresses are never reused); elsewhere the reference packs each target and the parts are
+    gathered into the batch's two allocations. Either way, part i equals
+    `kernels.pack(PackItem(target.buffer, target.field, ids, target.num_blocks, target.spec))`.
+    """
+
+    def __init__(self, targets: Sequence[PackTarget], slots: Sequence[int]) -> None:
+        self.targets = tuple(targets)
+        self.slots = tuple(slots)
+        if not self.targets:
+            raise ValueError("a PackSet needs at least one target")
+        if len(self.slots) != len(self.targets):
+            raise ValueError(f"one slot per target: {len(self.targets)} targets, {len(self.slots)} slots")
+        devices = {t.buffer.device for t in self.targets}
+        if len(devices) != 1:
+            raise ValueError(f"a PackSet's targets live on one device, found {sorted(map(str, devices))}; "
+                             "make one set per device")
+        self.device = devices.pop()
+        self.backend = backend_for(self.device)
+        if self.backend == "triton":
+            for t in self.targets:  # unsupported fields fail here, not at the first call
+                batch.field_cut(t.field, t.spec)
+        # ids are checked once per distinct (slot, num_blocks)
+        checks: dict[tuple[int, int], int] = {}
+        self._check_of = tuple(checks.setdefault((s, t.num_blocks), len(checks))
+                               for s, t in zip(self.slots, self.targets, strict=True))
+        self._checks = tuple(checks)
+        self._plans: OrderedDict[tuple[int, ...], object] = OrderedDict()
+
+    def pack(self, ids_by_slot: Sequence) -> PackedBatch:
+        """Pack every target's blocks `ids_by_slot[slot]` (lists, tuples or CPU tensors of
+        ints; ids on a GPU cost a host synchronization)."""
+        need = max(self.slots) + 1
+        if len(ids_by_slot) < need:
+            raise ValueError(f"block ids for {need} slots are needed, found {len(ids_by_slot)}")
+        checked = [batch.check_ids(ids_by_slot[s], n) for s, n in self._checks]
+        ids = [checked[k] for k in self._check_of]
+        if self.backend != "triton":
+            return self._reference(ids)
+        key = tuple(len(i) for i in checked)  # the targets' lengths follow from these
+        plan = self._plans.get(key)
+        if plan is None:
+            from anchorkv.kernels.triton_pack import _Plan
+
+            plan = self._plans[key] = _Plan(self.targets, [len(i) for i in ids])
+            if len(self._plans) > PLANS_PER_SET:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        payload, scales = plan.launch(ids)  # type: ignore[attr-defined]
+        return PackedBatch(payload, scales, plan.spans)  # type: ignore[attr-defined]
+
+    def _reference(self, ids: list[tuple[int, ...]]) -> PackedBatch:
+        parts = [reference.pack(PackItem(t.buffer, t.field, i, t.num_blocks, t.spec))
+                 for t, i in zip(self.targets, ids, strict=True)]
+        spans, pay, sc = [], 0, 0
+        for p, s in parts:
+            rows, cols = (s.shape[0], s.shape[1]) if s.dim() == 2 else (0, 0)
+            spans.append(Span(pay, p.numel(), sc, rows if cols else 0, cols))
+            pay += p.numel()
+            sc += rows * cols
+        payload = torch.empty(pay, dtype=torch.uint8, device=self.device)
+        scales = torch.empty(sc, dtype=torch.float32, device=self.device)
+        for (p, s), span in zip(parts, spans, strict=True):
+            payload.narrow(0, span.payload_at, span.payload_bytes).copy_(p.reshape(-1))
+            if span.columns:
+                scales.narrow(0, span.scales_at, span.scale_rows * span.columns).copy_(s.reshape(-1))
+        return PackedBatch(payload, scales, tuple(spans))

@@ -1,0 +1,154 @@
+"""`kernels.PackSet`: fixed targets packed call after call into one `PackedBatch`; every part
+byte-identical to `reference.pack` of the same item, on the Triton path (interpreter on CPU) and
+the reference path, whatever the block ids and their counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anchorkv.codec import CodecSpec
+from anchorkv.kernels import PackedBatch, PackItem, PackSet, PackTarget, packset, reference
+from anchorkv.kernels.strided import StridedField
+from tests.kernels.test_batched import BLOCKS, _page, _regions
+
+pytestmark = pytest.mark.interpreter
+
+CODEC_SETS = [("int8:16", "int8:32", "fp8:64"), ("raw", "int4:32", "int4:64"), ("fp8:8", "raw", "bf16")]
+
+
+def _set(regions, codecs):
+    """conv and recurrent of every region read slot 0 (a state group), latents of the odd
+    regions slot 1 (a paged group)."""
+    conv, recurrent, latent = _page()
+    targets, slots = [], []
+    for i, buf in enumerate(regions):
+        targets += [PackTarget(buf, conv, BLOCKS, CodecSpec.parse(codecs[0])),
+                    PackTarget(buf, recurrent, BLOCKS, CodecSpec.parse(codecs[1]))]
+        slots += [0, 0]
+        if i % 2:
+            targets.append(PackTarget(buf, latent, BLOCKS, CodecSpec.parse(codecs[2])))
+            slots.append(1)
+    return targets, slots
+
+
+def _assert_parts_equal_reference(batch: PackedBatch, targets, slots, ids) -> None:
+    assert len(batch) == len(targets)
+    for k, (t, s) in enumerate(zip(targets, slots, strict=True)):
+        payload, scales = batch.part(k)
+        want_p, want_s = reference.pack(PackItem(t.buffer, t.field, ids[s], t.num_blocks, t.spec))
+        assert torch.equal(payload, want_p), f"target {k} ({t.spec}): payload differs"
+        assert scales.shape == want_s.shape and torch.equal(scales.view(torch.int32), want_s.view(torch.int32)), \
+            f"target {k} ({t.spec}): scales differ"
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("codecs", CODEC_SETS, ids="-".join)
+def test_every_part_equals_the_reference_call_after_call(monkeypatch, backend, codecs):
+    monkeypatch.setenv("ANCHORKV_BACKEND", backend)
+    regions = _regions(4, seed=2)
+    before = [r.clone() for r in regions]
+    targets, slots = _set(regions, codecs)
+    ps = PackSet(targets, slots)
+    assert ps.backend == backend
+    # the counts change between calls (a new plan), come back (a reused one), and drop to 0
+    for ids in ([(1,), (5, 3, 4)], [(2,), (4,)], [(0,), (3, 5, 4)], [(1,), ()], [[2], torch.tensor([5, 3])]):
+        _assert_parts_equal_reference(ps.pack(ids), targets, slots, ids)
+    assert all(torch.equal(a, b) for a, b in zip(regions, before, strict=True)), "a source byte changed"
+    if backend == "triton":
+        assert len(ps._plans) == 4  # slot lengths (1, 3), (1, 1), (1, 0), (1, 2)
+
+
+def test_a_plan_per_length_tuple_is_reused_and_the_oldest_evicted(monkeypatch):
+    monkeypatch.setenv("ANCHORKV_BACKEND", "triton")
+    monkeypatch.setattr(packset, "PLANS_PER_SET", 2)
+    from anchorkv.kernels import triton_pack
+
+    built = []
+    real = triton_pack._Plan
+
+    def counting(targets, lens):
+        built.append(tuple(lens))  # one length per target
+        return real(targets, lens)
+
+    monkeypatch.setattr(triton_pack, "_Plan", counting)
+    targets, slots = _set(_regions(2, seed=3), CODEC_SETS[0])
+    ps = PackSet(targets, slots)
+    for ids in ([(1,), (3,)], [(2,), (4,)], [(1,), (3, 4)], [(0,), (5,)], [(0,), (3, 4, 5)], [(1,), (3,)]):
+        ps.pack(ids)
+    # (1,1) built, then reused (its use makes (1,2) the oldest); (1,3) evicts (1,2); (1,1) is kept
+    assert [lens[-1] for lens in built] == [1, 2, 3]
+    ps.pack([(1,), (3, 4)])  # (1,2) again: rebuilt, evicting (1,3)
+    assert [lens[-1] for lens in built] == [1, 2, 3, 2]
+    assert list(ps._plans) == [(1, 1), (1, 2)]  # keyed by the slots' lengths
+
+
+def test_batch_buffers_and_views():
+    """Parts are views of the batch's two allocations, at 16-byte aligned launch starts."""
+    targets, slots = _set(_regions(2, seed=4), CODEC_SETS[0])
+    batch = PackSet(targets, slots).pack([(1,), (3, 4)])
+    assert batch.payload.dim() == 1 and batch.payload.dtype == torch.uint8
+    assert batch.scales.dim() == 1 and batch.scales.dtype == torch.float32
+    for k in range(len(batch)):
+        payload, scales = batch.part(k)
+        assert payload.untyped_storage().data_ptr() == batch.payload.untyped_storage().data_ptr()
+        if scales.numel():
+            assert scales.untyped_storage().data_ptr() == batch.scales.untyped_storage().data_ptr()
+    assert [p for p, _ in batch.parts()][0].numel() == batch.spans[0].payload_bytes
+
+
+def test_copy_to_host_is_two_copies_of_exact_bytes(monkeypatch):
+    targets, slots = _set(_regions(2, seed=5), CODEC_SETS[0])
+    batch = PackSet(targets, slots).pack([(2,), (5, 4)])
+    copies = []
+    real_copy = torch.Tensor.copy_
+
+    def counting(self, src, non_blocking=False):
+        copies.append(non_blocking)
+        return real_copy(self, src, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counting)
+    host = batch.copy_to_host(pin=False)
+    assert copies == [True, True], "one non_blocking copy per allocation"
+    assert host.payload.data_ptr() != batch.payload.data_ptr()
+    assert torch.equal(host.payload, batch.payload) and torch.equal(host.scales.view(torch.int32),
+                                                                    batch.scales.view(torch.int32))
+    for (p, s), (hp, hs) in zip(batch.parts(), host.parts(), strict=True):
+        assert torch.equal(p, hp) and torch.equal(s.view(torch.int32), hs.view(torch.int32))
+    assert batch.to_host() is batch  # already on the host: no copy
+
+
+def test_ids_are_checked_once_per_slot_and_blocks(monkeypatch):
+    from anchorkv.kernels import batch as batch_module
+
+    calls = []
+    real = batch_module.check_ids
+    monkeypatch.setattr(batch_module, "check_ids", lambda ids, n, **kw: calls.append(n) or real(ids, n, **kw))
+    targets, slots = _set(_regions(4, seed=6), CODEC_SETS[0])
+    PackSet(targets, slots).pack([(1,), (3,)])
+    assert calls == [BLOCKS, BLOCKS]  # 10 targets, 2 slots
+
+
+@pytest.mark.parametrize("ids, error, match", [
+    ([(1,)], ValueError, r"block ids for 2 slots are needed, found 1"),
+    ([(1,), (6,)], IndexError, r"block ids must lie in \[0, 6\), found min 6 and max 6"),
+])
+def test_bad_ids_are_refused_with_the_reason(ids, error, match):
+    targets, slots = _set(_regions(2, seed=7), CODEC_SETS[0])
+    with pytest.raises(error, match=match):
+        PackSet(targets, slots).pack(ids)
+
+
+def test_bad_sets_are_refused_with_the_reason(monkeypatch):
+    targets, slots = _set(_regions(2, seed=8), CODEC_SETS[0])
+    with pytest.raises(ValueError, match="at least one target"):
+        PackSet([], [])
+    with pytest.raises(ValueError, match="one slot per target: 5 targets, 4 slots"):
+        PackSet(targets, slots[:-1])
+    meta = PackTarget(torch.empty(64, dtype=torch.uint8, device="meta"), targets[0].field, 1, targets[0].spec)
+    with pytest.raises(ValueError, match=r"one device, found \['cpu', 'meta'\]; make one set per device"):
+        PackSet([targets[0], meta], [0, 0])
+    monkeypatch.setenv("ANCHORKV_BACKEND", "triton")
+    odd = StridedField(torch.bfloat16, (4, 6), (6, 1), 0, 64)
+    with pytest.raises(ValueError, match="even group size, found 3"):  # at construction, not per call
+        PackSet([PackTarget(torch.zeros(128, dtype=torch.uint8), odd, 2, CodecSpec("int4", 3))], [0])
