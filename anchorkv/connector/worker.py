@@ -1,8 +1,10 @@
 """Worker side: pack saves out of the cache, restore loads into it, on background threads.
 
-Saves: `wait_for_save` runs the pack kernels (on CUDA, on a side stream ordered after the
-forward pass by an event: no host sync in the forward pass), then a background thread copies
-the packed bytes to host memory and writes this rank's part of the entry to the store.
+Saves: `wait_for_save` runs the pack kernels through a `codec.Packer` of every (layer, field)
+the worker saves, built once (on CUDA, on a side stream ordered after the forward pass: no host
+sync in the forward pass), and queues two asynchronous copies of the packed bytes (one payload
+and one scales allocation) to pinned host memory; a background thread then cuts them into parts
+and writes this rank's part of the entry to the store.
 Loads: every chunk a request needs is read and verified *before* a single cache byte is
 written, then unpacked into exactly the request's blocks, and the rows past the entry's end in
 its last paged block are zeroed. Async loads run on a background thread; a load that fails or

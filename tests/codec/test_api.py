@@ -239,6 +239,28 @@ def test_packer_equals_pack_call_after_call(kimi_views, monkeypatch):
                 assert _same(p, pack(view, field, ids[slot], codec)), (field, codec, ids)
 
 
+def test_stage_to_device_moves_every_tensor_in_one_copy(monkeypatch):
+    """A restore's host parts reach the GPU through one staging buffer and one copy: exact
+    bytes, each tensor's dtype and shape, 16-byte aligned starts (run here host to host)."""
+    from anchorkv.codec.api import stage_to_device
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randint(0, 256, (37,), dtype=torch.uint8, generator=g),
+               torch.randn(5, 2, generator=g), torch.empty(0, 0),
+               torch.randn(3, 4, generator=g).t(),  # not contiguous
+               torch.randint(0, 256, (16,), dtype=torch.uint8, generator=g)]
+    moves = []
+    real_to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **kw: moves.append((a, kw)) or real_to(self, *a, **kw))
+    out = stage_to_device(tensors, "cpu", pin=False)
+    assert moves == [(("cpu",), {"non_blocking": True})]
+    for t, o in zip(tensors, out, strict=True):
+        assert o.dtype == t.dtype and o.shape == t.shape and torch.equal(o, t)
+        assert o.data_ptr() % 16 == 0 or not o.numel()
+    base = out[0].untyped_storage().data_ptr()
+    assert all(o.untyped_storage().data_ptr() == base for o in out if o.numel())
+
+
 def test_unpack_many_checks_everything_before_writing(kimi_views):
     buf, kda, mla = kimi_views
     before = buf.clone()

@@ -1,7 +1,7 @@
 """The worker's CUDA path: save (Triton pack on a side stream, pinned host copies) into a
 store, then a fresh worker restores into other blocks of CUDA regions; every byte checked
-(`anchorkv.demo.cycle`). CUDA only: the CPU path of the same cycle runs in the demo
-and in tests/connector."""
+(`anchorkv.demo.cycle`); a restore's host parts reach the GPU without a host synchronization.
+CUDA only: the CPU path of the same cycle runs in the demo and in tests/connector."""
 
 from __future__ import annotations
 
@@ -23,3 +23,39 @@ def test_cuda_save_then_restore_into_other_blocks(tmp_path, codec):
     restored = demo_cycle.restore(store, codec, seed=3, device="cuda")
     assert restored["ok"], restored
     assert restored["stray_bytes"] == 0
+
+
+def test_restore_parts_from_the_host_unpack_without_a_host_synchronization():
+    """A restore's parts (host `Packed`s, as the store returns them) unpack into CUDA views
+    through one staging copy, with no host synchronization, byte-identical to the same unpack
+    on the CPU."""
+    import warnings
+
+    from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, CacheView, Region, kimi_linear_layout, pack_many, unpack_many
+
+    layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=8)
+    page = layout.layers[0].page.page_bytes
+    buf = torch.zeros(6 * page, dtype=torch.int8)
+    kda = CacheView(Region(buf, 6, page), layout.layers[0].page, "kda")
+    mla = CacheView(Region(buf, 6, page), layout.layers[3].page, "mla")
+    g = torch.Generator().manual_seed(3)
+    kda.tensor("recurrent")[1:3] = torch.randn(2, 4, 128, 128, generator=g)
+    kda.tensor("conv")[1:3] = torch.randn(2, 3, 3, 512, generator=g).bfloat16()
+    mla.tensor("latent")[3:6] = torch.randn(3, 256, 576, generator=g).bfloat16()
+    requests = [(kda, "recurrent", [1], "int8:128"), (kda, "conv", [2], "fp8:64"), (mla, "latent", [3, 4], "raw")]
+    packed = pack_many(requests)
+    targets = [[4], [0], [1, 5]]
+    gpu = buf.cuda()
+    views = {id(v): CacheView(Region(gpu, 6, page), v.page, v.name) for v in (kda, mla)}
+    work = [(p, views[id(v)], f, t) for p, (v, f, _, _), t in zip(packed, requests, targets, strict=True)]
+    unpack_many(work)  # compile outside the check
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():  # torch warns that the mode is a prototype
+        warnings.filterwarnings("ignore", "Synchronization debug mode is a prototype")
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        unpack_many(work)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    unpack_many([(p, v, f, t) for p, (v, f, _, _), t in zip(packed, requests, targets, strict=True)])
+    assert torch.equal(gpu.cpu(), buf)
