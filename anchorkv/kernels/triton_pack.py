@@ -290,38 +290,45 @@ class _Plan:
     def launch(self, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pack the items' blocks `ids` (checked by the caller): the call's payload (uint8) and
         scales (fp32) allocations, each item's part where `spans` says."""
+        payload, scales, _ = self._launch(ids)
+        return payload, scales
+
+    def _launch(self, ids: Sequence[Sequence[int]]):
+        """`launch`, plus each launch's (payload, scales) slices (for `run`'s views)."""
         payload = torch.empty(self.payload_bytes, dtype=torch.uint8, device=self.device)
         scales = torch.empty(self.scale_values, dtype=torch.float32, device=self.device)
-        staged, rows_of = [], []
+        sliced, staged, rows_of = [], [], []
         for launch in self.launches:
+            pay = payload.narrow(0, launch.pay_at, launch.payload_bytes)
+            sc = scales.narrow(0, launch.sc_at, launch.scale_values)
+            sliced.append((pay, sc))
             if not launch.runs:
                 continue
             rows: list[int] = []
             for m, (origin, stride) in zip(launch.members, launch.static, strict=True):
                 rows += (origin, stride, *ids[m])
-            staged.append(launch)
+            staged.append((launch, pay, sc))
             rows_of.append((self.device, rows))
-        for launch, table in zip(staged, batch.stage_tables(rows_of), strict=True):
+        for (launch, pay, sc), table in zip(staged, batch.stage_tables(rows_of), strict=True):
             _pack_kernel[launch.grid](
                 src=launch.src,
                 tab=table,
-                payload=payload.narrow(0, launch.pay_at, launch.payload_bytes).view(
-                    batch.payload_dtype(launch.cut)),
-                scales=scales.narrow(0, launch.sc_at, launch.scale_values).view(torch.int32),
+                payload=pay.view(batch.payload_dtype(launch.cut)),
+                scales=sc.view(torch.int32),
                 **launch.common,
             )
-        return payload, scales
+        return payload, scales, sliced
 
-    def views(self, payload: torch.Tensor, scales: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One (payload, scales) view per item of a `launch`'s outputs, in item order."""
+    def run(self, ids: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`launch`, then one (payload, scales) view per item, in item order."""
+        _, scales, sliced = self._launch(ids)
         out: list = [None] * self.count
-        for launch in self.launches:
+        for launch, (pay, sc) in zip(self.launches, sliced, strict=True):
             cut, count = launch.cut, len(launch.members)
-            pay = payload.narrow(0, launch.pay_at, launch.payload_bytes)
             # one view per item; `unbind` makes them in one call (`split` costs ~1.5 us a view)
             pays = pay.view(count, -1).unbind(0) if launch.per_payload else [pay] * count
             if cut.columns:
-                sc = scales.narrow(0, launch.sc_at, launch.scale_values).view(-1, cut.columns)
+                sc = sc.view(-1, cut.columns)
                 scs = (sc.view(count, -1, cut.columns).unbind(0) if launch.per_groups
                        else [sc] * count)
             else:
@@ -329,10 +336,6 @@ class _Plan:
             for m, p, s in zip(launch.members, pays, scs, strict=True):
                 out[m] = (p, s)
         return out
-
-    def run(self, ids: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """`launch`, then its per-item views."""
-        return self.views(*self.launch(ids))
 
 
 #: Plans of the most recent item lists (see `batch.PlanCache`).
