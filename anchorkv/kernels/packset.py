@@ -79,7 +79,9 @@ class PackSet:
     the ids of slot `slots[i]` (a connector: one slot per KV-cache group, whose layers share
     their blocks).
 
-    All targets live on one device. On CUDA the Triton kernels run (one plan per distinct
+    All targets live on one device, and the backend is chosen when the set is made
+    (`dispatch.backend_for`, `ANCHORKV_BACKEND` read then, not per call). On CUDA the Triton
+    kernels run (one plan per distinct
     tuple of slot lengths, kept while the set lives: regions stay aliased by the plan, so their
     addresses are never reused); elsewhere the reference packs each target and the parts are
     gathered into the batch's two allocations. Either way, part i equals
