@@ -20,6 +20,7 @@ from anchorkv.codec.packed import Packed
 from anchorkv.codec.registry import QuantCodec, get_codec
 from anchorkv.codec.spec import CodecSpec
 from anchorkv.kernels import reference
+from anchorkv.kernels.packset import host_copy
 
 
 def _ids(block_ids, device: torch.device) -> torch.Tensor:
@@ -190,8 +191,8 @@ class Packer:
         synchronization)."""
         quant = self._set.pack(ids_by_slot) if self._set is not None else None
         custom = {i: pack(view, field, ids_by_slot[slot], spec) for i, view, field, spec, slot in self._custom}
-        counts = tuple(len(ids_by_slot[m.slot]) for m in self.metas)
-        return PackedParts(self.metas, counts, quant, custom)
+        lens = tuple(len(ids) for ids in ids_by_slot)
+        return PackedParts(self.metas, lens, quant, custom)
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,7 @@ class PackedParts:
     (two allocations), the custom codecs' as `Packed`; `packed()` lists every part in order."""
 
     metas: tuple[_PartMeta, ...]
-    counts: tuple[int, ...]  # blocks packed, per part
+    slot_lens: tuple[int, ...]  # blocks packed, per slot
     quant: kernels.PackedBatch | None
     custom: dict[int, Packed]
 
@@ -211,17 +212,17 @@ class PackedParts:
         quant = self.quant.to_host(pin=pin) if self.quant is not None else None
         custom = {i: p if p.payload.device.type == "cpu" else _host_copy(p, pin)
                   for i, p in self.custom.items()}
-        return PackedParts(self.metas, self.counts, quant, custom)
+        return PackedParts(self.metas, self.slot_lens, quant, custom)
 
     def packed(self) -> list[Packed]:
         out = []
-        for i, (meta, n) in enumerate(zip(self.metas, self.counts, strict=True)):
+        for i, meta in enumerate(self.metas):
             if meta.quant is None:
                 out.append(self.custom[i])
                 continue
             assert self.quant is not None
             payload, scales = self.quant.part(meta.quant)
-            out.append(Packed(meta.spec, (n, *meta.shape), meta.dtype, payload, scales))
+            out.append(Packed(meta.spec, (self.slot_lens[meta.slot], *meta.shape), meta.dtype, payload, scales))
         return out
 
 
@@ -252,8 +253,4 @@ def stage_to_device(tensors: Sequence[torch.Tensor], device: torch.device | str,
 
 
 def _host_copy(p: Packed, pin: bool) -> Packed:
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and t.numel() > 0)
-        return out.copy_(t, non_blocking=True) if t.numel() else out
-
-    return Packed(p.codec, p.shape, p.dtype, copy(p.payload), copy(p.scales.contiguous()))
+    return Packed(p.codec, p.shape, p.dtype, host_copy(p.payload, pin=pin), host_copy(p.scales, pin=pin))

@@ -17,7 +17,7 @@ import functools
 import math
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -260,23 +260,35 @@ class PlanCache(Generic[P]):
 
     A plan holds aliases of its regions (so an address in a key can never be reused by another
     allocation while the plan lives); a connector packs the same few lists every step, so a
-    handful is enough. The key is `plan_key`; `build(items, ids)` makes a missing plan.
+    handful is enough. `get` keys by `plan_key` and makes a missing plan with
+    `build(items, ids)`; `find` takes any key and a maker (a `PackSet` keys by slot lengths).
     """
 
-    def __init__(self, size: int, build: Callable[[Sequence, list[tuple[int, ...]]], P]) -> None:
+    def __init__(self, size: int, build: Callable[[Sequence, list[tuple[int, ...]]], P] | None = None) -> None:
         self.size, self.build = size, build
-        self._plans: OrderedDict[_HashedKey, P] = OrderedDict()
+        self._plans: OrderedDict[Hashable, P] = OrderedDict()
 
     def get(self, items: Sequence, ids: list[tuple[int, ...]]) -> P:
-        key = _HashedKey(plan_key(items, ids))
+        """The plan of `items` with block ids `ids`, keyed by `plan_key`, built with `build`."""
+        assert self.build is not None, "get() needs the cache's build function"
+        build = self.build
+        return self.find(_HashedKey(plan_key(items, ids)), lambda: build(items, ids))
+
+    def find(self, key: Hashable, make: Callable[[], P]) -> P:
+        """The plan under `key`, made by `make()` when missing (the least recently used plan
+        goes when there are more than `size`)."""
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self.build(items, ids)
+            plan = self._plans[key] = make()
             if len(self._plans) > self.size:
                 self._plans.popitem(last=False)
         else:
             self._plans.move_to_end(key)
         return plan
+
+    def keys(self) -> list:
+        """The keys held, least recently used first."""
+        return list(self._plans)
 
     def newest(self) -> P | None:
         """The most recently used plan (diagnostics: `benchmarks.profile_kernels`)."""

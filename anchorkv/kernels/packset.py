@@ -12,7 +12,6 @@ the step's critical path).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,10 +51,6 @@ class PackedBatch:
     def parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [self.part(i) for i in range(len(self.spans))]
 
-    @property
-    def device(self) -> torch.device:
-        return self.payload.device
-
     def to_host(self, *, pin: bool = True) -> PackedBatch:
         """The batch in host memory: itself when it is there already, else two asynchronous
         copies on the current stream (into page-locked memory with `pin`: a copy into pageable
@@ -67,11 +62,14 @@ class PackedBatch:
 
     def copy_to_host(self, *, pin: bool) -> PackedBatch:
         """`to_host` without the shortcut: always two new host tensors."""
-        payload = torch.empty(self.payload.shape, dtype=torch.uint8, pin_memory=pin)
-        scales = torch.empty(self.scales.shape, dtype=torch.float32, pin_memory=pin)
-        payload.copy_(self.payload, non_blocking=True)
-        scales.copy_(self.scales, non_blocking=True)
-        return PackedBatch(payload, scales, self.spans)
+        return PackedBatch(host_copy(self.payload, pin=pin), host_copy(self.scales, pin=pin), self.spans)
+
+
+def host_copy(t: torch.Tensor, *, pin: bool) -> torch.Tensor:
+    """A host copy of `t`, made asynchronously on the current stream into page-locked memory
+    with `pin` (an empty tensor is never pinned nor copied)."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and t.numel() > 0)
+    return out.copy_(t, non_blocking=True) if t.numel() else out
 
 
 class PackSet:
@@ -109,7 +107,7 @@ class PackSet:
         self._check_of = tuple(checks.setdefault((s, t.num_blocks), len(checks))
                                for s, t in zip(self.slots, self.targets, strict=True))
         self._checks = tuple(checks)
-        self._plans: OrderedDict[tuple[int, ...], object] = OrderedDict()
+        self._plans: batch.PlanCache = batch.PlanCache(PLANS_PER_SET)
 
     def pack(self, ids_by_slot: Sequence) -> PackedBatch:
         """Pack every target's blocks `ids_by_slot[slot]` (lists, tuples or CPU tensors of
@@ -121,18 +119,13 @@ class PackSet:
         ids = [checked[k] for k in self._check_of]
         if self.backend != "triton":
             return self._reference(ids)
-        key = tuple(len(i) for i in checked)  # the targets' lengths follow from these
-        plan = self._plans.get(key)
-        if plan is None:
-            from anchorkv.kernels.triton_pack import _Plan
+        from anchorkv.kernels.triton_pack import _Plan
 
-            plan = self._plans[key] = _Plan(self.targets, [len(i) for i in ids])
-            if len(self._plans) > PLANS_PER_SET:
-                self._plans.popitem(last=False)
-        else:
-            self._plans.move_to_end(key)
-        payload, scales = plan.launch(ids)  # type: ignore[attr-defined]
-        return PackedBatch(payload, scales, plan.spans)  # type: ignore[attr-defined]
+        # keyed by the slots' lengths: the targets' lengths follow from them
+        plan = self._plans.find(tuple(len(i) for i in checked),
+                                lambda: _Plan(self.targets, [len(i) for i in ids]))
+        payload, scales = plan.launch(ids)
+        return PackedBatch(payload, scales, plan.spans)
 
     def _reference(self, ids: list[tuple[int, ...]]) -> PackedBatch:
         parts = [reference.pack(PackItem(t.buffer, t.field, i, t.num_blocks, t.spec))

@@ -25,8 +25,9 @@ from anchorkv.codec import (
 from anchorkv.kernels import dispatch
 
 
-@pytest.fixture
-def kimi_views():
+def make_kimi_views():
+    """A tp=8 Kimi-Linear region on the CPU with one KDA and one MLA view over the same bytes,
+    finite values in blocks 1-2 (KDA) and 3-5 (MLA): (buffer, kda view, mla view)."""
     layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=8)
     page = layout.layers[0].page.page_bytes
     buf = torch.zeros(6 * page, dtype=torch.int8)
@@ -37,6 +38,11 @@ def kimi_views():
     kda.tensor("conv")[1:3] = torch.randn(2, 3, 3, 512, generator=g).bfloat16()
     mla.tensor("latent")[3:6] = torch.randn(3, 256, 576, generator=g).bfloat16()
     return buf, kda, mla
+
+
+@pytest.fixture
+def kimi_views():
+    return make_kimi_views()
 
 
 @pytest.mark.parametrize("field,src,dst", [("recurrent", [1], [4]), ("conv", [2, 1], [0, 5])])

@@ -31,17 +31,11 @@ def test_restore_parts_from_the_host_unpack_without_a_host_synchronization():
     on the CPU."""
     import warnings
 
-    from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, CacheView, Region, kimi_linear_layout, pack_many, unpack_many
+    from anchorkv.codec import CacheView, Region, pack_many, unpack_many
+    from tests.codec.test_api import make_kimi_views
 
-    layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=8)
-    page = layout.layers[0].page.page_bytes
-    buf = torch.zeros(6 * page, dtype=torch.int8)
-    kda = CacheView(Region(buf, 6, page), layout.layers[0].page, "kda")
-    mla = CacheView(Region(buf, 6, page), layout.layers[3].page, "mla")
-    g = torch.Generator().manual_seed(3)
-    kda.tensor("recurrent")[1:3] = torch.randn(2, 4, 128, 128, generator=g)
-    kda.tensor("conv")[1:3] = torch.randn(2, 3, 3, 512, generator=g).bfloat16()
-    mla.tensor("latent")[3:6] = torch.randn(3, 256, 576, generator=g).bfloat16()
+    buf, kda, mla = make_kimi_views()
+    page = kda.region.block_stride
     requests = [(kda, "recurrent", [1], "int8:128"), (kda, "conv", [2], "fp8:64"), (mla, "latent", [3, 4], "raw")]
     packed = pack_many(requests)
     targets = [[4], [0], [1, 5]]

@@ -80,7 +80,7 @@ def test_a_plan_per_length_tuple_is_reused_and_the_oldest_evicted(monkeypatch):
     assert [lens[-1] for lens in built] == [1, 2, 3]
     ps.pack([(1,), (3, 4)])  # (1,2) again: rebuilt, evicting (1,3)
     assert [lens[-1] for lens in built] == [1, 2, 3, 2]
-    assert list(ps._plans) == [(1, 1), (1, 2)]  # keyed by the slots' lengths
+    assert ps._plans.keys() == [(1, 1), (1, 2)]  # keyed by the slots' lengths
 
 
 def test_batch_buffers_and_views():
