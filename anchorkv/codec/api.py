@@ -16,7 +16,7 @@ import torch
 
 from anchorkv import kernels
 from anchorkv.codec.layout import CacheView
-from anchorkv.codec.packed import Packed
+from anchorkv.codec.packed import Packed, may_hold_nan
 from anchorkv.codec.registry import QuantCodec, get_codec
 from anchorkv.codec.spec import CodecSpec
 from anchorkv.kernels import reference
@@ -213,6 +213,14 @@ class PackedParts:
         custom = {i: p if p.payload.device.type == "cpu" else _host_copy(p, pin)
                   for i, p in self.custom.items()}
         return PackedParts(self.metas, self.slot_lens, quant, custom)
+
+    def may_hold_nan(self) -> bool:
+        """False only when no part has a poisoned group (`Packed.poisoned_groups` would be 0
+        for each): one reduction over the batch's scales instead of a count per part. True may
+        be a false alarm; count the parts then."""
+        if self.quant is not None and may_hold_nan(self.quant.scales):
+            return True
+        return any(may_hold_nan(p.scales) for p in self.custom.values())
 
     def packed(self) -> list[Packed]:
         out = []

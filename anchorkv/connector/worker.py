@@ -173,7 +173,7 @@ class WorkerSide:
         for (layer, fname, kind), p in zip(keys, packed.packed(), strict=True):
             if kind is GroupKind.PAGED:
                 p = p.reshape(p.shape[0] * p.shape[1], *p.shape[2:]).narrow(0, spec.num_tokens)
-            out[(layer, fname)] = p.to("cpu")  # no copy when already on the host
+            out[(layer, fname)] = p.to("cpu") if p.payload.is_cuda else p  # (`_pack` copied them)
         return out
 
     def _write(self, spec: SaveSpec, packed: PackedParts, ready: Any) -> None:
@@ -182,7 +182,8 @@ class WorkerSide:
             if ready is not None:
                 ready.synchronize()  # the pinned host copies are complete
             host = self._host_parts(spec, packed)
-            poisoned = sum(p.poisoned_groups() for p in host.values())
+            # one reduction over the batch; a count per (trimmed) part only if it finds a NaN
+            poisoned = sum(p.poisoned_groups() for p in host.values()) if packed.may_hold_nan() else 0
             if poisoned:
                 log.warning("anchorkv: request %s has %d groups with NaN/Inf state; not saved",
                             spec.req_id, poisoned)

@@ -99,6 +99,27 @@ def test_poisoned_groups_are_counted(kimi_views):
     assert pack(kda, "recurrent", [2], "int8").poisoned_groups() == 0
 
 
+def test_nan_check_never_misses_and_its_false_alarm_counts_zero():
+    """`may_hold_nan` (one reduction) is True whenever a NaN is present, and its false alarm (a
+    sum of +Inf and -Inf) only sends `poisoned_groups` to the exact count."""
+    from anchorkv.codec.packed import may_hold_nan
+
+    scales = torch.rand(1000, 2) + 0.5
+    assert not may_hold_nan(scales) and not may_hold_nan(torch.empty(0, 1))
+    for at in (0, 777, 1999):
+        s = scales.clone()
+        s.view(-1)[at] = float("nan")
+        assert may_hold_nan(s)
+    s = scales.clone()
+    s[3, 0], s[4, 1] = float("inf"), float("-inf")
+    assert may_hold_nan(s)
+    packed = Packed(CodecSpec("int4", 32), (1, 1000 * 32), torch.float32,
+                    torch.zeros(1000 * 16, dtype=torch.uint8), s)
+    assert packed.poisoned_groups() == 0
+    s[9, 0] = float("nan")
+    assert packed.poisoned_groups() == 1
+
+
 @pytest.mark.parametrize("text,spec", [
     ("fp8", CodecSpec("fp8", 128)), ("int8:64", CodecSpec("int8", 64)),
     ("fp8:whole", CodecSpec("fp8", None)), (" int4:32 ", CodecSpec("int4", 32)),
