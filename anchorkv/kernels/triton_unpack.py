@@ -21,8 +21,9 @@ import triton.language as tl
 from anchorkv.kernels import batch
 from anchorkv.kernels.bits import FMT_BF16, FMT_FP8, FMT_INT4, FMT_RAW, fp8_decode, narrow, widen
 from anchorkv.kernels.items import UnpackItem
+from anchorkv.kernels.launch import Launcher
 from anchorkv.kernels.quant import Quant
-from anchorkv.kernels.triton_pack import PLAN_CACHE_SIZE, field_tile, launch_config
+from anchorkv.kernels.triton_pack import PLAN_CACHE_SIZE, field_tile, largest_first, launch_config
 
 
 @triton.jit(do_not_specialize=["N", "TAB_W"])
@@ -138,7 +139,7 @@ class _Launch:
     the block ids: the target anchor, each member's field origin and block stride (elements of
     the anchor), the target alignment claim and the launch configuration."""
 
-    __slots__ = ("members", "cut", "n", "dst", "static", "align", "grid", "common", "runs")
+    __slots__ = ("members", "cut", "n", "dst", "static", "align", "grid", "common", "runs", "launcher")
 
     def __init__(self, items: Sequence[UnpackItem], members: list[int], n: int) -> None:
         first = items[members[0]]
@@ -149,12 +150,14 @@ class _Launch:
         self.dst = self.grid = None
         self.common: dict = {}  # the launch's keyword arguments (when it runs)
         self.align = 1
+        self.launcher: Launcher | None = None
         if not self.runs:
             return
         self.dst, self.static, self.align = batch.region_columns(items, members, cut)
         self.grid, common = launch_config(cut, len(members), n)
         self.common = dict(common, TAB_W=4 + n, DST=batch.FLOAT_KIND.get(cut.dtype, 0),
                            ALIGN=self.align)
+        self.launcher = Launcher(self.grid, dict(self.common, dst=self.dst))
 
     def rows(self, items: Sequence[UnpackItem], ids: list[tuple[int, ...]]):
         """Validate the members' payloads; (table rows, launch) of this call, or None when
@@ -182,9 +185,11 @@ class _Launch:
             in_offsets = [cut.numel // 2, cut.g // 2, *in_offsets[2:]]
         in_align = batch.alignment(cut, pay.data_ptr(), in_offsets, pay.element_size())
 
+        launcher = self.launcher
+        assert launcher is not None
+
         def go(table: torch.Tensor) -> None:
-            _unpack_kernel[self.grid](dst=self.dst, tab=table, payload=pay, scales=sc,
-                                      IN_ALIGN=in_align, **self.common)
+            launcher(_unpack_kernel, tab=table, payload=pay, scales=sc, IN_ALIGN=in_align)
 
         return rows, go
 
@@ -192,7 +197,8 @@ class _Launch:
 def _build(items: Sequence[UnpackItem], ids: list[tuple[int, ...]]) -> list[_Launch]:
     keys = [batch.signature(it.buffer.device, it.field, len(i), it.spec)
             for it, i in zip(items, ids, strict=True)]
-    return [_Launch(items, members, len(ids[members[0]])) for members in batch.group_items(keys)]
+    launches = [_Launch(items, members, len(ids[members[0]])) for members in batch.group_items(keys)]
+    return [launches[k] for k in largest_first(launches)]  # small launches issued while it runs
 
 
 #: Launch plans of the most recent item lists (see `batch.PlanCache`).

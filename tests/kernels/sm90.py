@@ -134,6 +134,15 @@ def specializations(items=None) -> list[dict]:
             entry["fmt"] = pack.spec.id
             entry["contig"] = bool(kwargs["CONTIG"])
             entry["in_align"] = kwargs.get("IN_ALIGN")
+            # what a `kernels.launch.Launcher` passes the compiled kernel (every parameter by
+            # name, in `arg_names` order) is what `JITFunction.run` passes: the binder's list
+            names = kernels[op].arg_names
+            entry["launcher_args"] = {
+                "binder_order": list(bound) == list(names),
+                "same_values": all(bound[n] is kwargs[n] for n in names if n in kwargs),
+                "unnamed": [n for n in names if n not in kwargs],
+                "options": sorted(set(kwargs) - set(names)),
+            }
     return list(found.values())
 
 

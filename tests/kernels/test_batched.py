@@ -98,6 +98,45 @@ def test_pack_many_uses_one_launch_per_signature(monkeypatch):
     assert sorted(calls) == [3, 3, 7, 7, 7, 7]
 
 
+def _recording(real, calls, region):
+    """The kernel, recording the bytes of field each launch moves."""
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(**kwargs):
+                calls.append(grid[1] * kwargs["NUMEL"] * kwargs[region].element_size())
+                return real[grid](**kwargs)
+            return launch
+
+    return Recording()
+
+
+def test_launches_are_issued_largest_first(monkeypatch):
+    """The big launch first, so the small ones are issued while it runs (the items' natural
+    order here is conv, recurrent, latent: 2, 57 and 6 kB); outputs keep the items' order."""
+    unpack_module = importlib.import_module("anchorkv.kernels.triton_unpack")
+    calls: list[int] = []
+    monkeypatch.setattr(pack_module, "_pack_kernel", _recording(pack_module._pack_kernel, calls, "src"))
+    monkeypatch.setattr(unpack_module, "_unpack_kernel",
+                        _recording(unpack_module._unpack_kernel, calls, "dst"))
+    items = _request(_regions(7, seed=2))
+    want = [(7 * 2 * 32 * 32 * 4), (3 * 3 * 5 * 64 * 2), (7 * 3 * 3 * 16 * 2)]
+    packed = pack_many(items)
+    assert calls == want
+    for item, (payload, scales) in zip(items, packed, strict=True):
+        want_p, want_s = reference.pack(item)
+        assert torch.equal(payload, want_p) and torch.equal(scales.view(torch.int32), want_s.view(torch.int32))
+    calls.clear()
+    monkeypatch.setenv("ANCHORKV_BACKEND", "triton")  # (a PackSet picks its backend when made)
+    kernels.PackSet([kernels.PackTarget(i.buffer, i.field, i.num_blocks, i.spec) for i in items],
+                    [0] * len(items)).pack([[2]])
+    assert calls == [want[0], want[2], 3 * 5 * 64 * 2]  # one latent block each: now the smallest
+    calls.clear()
+    unpack_many([UnpackItem(i.buffer, i.field, i.block_ids, i.num_blocks, i.spec, p, s)
+                 for i, (p, s) in zip(items, packed, strict=True)])
+    assert calls == want
+
+
 def test_unpack_many_writes_reference_bytes_and_nothing_else():
     src = _regions(4, seed=3)
     items = _request(src, ("int4", "int8", "fp8"))

@@ -181,3 +181,50 @@ def test_strided_field_hash_is_cached_and_never_pickled():
             "print(got in {fresh}, hash(got) == hash(fresh))\n")
     out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, check=True)
     assert out.stdout.split() == [b"True", b"True"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="direct launches need compiled kernels (CUDA); "
+                    "the CPU tests of kernels/launch.py check the logic")
+@pytest.mark.parametrize("codecs", [("int8", "int8", "fp8"), ("raw", "int4", "bf16")])
+def test_direct_launches_give_the_jit_bytes(monkeypatch, codecs):
+    """Calls after a plan's first go straight to the compiled kernels (`kernels.launch`); each
+    call's bytes equal the reference's, for packs (`pack_many`, `PackSet`) and unpacks."""
+    from anchorkv.kernels import launch, reference
+    from anchorkv.kernels.triton_pack import pack_many
+    from anchorkv.kernels.triton_unpack import unpack_many
+    from tests.kernels.test_batched import _regions, _request
+
+    monkeypatch.delenv("ANCHORKV_DIRECT_LAUNCH", raising=False)
+    assert launch.enabled(), "this triton launches differently: see kernels/launch.py"
+    regions = _regions(5, seed=11)
+    items = _request(regions, codecs)
+    pack_set = PackSet([PackTarget(i.buffer, i.field, i.num_blocks, i.spec) for i in items],
+                       [0 if len(i.block_ids) == 1 else 1 for i in items])
+    targets = [torch.empty_like(r) for r in regions]
+    before = dict(launch.counts)
+    for rnd in range(4):
+        state, latent = [rnd % 3], [[5, 3, 4], [3, 4, 5], [4, 5, 3], [5, 4, 3]][rnd]
+        now = [type(i)(i.buffer, i.field, state if len(i.block_ids) == 1 else latent, i.num_blocks, i.spec)
+               for i in items]
+        want = [reference.pack(i) for i in now]
+        got = pack_many(now)
+        batch_ = pack_set.pack([state, latent])
+        for k, ((wp, ws), (p, s)) in enumerate(zip(want, got, strict=True)):
+            bp, bs = batch_.part(k)
+            assert torch.equal(p, wp) and torch.equal(bp, wp), (rnd, k)
+            assert torch.equal(s.view(torch.int32), ws.view(torch.int32))
+            assert torch.equal(bs.view(torch.int32), ws.view(torch.int32))
+        for t, r in zip(targets, regions, strict=True):  # the same targets every round: one plan
+            t.copy_(r)
+        expect = [r.clone() for r in regions]
+        index = {id(r): j for j, r in enumerate(regions)}
+        moves = [UnpackItem(targets[index[id(i.buffer)]], i.field, i.block_ids, i.num_blocks, i.spec, p, s)
+                 for i, (p, s) in zip(now, got, strict=True)]
+        unpack_many(moves)
+        for m in moves:
+            reference.unpack(UnpackItem(expect[[id(t) for t in targets].index(id(m.buffer))], m.field,
+                                        m.block_ids, m.num_blocks, m.spec, m.payload, m.scales))
+        torch.cuda.synchronize()
+        assert all(torch.equal(t, e) for t, e in zip(targets, expect, strict=True)), rnd
+    # 3 rounds after the first: 3 launches each of pack_many, PackSet and unpack_many, direct
+    assert launch.counts["direct"] - before["direct"] >= 3 * 3 * 3, (before, launch.counts)

@@ -49,6 +49,17 @@ def test_bulk_path_uses_16_byte_vector_accesses(compiled):
     assert len(claimed) >= len(specs) // 2, [(s["labels"][0], s["align"]) for s in specs]
 
 
+def test_direct_launches_pass_the_jit_argument_list(compiled):
+    """For every specialization, a `kernels.launch.Launcher` names every kernel parameter, and
+    its list (`arg_names` order) is the one triton's binder makes for `JITFunction.run`; only
+    launch options are left out of it."""
+    _, specs = compiled
+    for s in specs:
+        want = {"binder_order": True, "same_values": True, "unnamed": [],
+                "options": ["enable_fp_fusion", "num_warps"]}
+        assert s["launcher_args"] == want, (s["labels"][0], s["launcher_args"])
+
+
 def test_compiled_variants_do_not_grow_with_requests():
     """60 requests of 1 to 131072 tokens (1 to 69 MLA blocks, random block ids) compile no more
     variants than one request: block counts and table widths are not specialized."""

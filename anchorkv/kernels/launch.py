@@ -1,0 +1,138 @@
+"""Launching a compiled Triton kernel again without the JIT's per-call work.
+
+`kernel[grid](**kwargs)` costs the host ~28 us a launch on an H100 (triton 3.6, stop 19's
+profile), most of it in `JITFunction.run`: binding the arguments, computing each one's
+specialization (dtype, 16-byte alignment, integer divisibility), hashing them into a cache
+key, looking the compiled kernel up. A connector launches the same few configurations every
+step, where only the item table, payload and scales pointers change. A `Launcher` holds one
+such configuration (its grid and the arguments that never change) and launches it through the
+JIT once per *specialization key* of the arguments that change (each tensor's dtype, device and
+16-byte alignment, every other value itself), keeping the compiled kernel the JIT returns;
+later calls with the same key go straight to that kernel's launcher (`CompiledKernel[grid]`:
+the C launcher, binary and argument list the JIT would use), so they run the same code on the
+same bytes.
+
+What keeps it correct: every argument the JIT specializes on is either fixed in the launcher
+or part of the key; a kernel runs on the device it was compiled and loaded for (another current
+device goes through the JIT); the argument list follows the kernel's parameter order
+(`JITFunction.arg_names`, constexprs included, as `JITFunction.run` passes them: checked in the
+installed triton's sources, `triton_passes_every_argument`); an error from a direct call turns
+direct launches off for the process and the call goes through the JIT. Off under the
+interpreter (which returns no compiled kernel) and with `ANCHORKV_DIRECT_LAUNCH=0`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: Direct launches made and JIT launches made, since the process started (tests, profiles).
+counts = {"direct": 0, "jit": 0}
+
+
+def enabled() -> bool:
+    """Whether launchers may launch compiled kernels directly (read at each first launch)."""
+    if os.environ.get("ANCHORKV_DIRECT_LAUNCH", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0"):
+        return False
+    return triton_passes_every_argument()
+
+
+@functools.cache
+def triton_passes_every_argument() -> bool:
+    """Whether the installed triton launches as `Launcher` assumes: `JITFunction.run` hands
+    the compiled kernel's launcher every bound argument in parameter order (constexprs
+    included; triton 3.6 and 3.9 do, some older ones passed only the others), and
+    `CompiledKernel[grid]` forwards its arguments to the same launcher unchanged. Read from
+    the installed sources, so a triton that launches otherwise keeps every launch on the JIT."""
+    try:
+        from triton.compiler.compiler import CompiledKernel
+        from triton.runtime.jit import JITFunction
+
+        run = inspect.getsource(JITFunction.run)
+        runner = inspect.getsource(CompiledKernel.__getitem__)
+    except Exception:  # no sources, or the names moved
+        return False
+    return "*bound_args.values())" in run and "launch_exit_hook, *args)" in runner
+
+
+_disabled = False  # set when a direct launch failed: the JIT takes every launch after it
+
+
+class Launcher:
+    """Launches of a kernel on `grid` with the keyword arguments `fixed` (launch options such as
+    `num_warps` included) plus, per call, the ones that change.
+
+    `launcher(kernel, **changing)` equals `kernel[grid](**fixed, **changing)`; `changing` must
+    name the same arguments at every call (tensors and/or plain values). Only a real
+    `triton.jit` function is launched directly: a stand-in (a test's counting wrapper, a
+    benchmark's no-op) is called every time.
+    """
+
+    __slots__ = ("grid", "fixed", "kernel", "names", "compiled", "device")
+
+    def __init__(self, grid: tuple[int, ...], fixed: Mapping[str, Any]) -> None:
+        self.grid, self.fixed = grid, dict(fixed)
+        self.kernel: Any = None  # the JIT function whose compiled kernels `compiled` holds
+        self.names: tuple[str, ...] = ()
+        self.compiled: dict[tuple, Any] = {}  # specialization key -> the runner of its kernel
+        self.device: int | None = None
+
+    def __call__(self, kernel: Any, **changing: Any) -> None:
+        key = tuple(_spec_of(v) for v in changing.values())
+        runner = self.compiled.get(key) if kernel is self.kernel else None
+        if runner is not None and not _disabled and torch.cuda.current_device() == self.device:
+            args = [changing[n] if n in changing else self.fixed[n] for n in self.names]
+            try:
+                runner(*args)
+            except Exception as e:  # never twice: the JIT launches from now on
+                _turn_off(e)
+            else:
+                counts["direct"] += 1
+                return
+        compiled = kernel[self.grid](**self.fixed, **changing)
+        counts["jit"] += 1
+        if runner is None and not _disabled:
+            self._keep(kernel, key, compiled)
+
+    def _keep(self, kernel: Any, key: tuple, compiled: Any) -> None:
+        """Keep the kernel the JIT just compiled for `key`, if it may be launched directly."""
+        if compiled is None or not _is_jit(kernel) or not enabled():
+            return
+        if hasattr(compiled, "result"):  # a future under asynchronous compilation
+            compiled = compiled.result()
+        device = torch.cuda.current_device()
+        if self.kernel is not None and (kernel is not self.kernel or device != self.device):
+            return  # one kernel and one device per launcher: the first ones
+        self.kernel, self.device, self.names = kernel, device, tuple(kernel.arg_names)
+        self.compiled[key] = compiled[self.grid]
+
+
+def _is_jit(kernel: Any) -> bool:
+    from triton.runtime.jit import JITFunction
+
+    return isinstance(kernel, JITFunction)
+
+
+def _spec_of(value: Any) -> Any:
+    """What the JIT specializes a changing argument on: a tensor's dtype, device and 16-byte
+    alignment, a plain value itself."""
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.get_device(), value.data_ptr() % 16 == 0)
+    return (type(value), value)
+
+
+def _turn_off(error: Exception) -> None:
+    global _disabled
+    _disabled = True
+    log.warning("anchorkv: a direct Triton launch failed (%s: %s); every launch goes through the "
+                "JIT from now on (set ANCHORKV_DIRECT_LAUNCH=0 to skip the attempt)", type(error).__name__, error)

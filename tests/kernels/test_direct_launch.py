@@ -1,0 +1,149 @@
+"""`kernels.launch.Launcher`: after the JIT's first launch of a specialization, later launches go
+straight to the compiled kernel with the argument list the JIT would pass; anything that could
+change the specialization, the device or the kernel goes through the JIT again.
+
+The direct path needs a GPU to run; here a stand-in compiled kernel records what it is given.
+The real kernels' argument lists are checked against triton's own binder for every
+specialization in `test_sm90.py::test_direct_launches_pass_the_jit_argument_list`; byte
+equality through the direct path on a GPU in
+`test_launch_path.py::test_direct_launches_give_the_jit_bytes`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from anchorkv.kernels import launch
+
+pack_module = importlib.import_module("anchorkv.kernels.triton_pack")
+
+
+class FakeCompiled:
+    """Stands for a `CompiledKernel`: `compiled[grid](*args)` records the positional args."""
+
+    def __init__(self, log, fail=False):
+        self.log, self.fail = log, fail
+
+    def __getitem__(self, grid):
+        def runner(*args):
+            if self.fail:
+                raise TypeError("function takes exactly 9 arguments (7 given)")
+            self.log.append(("direct", grid, args))
+        return runner
+
+
+class FakeJIT:
+    """Stands for a `JITFunction` with parameters a, tab, b, BLOCK (BLOCK a constexpr)."""
+
+    arg_names = ["a", "tab", "b", "BLOCK"]
+
+    def __init__(self, fail=False):
+        self.log: list = []
+        self.fail = fail
+
+    def __getitem__(self, grid):
+        def jit(**kwargs):
+            self.log.append(("jit", grid, kwargs))
+            return FakeCompiled(self.log, self.fail)
+        return jit
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("ANCHORKV_DIRECT_LAUNCH", raising=False)
+    monkeypatch.setattr(launch, "_is_jit", lambda kernel: isinstance(kernel, FakeJIT))
+    monkeypatch.setattr(launch, "_disabled", False)
+    device = {"index": 0}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device["index"])
+    return FakeJIT(), device
+
+
+def _tab(offset=0):
+    return torch.zeros(8, dtype=torch.int64)[offset:]
+
+
+def test_second_launch_goes_direct_with_the_jit_argument_order(fake):
+    kernel, _ = fake
+    launcher = launch.Launcher((3, 2), {"a": 1, "b": 2.5, "BLOCK": 64, "num_warps": 4})
+    t1, t2 = _tab(), _tab(2)  # 16 bytes in: the same alignment
+    launcher(kernel, tab=t1)
+    launcher(kernel, tab=t2)
+    (kind1, grid1, kwargs), (kind2, grid2, args) = kernel.log
+    assert (kind1, grid1, kind2, grid2) == ("jit", (3, 2), "direct", (3, 2))
+    assert kwargs == {"a": 1, "b": 2.5, "BLOCK": 64, "num_warps": 4, "tab": t1}
+    assert args[0] == 1 and args[1] is t2 and args[2] == 2.5 and args[3] == 64 and len(args) == 4
+
+
+@pytest.mark.parametrize("change", ["alignment", "value", "dtype", "device", "kernel"])
+def test_anything_that_could_respecialize_goes_through_the_jit(fake, change):
+    kernel, device = fake
+    launcher = launch.Launcher((1,), {"a": 0, "b": 0, "BLOCK": 8})
+    launcher(kernel, tab=_tab(), BLOCK2=1)
+    other = kernel
+    tab, value = _tab(2), 1
+    if change == "alignment":
+        tab = _tab(1)  # 8 bytes in
+    elif change == "value":
+        value = 2
+    elif change == "dtype":
+        tab = torch.zeros(4, dtype=torch.int32)
+    elif change == "device":
+        device["index"] = 1
+    else:
+        other = FakeJIT()
+    launcher(other, tab=tab, BLOCK2=value)
+    assert [k for k, *_ in other.log][-1] == "jit"
+    if change in ("device", "kernel"):  # one device and one kernel per launcher: always the JIT
+        launcher(other, tab=tab, BLOCK2=value)
+        assert [k for k, *_ in other.log][-1] == "jit"
+    else:  # a new specialization is kept under its own key
+        launcher(other, tab=tab, BLOCK2=value)
+        assert [k for k, *_ in other.log][-1] == "direct"
+
+
+def test_a_failing_direct_launch_turns_them_off_and_the_jit_launches(fake, caplog):
+    _, _ = fake
+    kernel = FakeJIT(fail=True)
+    launcher = launch.Launcher((1,), {"a": 0, "b": 0, "BLOCK": 8})
+    launcher(kernel, tab=_tab())
+    launcher(kernel, tab=_tab())
+    assert [k for k, *_ in kernel.log] == ["jit", "jit"]
+    assert "every launch goes through the JIT" in caplog.text
+    other = launch.Launcher((1,), {"a": 0, "b": 0, "BLOCK": 8})
+    other(kernel, tab=_tab())
+    other(kernel, tab=_tab())
+    assert [k for k, *_ in kernel.log] == ["jit"] * 4  # for every launcher, from then on
+
+
+@pytest.mark.parametrize("env", [("ANCHORKV_DIRECT_LAUNCH", "0"), ("TRITON_INTERPRET", "1")])
+def test_switched_off_or_interpreted_every_launch_is_the_jit(fake, monkeypatch, env):
+    kernel, _ = fake
+    monkeypatch.setenv(*env)
+    launcher = launch.Launcher((1,), {"a": 0, "b": 0, "BLOCK": 8})
+    for _ in range(3):
+        launcher(kernel, tab=_tab())
+    assert [k for k, *_ in kernel.log] == ["jit"] * 3
+
+
+def test_stand_ins_are_called_every_time(monkeypatch):
+    """A kernel that is not a real `triton.jit` function (a test's counting wrapper) is never
+    bypassed, even when it returns what looks like a compiled kernel."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(launch, "_disabled", False)
+    kernel = FakeJIT()
+    launcher = launch.Launcher((1,), {"a": 0, "b": 0, "BLOCK": 8})
+    for _ in range(3):
+        launcher(kernel, tab=_tab())
+    assert [k for k, *_ in kernel.log] == ["jit"] * 3
+
+
+def test_installed_triton_passes_every_argument():
+    """The installed triton (CI's) launches the way `Launcher` assumes (else direct launches
+    stay off: this names the change)."""
+    assert launch.triton_passes_every_argument(), (
+        "JITFunction.run no longer passes *bound_args.values() to the launcher, or "
+        "CompiledKernel.__getitem__ changed: re-check kernels/launch.py against this triton")
