@@ -6,7 +6,8 @@ On a GPU the pack of a whole Kimi-Linear request is host-bound (`profile_kernels
 0.40 ms of host time per `pack_many` call against 0.086 ms of kernels), so the host side of
 the launch path is what stands between the kernels and the copy bandwidth. Everything of it
 but the Triton launch itself runs on a CPU: this runs `kernels.pack_many`, `unpack_many` and
-the connector's `WorkerSide._pack` (the codec layer, trimming, the kernels' launch path) with
+the connector's `WorkerSide._pack` (the codec layer, the kernels' launch path) and its whole
+save (`save` + `flush`: the writer thread's views, trimming and NaN check too) with
 CPU tensors through the Triton launchers (`TRITON_INTERPRET=1`, `ANCHORKV_BACKEND=triton`),
 each kernel replaced by a no-op, and reports microseconds per call (the best of 5 repeats of
 `--iters` calls). The CPU path skips the pinned staging copy a CUDA call makes.
@@ -62,6 +63,7 @@ def measure(tp: int, iters: int, tokens: int | None = None) -> dict[str, float]:
 
 
 def _measure(tp: int, iters: int, tokens: int | None) -> dict[str, float]:
+    from anchorkv.connector.plan import Metadata
     from anchorkv.kernels import batch, triton_pack, triton_unpack
     from benchmarks.bench_kernels import request
     from benchmarks.bench_save_path import TOKENS, Request, request_layout
@@ -87,6 +89,13 @@ def _measure(tp: int, iters: int, tokens: int | None) -> dict[str, float]:
             worker = save.discard_worker
             out["codec.pack_many (quant codecs)"] = per_call_us(save.pack, iters)
             out["WorkerSide._pack (quant codecs)"] = per_call_us(lambda: worker._pack(spec), iters)
+
+            def save_and_flush() -> None:  # the step's part, then the writer thread's, to the store
+                worker.save(Metadata(saves=[spec]))
+                worker.flush()
+
+            out["WorkerSide.save + flush (quant codecs, a store that keeps nothing)"] = per_call_us(
+                save_and_flush, max(1, iters // 4))
         finally:
             save.close()
     return out

@@ -2,9 +2,11 @@
 
     python -m benchmarks.profile_kernels [--tp 1] [--out DIR]
 
-Prints, for `pack_many` and `unpack_many` of the request `bench_kernels.py` times: the wall
-time per call (host + device, synchronized), the CUDA kernel time from torch.profiler, the
-launches per call, and the host-side hot spots (cProfile, top 15). A diagnostic, not a gate.
+Prints, for `pack_many`, `PackSet.pack` and `unpack_many` of the request `bench_kernels.py`
+times: the wall and host time per call with direct launches of the compiled kernels
+(`kernels.launch`, the default) against every launch through the JIT, alternated; the wall time
+per call (host + device, synchronized), the CUDA kernel time from torch.profiler, the launches
+per call, and the host-side hot spots (cProfile, top 15). A diagnostic, not a gate.
 """
 
 from __future__ import annotations
@@ -19,6 +21,36 @@ import time
 import torch
 
 
+def _direct_vs_jit(ops, iters: int, launch) -> None:
+    """Wall and host time per call with direct launches of the compiled kernels (the default,
+    `kernels.launch`) and with every launch through the JIT, alternated in this process."""
+    print(f"direct launches available: {launch.enabled()}")
+    for name in ("pack", "set", "unpack"):
+        fn = ops[name]
+        for _ in range(3):
+            fn()
+        best = {}
+        for _ in range(3):
+            for mode in ("direct", "jit"):
+                launch._disabled = mode == "jit"
+                before = dict(launch.counts)
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                host = time.perf_counter() - t
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - t
+                made = {k: launch.counts[k] - before[k] for k in before}
+                old = best.get(mode)
+                if old is None or wall < old[0]:
+                    best[mode] = (wall, host, made)
+        launch._disabled = False
+        for mode, (wall, host, made) in best.items():
+            print(f"== {name}, {mode} launches: wall {wall / iters * 1e3:.3f} ms/call, host "
+                  f"{host / iters * 1e3:.3f} ms/call (launches: {made['direct']} direct, {made['jit']} JIT)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tp", type=int, default=1)
@@ -28,14 +60,17 @@ def main(argv=None) -> int:
         print("profile_kernels needs CUDA", file=sys.stderr)
         return 2
     from anchorkv import kernels
+    from anchorkv.kernels import launch
     from benchmarks.bench_kernels import request
 
     req = request(args.tp)
     ops = {
         "pack": lambda: kernels.pack_many(req.items),
+        "set": lambda: req.pack_set.pack(req.slot_ids),
         "unpack": lambda: kernels.unpack_many(req.unpack_items),
         "copy": lambda: req.copy_dst.copy_(req.copy_src),
     }
+    _direct_vs_jit(ops, args.iters, launch)
     for name, fn in ops.items():
         for _ in range(3):
             fn()
@@ -65,7 +100,7 @@ def main(argv=None) -> int:
               f"kernels {total/1e3:.3f} ms/call, source {req.source_bytes/1e6:.1f} MB")
         for k, (cnt, us) in sorted(kern.items(), key=lambda kv: -kv[1][1]):
             print(f"   {cnt/args.iters:5.1f}x {us/args.iters:9.1f} us  {k}")
-        if name != "copy":
+        if name in ("pack", "unpack"):
             _per_launch(name, req, prof, args.iters)
         if name == "pack":
             _host_breakdown(req)
@@ -121,9 +156,13 @@ def _host_breakdown(req, iters: int = 200) -> None:
         host = {k: per_call(v) for k, v in steps.items()}
     finally:
         tp._pack_kernel = real
-    last = launches[-len([launch for launch in plan.launches if launch.runs]):]
-    host[f"the {len(last)} Triton launches alone"] = per_call(
+    order = [plan.launches[k] for k in plan.order if plan.launches[k].runs]  # as issued
+    last = launches[-len(order):]
+    host[f"the {len(last)} Triton launches alone, JIT"] = per_call(
         lambda: [real[g](**kw) for g, kw in last])
+    host[f"the {len(last)} Triton launches alone, direct"] = per_call(
+        lambda: [launch.launcher(real, tab=kw["tab"], payload=kw["payload"], scales=kw["scales"])
+                 for launch, (_, kw) in zip(order, last, strict=True)])
     print("   host time per pack_many call, by step:")
     for k, us in host.items():
         print(f"     {k:40s} {us:8.1f} us")
@@ -138,8 +177,8 @@ def _per_launch(name, req, prof, iters) -> None:
     plan = (triton_pack._plans if name == "pack" else triton_unpack._plans).newest()
     if plan is None:
         return
-    launches = [launch for launch in (plan.launches if isinstance(plan, triton_pack._Plan) else plan)
-                if launch.runs]
+    issued = [plan.launches[k] for k in plan.order] if isinstance(plan, triton_pack._Plan) else plan
+    launches = [launch for launch in issued if launch.runs]
     kernel = "_pack_kernel" if name == "pack" else "_unpack_kernel"
     events = sorted((ev for ev in prof.events()
                      if ev.device_type == torch.autograd.DeviceType.CUDA and kernel in ev.name),
