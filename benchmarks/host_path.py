@@ -9,8 +9,9 @@ but the Triton launch itself runs on a CPU: this runs `kernels.pack_many`, `unpa
 the connector's `WorkerSide._pack` (the codec layer, the kernels' launch path) and its whole
 save (`save` + `flush`: the writer thread's views, trimming and NaN check too) with
 CPU tensors through the Triton launchers (`TRITON_INTERPRET=1`, `ANCHORKV_BACKEND=triton`),
-each kernel replaced by a no-op, and reports microseconds per call (the best of 5 repeats of
-`--iters` calls). The CPU path skips the pinned staging copy a CUDA call makes.
+each kernel replaced by a no-op (in the whole save, one that zeroes the scales it is given),
+and reports microseconds per call (the best of 5 repeats of `--iters` calls). The CPU path
+skips the pinned staging copy a CUDA call makes.
 
 Results: `benchmarks/results/<machine>-host-path.json` (`benchmarks.machine`).
 """
@@ -34,6 +35,15 @@ class _NoKernel:
 
     def __getitem__(self, grid):
         return lambda **kwargs: None
+
+
+class _ZeroScales:
+    """Stands for the pack kernel in a whole save: writes zero scales (what the kernel writes
+    for zero state; left as allocated, they would read as NaN now and then and the writer would
+    refuse the save, timing the refusal instead)."""
+
+    def __getitem__(self, grid):
+        return lambda **kwargs: kwargs["scales"].zero_()
 
 
 def per_call_us(fn, iters: int, repeats: int = 5) -> float:
@@ -94,8 +104,11 @@ def _measure(tp: int, iters: int, tokens: int | None) -> dict[str, float]:
                 worker.save(Metadata(saves=[spec]))
                 worker.flush()
 
+            triton_pack._pack_kernel = _ZeroScales()  # type: ignore[assignment]
             out["WorkerSide.save + flush (quant codecs, a store that keeps nothing)"] = per_call_us(
                 save_and_flush, max(1, iters // 4))
+            if (worker.stats.take() or {}).get("save_failed"):
+                raise RuntimeError("a save was refused: the figure would time the refusal")
         finally:
             save.close()
     return out

@@ -16,11 +16,11 @@ import torch
 
 from anchorkv import kernels
 from anchorkv.codec.layout import CacheView
-from anchorkv.codec.packed import Packed, may_hold_nan
+from anchorkv.codec.packed import Packed
 from anchorkv.codec.registry import QuantCodec, get_codec
 from anchorkv.codec.spec import CodecSpec
 from anchorkv.kernels import reference
-from anchorkv.kernels.packset import host_copy
+from anchorkv.kernels.packset import host_copy, may_hold_nan
 
 
 def _ids(block_ids, device: torch.device) -> torch.Tensor:
@@ -216,9 +216,9 @@ class PackedParts:
 
     def may_hold_nan(self) -> bool:
         """False only when no part has a poisoned group (`Packed.poisoned_groups` would be 0
-        for each): one reduction over the batch's scales instead of a count per part. True may
-        be a false alarm; count the parts then."""
-        if self.quant is not None and may_hold_nan(self.quant.scales):
+        for each): a reduction per launch's scales instead of a count per part. True may be a
+        false alarm; count the parts then."""
+        if self.quant is not None and self.quant.may_hold_nan():
             return True
         return any(may_hold_nan(p.scales) for p in self.custom.values())
 

@@ -88,31 +88,38 @@ class Launcher:
         self.device: int | None = None
 
     def __call__(self, kernel: Any, **changing: Any) -> None:
-        key = tuple(_spec_of(v) for v in changing.values())
-        runner = self.compiled.get(key) if kernel is self.kernel else None
-        if runner is not None and not _disabled and torch.cuda.current_device() == self.device:
-            args = [changing[n] if n in changing else self.fixed[n] for n in self.names]
-            try:
-                runner(*args)
-            except Exception as e:  # never twice: the JIT launches from now on
-                _turn_off(e)
-            else:
-                counts["direct"] += 1
-                return
+        key = None
+        if kernel is self.kernel and not _disabled:  # (no key to compute for other kernels)
+            key = tuple(_spec_of(v) for v in changing.values())
+            runner = self.compiled.get(key)
+            if runner is not None and torch.cuda.current_device() == self.device:
+                args = [changing[n] if n in changing else self.fixed[n] for n in self.names]
+                try:
+                    runner(*args)
+                except Exception as e:  # never twice: the JIT launches from now on
+                    _turn_off(e)
+                else:
+                    counts["direct"] += 1
+                    return
+            elif runner is not None:
+                key = None  # another current device: the JIT's launch, nothing kept
         compiled = kernel[self.grid](**self.fixed, **changing)
         counts["jit"] += 1
-        if runner is None and not _disabled:
-            self._keep(kernel, key, compiled)
+        if compiled is not None and not _disabled and (key is None or key not in self.compiled):
+            self._keep(kernel, key, changing, compiled)
 
-    def _keep(self, kernel: Any, key: tuple, compiled: Any) -> None:
-        """Keep the kernel the JIT just compiled for `key`, if it may be launched directly."""
-        if compiled is None or not _is_jit(kernel) or not enabled():
+    def _keep(self, kernel: Any, key: tuple | None, changing: dict, compiled: Any) -> None:
+        """Keep the kernel the JIT just compiled for these arguments, if it may be launched
+        directly: a real JIT function, the launcher's first kernel and device."""
+        if not _is_jit(kernel) or not enabled():
             return
-        if hasattr(compiled, "result"):  # a future under asynchronous compilation
-            compiled = compiled.result()
         device = torch.cuda.current_device()
         if self.kernel is not None and (kernel is not self.kernel or device != self.device):
             return  # one kernel and one device per launcher: the first ones
+        if hasattr(compiled, "result"):  # a future under asynchronous compilation
+            compiled = compiled.result()
+        if key is None:
+            key = tuple(_spec_of(v) for v in changing.values())
         self.kernel, self.device, self.names = kernel, device, tuple(kernel.arg_names)
         self.compiled[key] = compiled[self.grid]
 

@@ -300,6 +300,8 @@ class _Plan:
             pay += -(-launch.payload_bytes // batch.VECTOR_BYTES) * batch.VECTOR_BYTES
             sc += -(-launch.scale_values // 4) * 4
         self.payload_bytes, self.scale_values = pay, sc
+        self.scale_runs = tuple((launch.sc_at, launch.scale_values) for launch in self.launches
+                                if launch.scale_values)
         self.spans: tuple[Span, ...] = tuple(spans)
         #: the order the launches are issued in (`largest_first`); the outputs' layout keeps
         #: the items' order

@@ -102,7 +102,7 @@ def test_poisoned_groups_are_counted(kimi_views):
 def test_nan_check_never_misses_and_its_false_alarm_counts_zero():
     """`may_hold_nan` (one reduction) is True whenever a NaN is present, and its false alarm (a
     sum of +Inf and -Inf) only sends `poisoned_groups` to the exact count."""
-    from anchorkv.codec.packed import may_hold_nan
+    from anchorkv.kernels.packset import may_hold_nan
 
     scales = torch.rand(1000, 2) + 0.5
     assert not may_hold_nan(scales) and not may_hold_nan(torch.empty(0, 1))

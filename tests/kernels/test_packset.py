@@ -152,3 +152,32 @@ def test_bad_sets_are_refused_with_the_reason(monkeypatch):
     odd = StridedField(torch.bfloat16, (4, 6), (6, 1), 0, 64)
     with pytest.raises(ValueError, match="even group size, found 3"):  # at construction, not per call
         PackSet([PackTarget(torch.zeros(128, dtype=torch.uint8), odd, 2, CodecSpec("int4", 3))], [0])
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_nan_check_reads_every_part_and_no_padding(monkeypatch, backend):
+    """`PackedBatch.may_hold_nan` covers every part's scales (a NaN in any one is found) and
+    nothing else: the alignment padding between launches, which no kernel writes, may hold
+    anything. Codecs whose scale counts are not multiples of 4, so the Triton plan pads."""
+    monkeypatch.setenv("ANCHORKV_BACKEND", backend)
+    targets, slots = _set(_regions(3, seed=8), ("int8:16", "int4:32", "fp8:64"))
+    batch = PackSet(targets, slots).pack([(1,), (5, 3, 4)])
+    assert not batch.may_hold_nan()
+    covered = torch.zeros(batch.scales.numel(), dtype=torch.bool)
+    for at, n in batch.scale_runs:
+        covered[at:at + n] = True
+    for s in batch.spans:
+        assert covered[s.scales_at:s.scales_at + s.scale_rows * s.columns].all()
+    assert int(covered.sum()) == sum(s.scale_rows * s.columns for s in batch.spans)
+    padding = (~covered).nonzero().flatten()
+    if backend == "triton":
+        assert padding.numel() > 0, "no padding: the test would not check it"
+    batch.scales[padding] = float("nan")
+    assert not batch.may_hold_nan()
+    for k in range(len(batch)):
+        _, scales = batch.part(k)
+        if scales.numel():
+            keep = scales.view(-1)[-1].clone()
+            scales.view(-1)[-1] = float("nan")
+            assert batch.may_hold_nan(), f"a NaN in part {k} was missed"
+            scales.view(-1)[-1] = keep
