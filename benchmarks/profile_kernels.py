@@ -192,8 +192,8 @@ def _per_launch(name, req, prof, iters) -> None:
         source = count * launch.n * cut.numel * cut.itemsize
         packed = count * launch.n * cut.payload_per_block + count * launch.n * cut.groups * cut.columns * 4
         print(f"   launch {j}: {count} items x {launch.n} blocks {cut.fmt.value} {cut.dtype} "
-              f"g={cut.g} grid={launch.grid} warps={launch.common['num_warps']} "
-              f"BLOCK_R={launch.common['BLOCK_R']}: {us:.1f} us, "
+              f"g={cut.g} grid={launch.grid} warps={launch.launcher.fixed['num_warps']} "
+              f"BLOCK_R={launch.launcher.fixed['BLOCK_R']}: {us:.1f} us, "
               f"{(source + packed) / us / 1e3:.0f} GB/s (source {source / 1e6:.1f} MB)")
 
 

@@ -229,7 +229,7 @@ class _Launch:
     (field origin and block stride, in elements of `src`) and where their outputs go in the
     call's payload and scales allocations."""
 
-    __slots__ = ("members", "static", "cut", "n", "src", "align", "grid", "common", "pay_at",
+    __slots__ = ("members", "static", "cut", "n", "src", "align", "grid", "pay_at",
                  "per_payload", "sc_at", "per_groups", "runs", "launcher")
 
     def __init__(self, items: Sequence[PackItem | PackTarget], members: list[int], n: int, pay_at: int,
@@ -242,16 +242,15 @@ class _Launch:
         self.runs = n > 0 and cut.numel > 0
         self.static: list[tuple[int, int]] = []
         self.src = self.grid = None
-        self.common: dict = {}  # the launch's keyword arguments (when it runs)
         self.align = 1
-        self.launcher: Launcher | None = None
+        self.launcher: Launcher | None = None  # the kernel, grid and fixed arguments (when it runs)
         if not self.runs:
             return
         self.src, self.static, self.align = batch.region_columns(items, members, cut)
         self.grid, common = launch_config(cut, len(members), n)
-        self.common = dict(common, TAB_W=2 + n, SRC=batch.FLOAT_KIND.get(cut.dtype, 0),
-                           ALIGN=self.align, HW_FP8=batch.hardware_fp8(first.buffer.device))
-        self.launcher = Launcher(self.grid, dict(self.common, src=self.src))
+        self.launcher = Launcher(self.grid, dict(
+            common, src=self.src, TAB_W=2 + n, SRC=batch.FLOAT_KIND.get(cut.dtype, 0), ALIGN=self.align,
+            HW_FP8=batch.hardware_fp8(first.buffer.device)))
 
     @property
     def payload_bytes(self) -> int:

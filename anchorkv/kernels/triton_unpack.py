@@ -139,7 +139,7 @@ class _Launch:
     the block ids: the target anchor, each member's field origin and block stride (elements of
     the anchor), the target alignment claim and the launch configuration."""
 
-    __slots__ = ("members", "cut", "n", "dst", "static", "align", "grid", "common", "runs", "launcher")
+    __slots__ = ("members", "cut", "n", "dst", "static", "align", "grid", "runs", "launcher")
 
     def __init__(self, items: Sequence[UnpackItem], members: list[int], n: int) -> None:
         first = items[members[0]]
@@ -148,16 +148,14 @@ class _Launch:
         self.runs = n > 0 and cut.numel > 0
         self.static: list[tuple[int, int]] = []
         self.dst = self.grid = None
-        self.common: dict = {}  # the launch's keyword arguments (when it runs)
         self.align = 1
-        self.launcher: Launcher | None = None
+        self.launcher: Launcher | None = None  # the kernel, grid and fixed arguments (when it runs)
         if not self.runs:
             return
         self.dst, self.static, self.align = batch.region_columns(items, members, cut)
         self.grid, common = launch_config(cut, len(members), n)
-        self.common = dict(common, TAB_W=4 + n, DST=batch.FLOAT_KIND.get(cut.dtype, 0),
-                           ALIGN=self.align)
-        self.launcher = Launcher(self.grid, dict(self.common, dst=self.dst))
+        self.launcher = Launcher(self.grid, dict(common, dst=self.dst, TAB_W=4 + n,
+                                                 DST=batch.FLOAT_KIND.get(cut.dtype, 0), ALIGN=self.align))
 
     def rows(self, items: Sequence[UnpackItem], ids: list[tuple[int, ...]]):
         """Validate the members' payloads; (table rows, launch) of this call, or None when
