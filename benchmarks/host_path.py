@@ -11,7 +11,9 @@ save (`save` + `flush`: the writer thread's views, trimming and NaN check too) w
 CPU tensors through the Triton launchers (`TRITON_INTERPRET=1`, `ANCHORKV_BACKEND=triton`),
 each kernel replaced by a no-op (in the whole save, one that zeroes the scales it is given),
 and reports microseconds per call (the best of 5 repeats of `--iters` calls). The CPU path
-skips the pinned staging copy a CUDA call makes.
+skips the pinned staging copy a CUDA call makes. The restore rows time a worker's reads of a
+saved request from a local store (the page cache) and their staging for the copy to the GPU
+(`_restore_rows`), now and as before host arenas, in the same run.
 
 Results: `benchmarks/results/<machine>-host-path.json` (`benchmarks.machine`).
 """
@@ -111,7 +113,78 @@ def _measure(tp: int, iters: int, tokens: int | None) -> dict[str, float]:
                 raise RuntimeError("a save was refused: the figure would time the refusal")
         finally:
             save.close()
+        out.update(_restore_rows(iters, tokens))
     return out
+
+
+class _IgnoresHost:
+    """The worker's store, less the `host` memory of its loads (which the `EntryStore` contract
+    lets an implementation ignore): every part in its own pageable tensors, as before arenas."""
+
+    def __init__(self, entries) -> None:
+        self.entries = entries
+
+    def load(self, *args, host=None, **kwargs):
+        return self.entries.load(*args, **kwargs)
+
+
+def _restore_rows(iters: int, tokens: int | None) -> dict[str, float]:
+    """The host side of a restore up to its one copy to the GPU, the worker's reads of every
+    part (default raw codecs, the local store, from the page cache) included:
+
+    - now: into the worker's host arena (warm after the first restore), sent as it lies;
+    - before (a store that ignores `host`, as before arenas): each part into new tensors, then
+      copied into one staging buffer, warm here as torch's caching host allocator gives it on a
+      GPU (a new 100 MB buffer would add its page faults).
+
+    On this CPU the copy to the "device" itself is free; a GPU adds the same copy to both."""
+    import torch
+
+    from anchorkv.codec.api import stage_to_device
+    from anchorkv.connector.plan import LoadSpec, Metadata
+    from anchorkv.kernels import triton_pack
+    from benchmarks.bench_save_path import TOKENS, Request, request_layout
+
+    triton_pack._pack_kernel = _ZeroScales()  # type: ignore[assignment]
+    root = Path(tempfile.mkdtemp(prefix="anchorkv-host-path-"))
+    req = Request(request_layout(False), tokens or TOKENS, "raw", root)
+    try:
+        spec = req.spec()
+        worker = req.worker
+        worker.save(Metadata(saves=[spec]))
+        worker.flush()
+        [entry] = req.entries.store.list()
+        load = LoadSpec("restore", entry.id, 0, spec.num_tokens, spec.blocks)
+        staging = torch.empty(0, dtype=torch.uint8)
+
+        def now() -> None:
+            worker._arena.reset()
+            parts = worker._read(load)
+            stage_to_device([t for p in parts.values() for t in (p.payload, p.scales)], "cpu", pin=False)
+
+        def before() -> None:
+            nonlocal staging
+            parts = worker._read(load)
+            tensors = [t for p in parts.values() for t in (p.payload, p.scales)]
+            total = sum(-(-t.nbytes // 16) * 16 for t in tensors)
+            if staging.numel() < total:
+                staging = torch.empty(total, dtype=torch.uint8)
+            at = 0
+            for t in tensors:
+                staging.narrow(0, at, t.nbytes).view(t.dtype).view(t.shape).copy_(t)
+                at += -(-t.nbytes // 16) * 16
+
+        n = max(1, iters // 100)
+        out = {"restore: read into the worker's arena, sent as it lies (now)": per_call_us(now, n)}
+        store = worker.store
+        try:
+            worker.store = _IgnoresHost(store)  # type: ignore[assignment]
+            out["restore: read into new tensors + copy into a warm staging buffer (before)"] = per_call_us(before, n)
+        finally:
+            worker.store = store
+        return out
+    finally:
+        req.close()
 
 
 def main(argv=None) -> int:

@@ -345,6 +345,22 @@ def test_host_path_runs_on_a_cpu_and_names_every_step(tmp_path):
         "kernels.pack_many: plan.run (outputs, tables)", "kernels.PackSet.pack (the same items as fixed targets)",
         "kernels.unpack_many",
         "codec.pack_many (quant codecs)", "WorkerSide._pack (quant codecs)",
-        "WorkerSide.save + flush (quant codecs, a store that keeps nothing)"}
+        "WorkerSide.save + flush (quant codecs, a store that keeps nothing)",
+        "restore: read into the worker's arena, sent as it lies (now)",
+        "restore: read into new tensors + copy into a warm staging buffer (before)"}
     assert all(math.isfinite(us) and us > 0 for us in steps.values()), steps
     assert steps["kernels.pack_many"] > steps["kernels.pack_many: check the block ids"]
+
+
+def test_restore_reads_runs_both_ways_on_a_local_store():
+    """`python -m benchmarks.restore_reads` (a restore's reads, one thread against several)
+    runs without a GPU and prints a time per round for each."""
+    res = subprocess.run([sys.executable, "-m", "benchmarks.restore_reads", "--rounds", "1", "--tokens", "1920"],
+                         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    from anchorkv.connector.worker import READ_THREADS
+
+    lines = res.stdout.strip().splitlines()
+    assert [line.split(":")[1].strip() for line in lines] == [
+        f"{n} read thread(s)" for n in sorted({1, READ_THREADS, 8})], lines
+    assert all(float(line.rsplit(":", 1)[1].split()[0]) > 0 for line in lines), lines

@@ -9,6 +9,7 @@ call (a connector's saves), only the blocks changing: the per-call host work is 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -236,28 +237,114 @@ class PackedParts:
 
 def stage_to_device(tensors: Sequence[torch.Tensor], device: torch.device | str, *,
                     pin: bool = True) -> list[torch.Tensor]:
-    """Host tensors on `device`, moved together: each is copied (on the CPU) into one staging
-    buffer, page-locked with `pin`, at a 16-byte aligned offset, and the buffer crosses in one
-    `non_blocking` copy on the current stream. Returns views of the device copy with each
-    tensor's dtype and shape. (A `non_blocking` copy from pageable memory blocks the CPU; one
-    per part of a restore would be 94 of them for a Kimi-Linear request.)"""
-    at, total = [], 0
-    for t in tensors:
-        total = -(-total // 16) * 16
-        at.append(total)
-        total += t.numel() * t.element_size()
-    host = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
-    for t, a in zip(tensors, at, strict=True):
-        if t.numel():
-            host.narrow(0, a, t.numel() * t.element_size()).view(t.dtype).view(t.shape).copy_(t)
-    moved = host.to(device, non_blocking=True)
-    out = []
-    for t, a in zip(tensors, at, strict=True):
-        if t.numel():
-            out.append(moved.narrow(0, a, t.numel() * t.element_size()).view(t.dtype).view(t.shape))
+    """Host tensors on `device`, moved together in one `non_blocking` copy per host buffer, on
+    the current stream; returns views of the device copies with each tensor's dtype and shape.
+
+    Contiguous tensors that are views of one page-locked allocation (a `HostArena`'s slab; any
+    shared allocation when `pin` is False) cross as they lie: the span they cover is copied, no
+    byte is copied on the CPU. The others are first copied (on the CPU) into one staging buffer,
+    page-locked with `pin`, each at a 16-byte aligned offset. (A `non_blocking` copy from
+    pageable memory blocks the CPU; one per part of a restore would be 94 of them for a
+    Kimi-Linear request.)"""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    shared: dict[int, list[int]] = {}  # storage address -> its contiguous tensors
+    staged: list[int] = []
+    for i, t in enumerate(tensors):
+        if not t.numel():
+            out[i] = torch.empty(t.shape, dtype=t.dtype, device=device)
+        elif t.is_contiguous():
+            shared.setdefault(t.untyped_storage().data_ptr(), []).append(i)
         else:
-            out.append(torch.empty(t.shape, dtype=t.dtype, device=moved.device))
-    return out
+            staged.append(i)
+    for members in shared.values():
+        first = tensors[members[0]]
+        # as they lie: a page-locked buffer, or (pin False) a buffer several tensors share
+        if not (first.is_pinned() if pin else len(members) > 1):
+            staged.extend(members)
+            continue
+        base = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())
+        spans = [(tensors[i].storage_offset() * tensors[i].element_size(), tensors[i].nbytes) for i in members]
+        lo = min(a for a, _ in spans)
+        hi = max(a + n for a, n in spans)
+        moved = base.narrow(0, lo, hi - lo).to(device, non_blocking=True)
+        for i, (a, n) in zip(members, spans, strict=True):
+            out[i] = _view_as(moved.narrow(0, a - lo, n), tensors[i])
+    if staged:
+        at, total = [], 0
+        for i in staged:
+            total = -(-total // 16) * 16
+            at.append(total)
+            total += tensors[i].nbytes
+        host = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+        for i, a in zip(staged, at, strict=True):
+            t = tensors[i]
+            host.narrow(0, a, t.nbytes).view(t.dtype).view(t.shape).copy_(t)
+        moved = host.to(device, non_blocking=True)
+        for i, a in zip(staged, at, strict=True):
+            out[i] = _view_as(moved.narrow(0, a, tensors[i].nbytes), tensors[i])
+    return out  # type: ignore[return-value]
+
+
+def _aligned(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _view_as(raw: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The uint8 bytes `raw` as a contiguous tensor of `t`'s dtype and shape."""
+    return raw.view(t.dtype).view(t.shape)
+
+
+class HostArena:
+    """Host memory for the parts of a restore: `arena(nbytes)` is a uint8 tensor of `nbytes` at
+    a 16-byte aligned offset of a slab, page-locked with `pin`. A store reads the parts into it
+    (`Store.load(..., host=arena)`), and `stage_to_device` then sends each slab's used span to
+    the GPU in one copy, with no staging copy on the CPU.
+
+    `reset()` hands the same memory out again for the next restore, so a worker reads every
+    restore into warm memory (a fresh buffer of 100 MB costs as much in page faults as the read
+    itself). The first slab holds max(`hint`, the first request) bytes, later ones at least
+    twice the last; `used` is what one slab holding every request since the last reset needs
+    (alignment included), and a reset after a round that took several slabs replaces them with
+    one of that size. The arena keeps its largest round's memory until it is dropped. Parts may
+    be asked for from several threads at once (a restore's reads run in parallel); `reset` must
+    not run while anything else does.
+    """
+
+    ALIGN = 16
+
+    def __init__(self, *, pin: bool, hint: int = 0) -> None:
+        self.pin = pin
+        self.hint = hint
+        self.slabs: list[torch.Tensor] = []
+        self.used = 0
+        self._at = 0  # bytes used in the last slab
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        """Start again at the first slab's first byte: nothing handed out before may be in use
+        any more (its copies to the GPU complete)."""
+        if len(self.slabs) > 1:
+            self.hint = max(self.hint, self.used)
+            self.slabs = []
+        self.used = self._at = 0
+
+    def __call__(self, nbytes: int) -> torch.Tensor:
+        if nbytes < 0:
+            raise ValueError(f"HostArena: {nbytes} bytes asked for, expected >= 0")
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        with self._lock:
+            return self._take(nbytes)
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        self.used = _aligned(self.used, self.ALIGN) + nbytes
+        at = _aligned(self._at, self.ALIGN)
+        if not self.slabs or at + nbytes > self.slabs[-1].numel():
+            size = max(nbytes, 2 * self.slabs[-1].numel() if self.slabs else self.hint)
+            self.slabs.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
+            at = 0
+        self._at = at + nbytes
+        return self.slabs[-1].narrow(0, at, nbytes)
 
 
 def _host_copy(p: Packed, pin: bool) -> Packed:

@@ -6,8 +6,11 @@ implements it over `anchorkv.store`. Tests may substitute another implementation
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
+
+import torch
 
 from anchorkv.codec import Packed
 from anchorkv.connector.plan import SaveSpec
@@ -31,9 +34,12 @@ class EntryStore(Protocol):
         `why` gets the reasons entries were passed over (`Miss` values) when none is found."""
 
     def load(self, entry_id: str, layer: str, field: str, *, tp_size: int, tp_rank: int,
-             rows: tuple[int, int] | None) -> Packed:
+             rows: tuple[int, int] | None, host: Callable[[int], torch.Tensor] | None = None) -> Packed:
         """This rank's slice of one field of one layer: state fields `[1, *rank shape]`, paged
-        fields the token rows [rows[0], rows[1]) as `[n, *row]`. Raises if missing or corrupt."""
+        fields the token rows [rows[0], rows[1]) as `[n, *row]`. Raises if missing or corrupt.
+        `host(nbytes)`, when given, is where the bytes go (`codec.HostArena`: a restore's parts
+        in one page-locked buffer, which crosses to the GPU without a staging copy); an
+        implementation may ignore it."""
 
     def save_part(self, spec: SaveSpec, parts: dict[tuple[str, str], Packed], *, tp_size: int,
                   tp_rank: int) -> int:

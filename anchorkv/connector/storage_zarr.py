@@ -22,9 +22,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
+import torch
 
 from anchorkv.codec import (
     CodecSpec,
@@ -189,20 +190,20 @@ class ZarrEntryStore:
     # ------------------------------------------------------------------ load
 
     def load(self, entry_id: str, layer: str, field: str, *, tp_size: int, tp_rank: int,
-             rows: tuple[int, int] | None) -> Packed:
+             rows: tuple[int, int] | None, host: Callable[[int], torch.Tensor] | None = None) -> Packed:
         """This rank's slice of one field of one layer (see `EntryStore.load`).
 
         Raises the store's `EntryNotFound`, `CorruptEntry` or `FingerprintMismatch` as they are.
         """
         layout = self.layout(tp_size, tp_rank)
         if rows is None:
-            return self.store.load(entry_id, layout, layer, field)
+            return self.store.load(entry_id, layout, layer, field, host=host)
         start, stop = rows
         stored = self.store.get(entry_id).num_tokens
         if not 0 <= start < stop <= stored:
             raise ValueError(f"entry {entry_id}: token rows [{start}, {stop}) requested, it holds "
                              f"tokens [0, {stored})")
-        p = self.store.load(entry_id, layout, layer, field, start_token=start, num_blocks=stop - start)
+        p = self.store.load(entry_id, layout, layer, field, start_token=start, num_blocks=stop - start, host=host)
         return p.reshape(stop - start, *p.shape[2:])
 
     # ------------------------------------------------------------------ save

@@ -19,17 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from anchorkv.codec import CacheView, ModelLayout, Packed, PackedParts, Packer, unpack_many
+from anchorkv.codec import CacheView, HostArena, ModelLayout, Packed, PackedParts, Packer, unpack_many
 from anchorkv.codec.layout import Field, PageLayout
 from anchorkv.connector.config import ConnectorConfig
 from anchorkv.connector.counters import Counters, Miss, load_miss_of
@@ -39,6 +40,16 @@ from anchorkv.connector.storage import EntryStore
 log = logging.getLogger("anchorkv.connector")
 
 PartKey = tuple[str, str]  # (layer name, field name)
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+#: A restore's parts are read this many at a time: a remote store answers each read after a
+#: round trip, and 47 of them one after another (a Kimi-Linear request) add up. No more than
+#: the cores: reads from the page cache are CPU work (copies, checksums), and on 2 cores 8
+#: threads read a local entry ~15% slower than 1 or 2 (`python -m benchmarks.restore_reads`).
+READ_THREADS = max(1, min(8, _cores()))
 
 
 @dataclass
@@ -71,8 +82,13 @@ class WorkerSide:
         self._releases: list[tuple[str, Any]] = []  # (req id, event or None) of finish saves
         self._lock = threading.Lock()
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-load")
+        self._read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="anchorkv-read")
         self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-save")
         self._stream: torch.cuda.Stream | None = None
+        #: the host memory restores are read into (page-locked for a GPU cache: parts cross in
+        #: one copy as they lie), reused restore after restore; one restore at a time
+        self._arena = HostArena(pin=False)
+        self._arena_lock = threading.Lock()
         self._save_set: tuple[Packer, list[tuple[str, str, GroupKind]]] | None = None
         self.stats = Counters(primary=tp_rank == 0)
 
@@ -82,6 +98,8 @@ class WorkerSide:
         device = next(iter(views.values())).region.device
         if device.type == "cuda":
             self._stream = torch.cuda.Stream(device=device)
+        with self._arena_lock:
+            self._arena = HostArena(pin=device.type == "cuda")
 
     # -------------------------------------------------------------------- what a spec touches
 
@@ -250,12 +268,14 @@ class WorkerSide:
         t0 = time.perf_counter()
         error: Exception | None = None
         try:
-            parts = self._read(spec)  # every chunk read and verified before any write
-            with job.lock:
-                if job.state != "reading":
-                    return  # timed out meanwhile: its blocks may belong to someone else now
-                job.state = "writing"
-            self._restore(spec, parts, job.after)
+            with self._arena_lock:  # the arena is this load's until its copies are done
+                self._arena.reset()
+                parts = self._read(spec)  # every chunk read and verified before any write
+                with job.lock:
+                    if job.state != "reading":
+                        return  # timed out meanwhile: its blocks may belong to someone else now
+                    job.state = "writing"
+                self._restore(spec, parts, job.after)
         except Exception as e:
             log.warning("anchorkv: load of request %s from entry %s failed (%s); vLLM recomputes",
                         spec.req_id, spec.entry_id, e)
@@ -275,17 +295,27 @@ class WorkerSide:
                      nbytes / 1e6, seconds)
 
     def _read(self, spec: LoadSpec) -> dict[PartKey, Packed]:
-        parts = {}
+        """Every part of the restore, read (`READ_THREADS` at a time) and checked, into the
+        worker's host arena (the caller holds `_arena_lock` and has reset it). Every read has
+        ended when this returns or raises (the first failure, in part order): nothing writes
+        into the arena after it."""
+        wanted = []
         for layer, fname, _, kind in self._parts(spec.blocks):
             field_ = self.views[layer].page.field(fname)
-            rows = (spec.start, spec.num_tokens) if kind is GroupKind.PAGED else None
-            p = self.store.load(spec.entry_id, layer, fname, tp_size=self.tp_size,
-                                tp_rank=self.tp_rank, rows=rows)
-            expected = ((spec.num_tokens - spec.start, *field_.shape[1:]) if kind is GroupKind.PAGED
-                        else (1, *field_.shape))
-            if tuple(p.shape) != expected or p.dtype != field_.dtype:
+            paged = kind is GroupKind.PAGED
+            wanted.append((layer, fname, (spec.start, spec.num_tokens) if paged else None,
+                           (spec.num_tokens - spec.start, *field_.shape[1:]) if paged else (1, *field_.shape),
+                           field_.dtype))
+        reads = [self._read_pool.submit(self.store.load, spec.entry_id, layer, fname, tp_size=self.tp_size,
+                                        tp_rank=self.tp_rank, rows=rows, host=self._arena)
+                 for layer, fname, rows, _, _ in wanted]
+        wait(reads)
+        parts = {}
+        for (layer, fname, _, expected, dtype), read in zip(wanted, reads, strict=True):
+            p = read.result()
+            if tuple(p.shape) != expected or p.dtype != dtype:
                 raise ValueError(f"entry {spec.entry_id}: {layer}.{fname} is {p.dtype} {list(p.shape)}, "
-                                 f"this rank needs {field_.dtype} {list(expected)}")
+                                 f"this rank needs {dtype} {list(expected)}")
             if p.poisoned_groups():
                 raise ValueError(f"entry {spec.entry_id}: {layer}.{fname} holds NaN/Inf groups")
             parts[(layer, fname)] = p
@@ -315,11 +345,13 @@ class WorkerSide:
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             if stream is not None and after is not None:  # `after` is only recorded with a stream
                 stream.wait_event(after)
-            unpack_many(work)
-            for view, fname, block, tail in zero:
-                view.tensor(fname)[block, tail:] = 0
-            if stream is not None:
-                stream.synchronize()
+            try:
+                unpack_many(work)
+                for view, fname, block, tail in zero:
+                    view.tensor(fname)[block, tail:] = 0
+            finally:  # also on an error: the copies out of the host arena are done
+                if stream is not None:
+                    stream.synchronize()
 
     # -------------------------------------------------------------------- completions
 
@@ -362,6 +394,7 @@ class WorkerSide:
     def shutdown(self) -> None:
         self._save_pool.shutdown(wait=True)
         self._load_pool.shutdown(wait=False, cancel_futures=True)
+        self._read_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _leading_rows(view: CacheView, fname: str, rows: int) -> CacheView:

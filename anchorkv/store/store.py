@@ -386,8 +386,13 @@ class Store:
             )
 
     def load(self, entry: EntryInfo | str, layout: ModelLayout, layer: str, field: str, *, start_token: int = 0,
-             num_blocks: int | None = None) -> Packed:
+             num_blocks: int | None = None, host: Callable[[int], torch.Tensor] | None = None) -> Packed:
         """This rank's slice of `field` of `layer`, as a host `Packed` ready for `unpack`.
+
+        `host(nbytes)` gives the host memory the payload and the scales are read into (a 1-D
+        uint8 CPU tensor of `nbytes` at a 16-byte aligned address; `codec.HostArena`: one
+        page-locked buffer for a whole restore, which crosses to the GPU as it is); default:
+        new pageable tensors.
 
         State fields: `[1, *rank shape]` at the reader's tp (any tp dividing the chunk count).
         Paged fields: `[num_blocks, block_size, *row]` of tokens from `start_token` (default:
@@ -417,7 +422,8 @@ class Store:
         if (pn, sn) != encoding.nbytes(shape):  # never hand out a payload its shape does not describe
             raise CorruptEntry(info.id, f"field {field!r}: the entry's slice {list(block)} is {pn + sn} bytes, the "
                                f"reader's {list(shape)} needs {sum(encoding.nbytes(shape))}; recompute")
-        payload, scales = np.empty(pn, np.uint8), np.empty(sn // 4, np.float32)
+        payload_t, scales_t = _host_bytes(host, pn), _host_bytes(host, sn).view(torch.float32)
+        payload, scales = payload_t.numpy(), scales_t.numpy()
         out = encoding.views(payload, scales, block)
         with self.pins.pinned(info.id):
             by_shard: dict[tuple[int, ...], list[ChunkSlice]] = {}
@@ -433,8 +439,8 @@ class Store:
                     copy_into(tail, zero_chunk(encoding, (1, 1, *block[2:])))  # broadcast over the rows
             self._touch(info.id)
         cols = encoding.columns
-        return Packed(encoding.spec, shape, lf.dtype, torch.from_numpy(payload),
-                      torch.from_numpy(scales.reshape(-1, cols) if cols else np.empty((0, 0), np.float32)))
+        return Packed(encoding.spec, shape, lf.dtype, payload_t,
+                      scales_t.view(-1, cols) if cols else torch.empty(0, 0))
 
     def _check_array(self, info: EntryInfo, array: ArrayLayout, layout: ModelLayout, lf: Field) -> None:
         """The entry's array agrees with the reader's layout (layers holding the field, logical
@@ -609,3 +615,17 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 #: What a Zarr reader takes from an array's zarr.json (`verify` compares them with the manifest's).
 _ARRAY_KEYS = ("zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
                "fill_value", "codecs")
+
+
+def _host_bytes(host: Callable[[int], torch.Tensor] | None, nbytes: int) -> torch.Tensor:
+    """`nbytes` of host memory for a load: from `host`, checked, else a new tensor."""
+    if host is None or nbytes == 0:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    t = host(nbytes)
+    if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.device.type == "cpu"
+            and t.dim() == 1 and t.numel() == nbytes and t.is_contiguous() and t.data_ptr() % 16 == 0):
+        found = (f"{t.dtype} {list(t.shape)} on {t.device}, address {t.data_ptr()} mod 16 = {t.data_ptr() % 16}"
+                 if isinstance(t, torch.Tensor) else type(t).__name__)
+        raise ValueError(f"load: host({nbytes}) must give a contiguous 1-D uint8 CPU tensor of {nbytes} bytes at "
+                         f"a 16-byte aligned address, it gave {found}; use codec.HostArena or leave host unset")
+    return t

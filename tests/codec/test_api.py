@@ -288,6 +288,73 @@ def test_stage_to_device_moves_every_tensor_in_one_copy(monkeypatch):
     assert all(o.untyped_storage().data_ptr() == base for o in out if o.numel())
 
 
+def test_host_arena_hands_out_aligned_disjoint_spans_and_grows():
+    from anchorkv.codec import HostArena
+
+    arena = HostArena(pin=False, hint=100)
+    got = [arena(n) for n in (5, 30, 0, 40, 300, 7)]
+    assert [t.numel() for t in got] == [5, 30, 0, 40, 300, 7]
+    assert all(t.dtype == torch.uint8 and t.data_ptr() % 16 == 0 for t in got if t.numel())
+    # 5, 30 and 40 fill the first slab (the hint, 100) to 88; 300 opens one of max(300, 2 x 100);
+    # 7 does not fit after it: max(7, 2 x 300)
+    assert [s.numel() for s in arena.slabs] == [100, 300, 600]
+    assert [t.data_ptr() - arena.slabs[0].data_ptr() for t in got[:2]] == [0, 16]
+    assert got[3].data_ptr() - arena.slabs[0].data_ptr() == 48
+    assert got[4].data_ptr() == arena.slabs[1].data_ptr() and got[5].data_ptr() == arena.slabs[2].data_ptr()
+    assert arena.used == 400 + 7  # as one slab: 0+5, 16+30, 48+40, 96+300, 400+7
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel()) for t in got if t.numel())
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # disjoint
+    for i, t in enumerate(got):
+        t.fill_(i)
+    assert all(bool((t == i).all()) for i, t in enumerate(got))
+    again = HostArena(pin=False, hint=arena.used)  # a restore of the same shape: one slab
+    for n in (5, 30, 0, 40, 300, 7):
+        again(n)
+    assert len(again.slabs) == 1 and again.used == arena.used
+    arena.reset()  # the round took three slabs: the next takes one of the size it needed
+    assert arena.slabs == [] and arena.used == 0
+    first = [arena(n) for n in (5, 30, 0, 40, 300, 7)]
+    [slab] = arena.slabs
+    assert slab.numel() == 407 and [t.data_ptr() - slab.data_ptr() for t in first if t.numel()] == [0, 16, 48, 96, 400]
+    arena.reset()  # and the round after reuses that slab, from its first byte
+    assert arena(8).data_ptr() == slab.data_ptr() and len(arena.slabs) == 1 and arena.slabs[0] is slab
+    with pytest.raises(ValueError, match="expected >= 0"):
+        arena(-1)
+
+
+def test_stage_to_device_sends_a_shared_buffer_as_it_lies(monkeypatch):
+    """Parts read into one arena slab cross in one copy of the span they cover, with no
+    staging copy on the CPU (here host to host: the "device" copies are the slab itself);
+    tensors of no shared buffer are staged in one more copy."""
+    from anchorkv.codec import HostArena
+    from anchorkv.codec.api import stage_to_device
+
+    g = torch.Generator().manual_seed(1)
+    arena = HostArena(pin=False, hint=4096)
+    parts = []
+    for n in (37, 100, 16, 0, 512):
+        t = arena(n)
+        t.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g))
+        parts.append(t)
+    scales = arena(24).view(torch.float32).view(2, 3)
+    scales.copy_(torch.randn(2, 3, generator=g))
+    lone = torch.randn(4, generator=g)
+    tensors = [parts[0], scales, parts[1], lone, parts[3], parts[2], parts[4], parts[1]]  # a repeat, as
+    moves = []  # a state part restored into several blocks gives
+    real_to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **kw: moves.append(self.nbytes) or real_to(self, *a, **kw))
+    out = stage_to_device(tensors, "cpu", pin=False)
+    [slab] = arena.slabs
+    first, last = parts[0].data_ptr(), scales.data_ptr() + scales.nbytes
+    assert sorted(moves) == [lone.nbytes, last - first]  # the slab's used span, and the staged lone tensor
+    for t, o in zip(tensors, out, strict=True):
+        assert o.dtype == t.dtype and o.shape == t.shape and torch.equal(o, t)
+    for t, o in zip(tensors, out, strict=True):
+        if t is not lone and t.numel():  # host to host: the views are the slab's own bytes
+            assert o.data_ptr() == t.data_ptr()
+    assert out[3].data_ptr() != lone.data_ptr()
+
+
 def test_unpack_many_checks_everything_before_writing(kimi_views):
     buf, kda, mla = kimi_views
     before = buf.clone()

@@ -5,14 +5,9 @@ that finds a NaN (`PackedParts.may_hold_nan`), so rows it does not save may hold
 from __future__ import annotations
 
 import pytest
-import torch
 
-from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, LayerKind, kimi_linear_layout
-from anchorkv.connector.config import ConnectorConfig
-from anchorkv.connector.plan import GroupInfo, GroupKind, Metadata, SaveSpec
-from anchorkv.connector.storage_zarr import ZarrEntryStore
-from anchorkv.connector.worker import WorkerSide
-from anchorkv.testing.regions import fill_realistic, hma_regions
+from anchorkv.connector.plan import Metadata, SaveSpec
+from tests.connector.kimi_worker import kimi_worker
 
 CODECS = {"conv": "int8:128", "recurrent": "int4:32", "latent": "fp8:64"}
 BLOCKS = ((1,), (2,), (3,), (4, 5))  # three KDA groups, then the MLA group's two blocks
@@ -20,20 +15,7 @@ BLOCKS = ((1,), (2,), (3,), (4, 5))  # three KDA groups, then the MLA group's tw
 
 @pytest.fixture
 def worker(tmp_path):
-    layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=1)
-    views = hma_regions(layout, 7)
-    state = [layer.name for layer in layout.of_kind(LayerKind.STATE)]
-    paged = [layer.name for layer in layout.of_kind(LayerKind.PAGED)]
-    groups = [GroupInfo(g, GroupKind.STATE, layout.block_size, tuple(state[g::3])) for g in range(3)]
-    groups.append(GroupInfo(3, GroupKind.PAGED, layout.block_size, tuple(paged)))
-    g = torch.Generator().manual_seed(0)
-    for grp in groups:
-        for name in grp.layers:
-            fill_realistic(views[name], list(BLOCKS[grp.index]), g)
-    config = ConnectorConfig.from_extra_config({"store": str(tmp_path / "store"), "codec": CODECS})
-    store = ZarrEntryStore(config, layout)
-    w = WorkerSide(store.config, groups, "none", store, 1, 0)
-    w.register(layout, views)
+    w, views, state, paged, layout, store = kimi_worker(tmp_path, 7, BLOCKS, {"codec": CODECS})
     yield w, views, state, paged, layout.block_size, store
     w.shutdown()
     store.close()

@@ -51,6 +51,39 @@ class TestStoreConformance:
                 assert torch.equal(got.scales[:N], ref.scales[:N])
                 assert not got.payload[N * 72 :].any()
 
+    @pytest.mark.parametrize("read_tp", [1, 2])
+    def test_load_into_a_host_arena_gives_the_same_parts_in_its_slab(self, store, read_tp):
+        """`load(host=arena)`: the bytes, shapes and codecs of a plain load, every payload and
+        scale laid in the arena's one slab (sized by the hint), 16-byte aligned (a restore then
+        crosses to the GPU in one copy, no staging on the CPU)."""
+        from anchorkv.codec import HostArena
+
+        info = save(store, tp=2)
+        layout = tiny_layout(read_tp, read_tp - 1)
+        fields = list(all_packed(layout, CODECS, N))
+        plain = [store.load(info, layout, layer, field) for layer, field in fields]
+        arena = HostArena(pin=False, hint=sum(p.nbytes + 32 for p in plain))
+        got = [store.load(info, layout, layer, field, host=arena) for layer, field in fields]
+        [slab] = arena.slabs
+        lo, hi = slab.data_ptr(), slab.data_ptr() + slab.numel()
+        for p, g, key in zip(plain, got, fields, strict=True):
+            assert (g.shape, g.dtype, g.codec) == (p.shape, p.dtype, p.codec), key
+            assert torch.equal(g.payload, p.payload) and torch.equal(g.scales, p.scales), key
+            for t in (g.payload, g.scales):
+                if t.numel():
+                    assert lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi and t.data_ptr() % 16 == 0, key
+        assert arena.used <= sum(p.nbytes + 30 for p in plain)
+
+    def test_load_refuses_a_host_allocator_that_gives_the_wrong_memory(self, store):
+        info = save(store)
+        layout = tiny_layout()
+        layer, field = next(iter(all_packed(layout, CODECS, N)))
+        for bad in (lambda n: torch.empty(n + 1, dtype=torch.uint8), lambda n: torch.empty(n, dtype=torch.float32),
+                    lambda n: torch.empty(n + 16, dtype=torch.uint8)[1 : n + 1],  # not 16-byte aligned
+                    lambda n: bytearray(n)):
+            with pytest.raises(ValueError, match=r"host\(\d+\) must give a contiguous 1-D uint8 CPU tensor"):
+                store.load(info, layout, layer, field, host=bad)
+
     @pytest.mark.parametrize("write_tp,read_tp", [(1, 2), (2, 1), (4, 8), (8, 2), (2, 4)])
     def test_restore_at_another_tp(self, store, write_tp, read_tp):
         info = save(store, tp=write_tp)

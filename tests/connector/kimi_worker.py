@@ -1,0 +1,36 @@
+"""A `WorkerSide` over a Kimi-Linear tp=1 cache on the CPU and a local store (not a test module):
+three KDA KV-cache groups and the MLA group, as vLLM's hybrid allocator gives them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, LayerKind, kimi_linear_layout
+from anchorkv.connector.config import ConnectorConfig
+from anchorkv.connector.plan import GroupInfo, GroupKind
+from anchorkv.connector.storage_zarr import ZarrEntryStore
+from anchorkv.connector.worker import WorkerSide
+from anchorkv.testing.regions import fill_realistic, hma_regions
+
+
+def kimi_worker(tmp_path, num_blocks: int, filled: Sequence[Sequence[int]], extra: dict | None = None):
+    """(worker, views, state layer names, paged layer names, layout, store): `num_blocks` blocks
+    per region, group g's blocks `filled[g]` filled with realistic state (seed 0), the store in
+    `tmp_path / "store"` with `kv_connector_extra_config` `extra` (default codecs: raw)."""
+    layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=1)
+    views = hma_regions(layout, num_blocks)
+    state = [layer.name for layer in layout.of_kind(LayerKind.STATE)]
+    paged = [layer.name for layer in layout.of_kind(LayerKind.PAGED)]
+    groups = [GroupInfo(g, GroupKind.STATE, layout.block_size, tuple(state[g::3])) for g in range(3)]
+    groups.append(GroupInfo(3, GroupKind.PAGED, layout.block_size, tuple(paged)))
+    g = torch.Generator().manual_seed(0)
+    for grp in groups:
+        for name in grp.layers:
+            fill_realistic(views[name], list(filled[grp.index]), g)
+    store = ZarrEntryStore(ConnectorConfig.from_extra_config({"store": str(tmp_path / "store"), **(extra or {})}),
+                           layout)
+    w = WorkerSide(store.config, groups, "none", store, 1, 0)
+    w.register(layout, views)
+    return w, views, state, paged, layout, store
