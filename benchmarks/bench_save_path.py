@@ -181,16 +181,21 @@ def make_request(quick, tmp_path_factory):
     _requests.clear()
 
 
+def median_time(fn, rounds: int) -> float:
+    """The median seconds of `fn()` over max(rounds, 3) calls after one warm-up call."""
+    times = []
+    for _ in range(max(rounds, 3) + 1):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
 def _copy_median(req: Request, name: str, codecs: str, rounds: int) -> float:
     """The median of a d2h baseline: its own row of this run, or measured here if deselected."""
     key = (codecs, name)
     if key not in _medians:
-        times = []
-        for _ in range(max(rounds, 3) + 1):
-            t = time.perf_counter()
-            req.copy(name)
-            times.append(time.perf_counter() - t)
-        _medians[key] = statistics.median(times[1:])
+        _medians[key] = median_time(lambda: req.copy(name), rounds)
     return _medians[key]
 
 

@@ -15,6 +15,8 @@ the junit XML and benchmark JSON of what finished:
                torch eager and torch.compile (run last: it compiles)
     save_path  benchmarks/bench_save_path.py: GPU -> pack -> pinned host -> store, vs a plain
                device-to-host copy of the packed (and of the raw) bytes
+    load_path  benchmarks/bench_load_path.py: store -> pinned host arena -> GPU -> unpack, vs a
+               plain host-to-device copy of the packed bytes (reported; issue 13 sets no target)
     profile    python -m benchmarks.profile_kernels: host vs kernel time (CUDA only)
 
 Writes, all directly under `--out` (default benchmarks/results), `<machine>` as
@@ -46,7 +48,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 #: (step, most seconds it may take, least seconds worth starting it with), in run order.
-STEPS = (("tests", 300, 60), ("kernels", 180, 60), ("save_path", 90, 30), ("profile", 60, 20))
+STEPS = (("tests", 300, 60), ("kernels", 180, 60), ("save_path", 90, 30), ("load_path", 60, 20),
+         ("profile", 60, 20))
 GRACE_S = 20  # after SIGINT, before SIGKILL
 REPORT_S = 15  # kept back for writing the report
 #: module -> why the run needs it (checked before anything runs; wheels: scripts/fetch_gpu_wheels.sh)
@@ -239,6 +242,15 @@ def results(steps: dict) -> list[dict]:
         if "launch_s" in e:
             row["launch_s"] = e["launch_s"]
         rows.append(row)
+    for b in steps.get("load_path", {}).get("benchmarks", []):
+        if "provider" not in b.get("extra_info", {}):
+            continue
+        e = b["extra_info"] | {"median_s": b["median_s"]}
+        base = e["ratio_vs_h2d_packed"] * e["median_s"]  # the h2d-packed median of the same run
+        rows.append({"suite": "load_path", "case": f"{e['codecs']} {e['tokens']} tokens", "provider": e["provider"],
+                     "bytes": e["bytes"], "median_s": e["median_s"], "gbps": e["gbps"],
+                     "state_gbps": e["state_gbps"], "baseline": "h2d copy of the packed bytes",
+                     "baseline_gbps": e["packed_bytes"] / base / 1e9, "ratio": e["ratio_vs_h2d_packed"]})
     return rows
 
 
@@ -320,6 +332,15 @@ def render_markdown(res: dict) -> str:
                           num(r["gbps"], ".2f"), num(r["state_gbps"], ".2f"), num(r["ratio"], ".3f"),
                           num(r["ratio_vs_d2h_raw"], ".3f"),
                           num(r["launch_s"] * 1e3, ".2f") if "launch_s" in r else "-"] for r in save]) + [""]
+    load = [r for r in res["results"] if r["suite"] == "load_path"]
+    if load:
+        lines += ["## Load path: local store -> pinned host arena -> GPU -> unpack", "",
+                  "GB/s = packed bytes / time; state GB/s = the request's raw bytes / time; ratio = the "
+                  "h2d copy's time / this time, same run (no target: issue 13 sets none for loads).", ""]
+        lines += table(["case", "provider", "MB from host", "median ms", "GB/s", "state GB/s", "ratio vs h2d packed"],
+                        [[r["case"], r["provider"], num(r["bytes"] / 1e6, ".1f"), num(r["median_s"] * 1e3, ".3f"),
+                          num(r["gbps"], ".2f"), num(r["state_gbps"], ".2f"), num(r["ratio"], ".3f")]
+                         for r in load]) + [""]
     prof = res["steps"].get("profile", {}).get("rows", [])
     if prof:
         lines += ["## Profile: host vs kernel time per call (`python -m benchmarks.profile_kernels`)", ""]
@@ -340,7 +361,7 @@ def render_plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(s, [r for r in res["results"] if r["suite"] == s]) for s in ("kernels", "save_path")]
+    panels = [(s, [r for r in res["results"] if r["suite"] == s]) for s in ("kernels", "save_path", "load_path")]
     panels = [p for p in panels if p[1]]
     fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(8 * max(len(panels), 1), 6), squeeze=False)
     # one axis per panel, and one left empty (with its note) when there is no panel

@@ -31,7 +31,7 @@ from benchmarks.reporting import condense, finite, num, table
 #: The checkout holding these benchmarks.
 ROOT = Path(__file__).resolve().parent.parent
 #: Suites `anchorkv bench` runs when their file exists, in this order.
-SUITES = ("codec", "kernels", "store", "save_path")
+SUITES = ("codec", "kernels", "store", "save_path", "load_path")
 
 
 def _run(cmd: list[str], root: Path, env: dict) -> tuple[int, float, str]:

@@ -23,11 +23,13 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_quick_cpu_run_end_to_end(tmp_path):
     """scripts/gpu_validate.sh on a CPU: a few kernel tests (interpreter), the kernel benchmark's
     copy baseline, the save path (raw codecs: its d2h baselines and the whole save into a store),
-    the report; exit 0, and only its five files under --out."""
+    the load path (raw: its h2d baseline and the whole restore from the store, every byte
+    checked), the report; exit 0, and only its five files under --out."""
     out = tmp_path / "report"
     proc = subprocess.run(
         [str(ROOT / "scripts" / "gpu_validate.sh"), "--quick", "--out", str(out),
-         "--tests-k", "test_empty_block_list or test_bad_groups_are_refused", "-k", "copy-4 or raw-d2h or raw-save"],
+         "--tests-k", "test_empty_block_list or test_bad_groups_are_refused",
+         "-k", "copy-4 or raw-d2h or raw-save or raw-h2d or raw-restore"],
         capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     machine = machine_name()
@@ -39,13 +41,15 @@ def test_quick_cpu_run_end_to_end(tmp_path):
     assert steps["tests"]["status"] == "passed" and steps["tests"]["passed"] == 3, steps["tests"]
     assert steps["kernels"]["status"] == "ok" and len(steps["kernels"]["benchmarks"]) == 2  # pack, unpack
     assert steps["save_path"]["status"] == "ok" and len(steps["save_path"]["benchmarks"]) == 3
+    assert steps["load_path"]["status"] == "ok" and len(steps["load_path"]["benchmarks"]) == 2
     assert steps["profile"]["status"] == "skipped"  # no CUDA
     rows = res["results"]
     assert {(r["suite"], r["provider"]) for r in rows} == {
-        ("kernels", "copy"), ("save_path", "d2h-raw"), ("save_path", "d2h-packed"), ("save_path", "save")}
+        ("kernels", "copy"), ("save_path", "d2h-raw"), ("save_path", "d2h-packed"), ("save_path", "save"),
+        ("load_path", "h2d-packed"), ("load_path", "restore")}
     assert all(r["gbps"] > 0 and r["baseline_gbps"] > 0 and r["ratio"] > 0 for r in rows)
     md = (out / f"{machine}.md").read_text()
-    assert "**PASSED**: 3 passed" in md and "## Save path" in md and "## Kernels" in md
+    assert "**PASSED**: 3 passed" in md and "## Save path" in md and "## Kernels" in md and "## Load path" in md
 
 
 def _canned(status: str):
@@ -60,9 +64,12 @@ def _canned(status: str):
                 if name == "kernels" else
                 {"provider": "save", "codecs": "quant", "tokens": 7680, "bytes": 4 * 10**7,
                  "packed_bytes": 4 * 10**7, "gbps": 10.0, "state_gbps": 25.0, "ratio_vs_d2h_packed": 0.5,
-                 "ratio_vs_d2h_raw": 1.2, "launch_s": 1e-4})
+                 "ratio_vs_d2h_raw": 1.2, "launch_s": 1e-4}
+                if name == "save_path" else
+                {"provider": "restore", "codecs": "raw", "tokens": 7680, "bytes": 10**8, "packed_bytes": 10**8,
+                 "gbps": 5.0, "state_gbps": 5.0, "ratio_vs_h2d_packed": 0.25})
         return {"status": "ok", "returncode": 0, "seconds": 1.0, "command": "pytest",
-                "benchmarks": [{"name": "t", "median_s": 4e-3 if name == "save_path" else 1e-4,
+                "benchmarks": [{"name": "t", "median_s": {"save_path": 4e-3, "load_path": 2e-2}.get(name, 1e-4),
                                 "extra_info": info}]}
 
     profile = {"status": "ok", "rows": [{"op": "pack", "tp": 1, "wall_ms": 2.0, "host_ms": 1.5,
@@ -87,10 +94,13 @@ def test_exit_status_and_report_follow_the_kernel_tests(status, tmp_path, monkey
                        "save path quant 7680 tokens, save: >= 0.8 x d2h copy of the packed bytes": False}
     save = next(r for r in res["results"] if r["suite"] == "save_path")
     assert save["baseline_gbps"] == pytest.approx(4e7 / (0.5 * 4e-3) / 1e9)
+    load = next(r for r in res["results"] if r["suite"] == "load_path")
+    assert load["baseline_gbps"] == pytest.approx(1e8 / (0.25 * 2e-2) / 1e9) and load["ratio"] == 0.25
     md = (tmp_path / f"{machine}.md").read_text()
     assert ("**PASSED**" in md) == (status == "passed")
     assert ("tests.kernels.test_x::test_y[int8]" in md) == (status == "failed")
     assert "| pack | 1 | 2.000 | 1.500 | 0.100 | 0.05 |" in md  # host vs kernel time
+    assert "| raw 7680 tokens | restore | 100.0 | 20.000 | 5.00 | 5.00 | 0.250 |" in md  # the load path
     assert (tmp_path / f"{machine}.png").stat().st_size > 0
 
 
