@@ -440,7 +440,7 @@ class Store:
             self._touch(info.id)
         cols = encoding.columns
         return Packed(encoding.spec, shape, lf.dtype, payload_t,
-                      scales_t.view(-1, cols) if cols else torch.empty(0, 0))
+                      scales_t.view(-1, cols) if cols else torch.empty(0, 0, dtype=torch.float32))
 
     def _check_array(self, info: EntryInfo, array: ArrayLayout, layout: ModelLayout, lf: Field) -> None:
         """The entry's array agrees with the reader's layout (layers holding the field, logical
