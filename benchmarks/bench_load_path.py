@@ -62,8 +62,8 @@ class Restore:
         [entry] = req.entries.store.list()
         self.load = LoadSpec("bench-restore", entry.id, 0, spec.num_tokens, spec.blocks, sync=True)
         self.device_parts = req.pack()  # pack_many's order: self.fields
-        self.arena = HostArena(pin=DEVICE.type == "cuda", hint=sum(  # one slab, as the worker's from its
-            -(-t.nbytes // 16) * 16 for p in self.device_parts for t in (p.payload, p.scales)))  # 2nd restore on
+        self.arena = HostArena(pin=DEVICE.type == "cuda", hint=HostArena.size_for(  # one slab, as the worker's
+            t.nbytes for p in self.device_parts for t in (p.payload, p.scales)))  # from its 2nd restore on
         self.host_parts = [self._in_arena(p) for p in self.device_parts]
         assert len(self.arena.slabs) == 1
         self.packed_bytes = sum(p.nbytes for p in self.device_parts)

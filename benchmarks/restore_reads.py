@@ -14,33 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-
-def _moto() -> tuple[subprocess.Popen, str]:
-    from tests.store.conftest import _free_port
-
-    port = _free_port()
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=1).close()
-            return proc, url
-        except Exception:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"moto did not start on {url}") from None
-            time.sleep(0.2)
 
 
 def run(store: str, rounds: int, tokens: int) -> dict[int, list[float]]:
@@ -60,9 +38,9 @@ def run(store: str, rounds: int, tokens: int) -> dict[int, list[float]]:
     entries = req.entries
     try:
         if store == "s3":
-            from tests.store.conftest import S3_OPTIONS, make_s3_bucket
+            from tests.store.conftest import S3_OPTIONS, make_s3_bucket, start_moto
 
-            proc, url = _moto()
+            proc, url = start_moto()
             config = ConnectorConfig.from_extra_config({
                 "store": f"s3://{make_s3_bucket(url)}/cache", "codec": CODEC_SETS["raw"],
                 "storage_options": {**S3_OPTIONS, "endpoint": url}})

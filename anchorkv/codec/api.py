@@ -247,6 +247,7 @@ def stage_to_device(tensors: Sequence[torch.Tensor], device: torch.device | str,
     pageable memory blocks the CPU; one per part of a restore would be 94 of them for a
     Kimi-Linear request.)"""
     out: list[torch.Tensor | None] = [None] * len(tensors)
+    sources = list(tensors)  # what crosses: the tensor itself, or its copy in the staging arena
     shared: dict[int, list[int]] = {}  # storage address -> its contiguous tensors
     staged: list[int] = []
     for i, t in enumerate(tensors):
@@ -256,32 +257,25 @@ def stage_to_device(tensors: Sequence[torch.Tensor], device: torch.device | str,
             shared.setdefault(t.untyped_storage().data_ptr(), []).append(i)
         else:
             staged.append(i)
+    groups = []
     for members in shared.values():
         first = tensors[members[0]]
-        # as they lie: a page-locked buffer, or (pin False) a buffer several tensors share
-        if not (first.is_pinned() if pin else len(members) > 1):
+        if first.is_pinned() if pin else len(members) > 1:
+            groups.append(members)  # as they lie: a page-locked buffer (pin False: one several share)
+        else:
             staged.extend(members)
-            continue
-        base = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())
-        spans = [(tensors[i].storage_offset() * tensors[i].element_size(), tensors[i].nbytes) for i in members]
+    if staged:  # copied into one staging buffer (an arena of exactly their size: one slab)
+        arena = HostArena(pin=pin, hint=HostArena.size_for(tensors[i].nbytes for i in staged))
+        for i in staged:
+            sources[i] = _view_as(arena(tensors[i].nbytes), tensors[i]).copy_(tensors[i])
+        groups.append(staged)
+    for members in groups:  # one copy of the span each group's tensors cover
+        base = torch.empty(0, dtype=torch.uint8).set_(sources[members[0]].untyped_storage())
+        spans = [(sources[i].storage_offset() * sources[i].element_size(), sources[i].nbytes) for i in members]
         lo = min(a for a, _ in spans)
-        hi = max(a + n for a, n in spans)
-        moved = base.narrow(0, lo, hi - lo).to(device, non_blocking=True)
+        moved = base.narrow(0, lo, max(a + n for a, n in spans) - lo).to(device, non_blocking=True)
         for i, (a, n) in zip(members, spans, strict=True):
             out[i] = _view_as(moved.narrow(0, a - lo, n), tensors[i])
-    if staged:
-        at, total = [], 0
-        for i in staged:
-            total = -(-total // 16) * 16
-            at.append(total)
-            total += tensors[i].nbytes
-        host = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
-        for i, a in zip(staged, at, strict=True):
-            t = tensors[i]
-            host.narrow(0, a, t.nbytes).view(t.dtype).view(t.shape).copy_(t)
-        moved = host.to(device, non_blocking=True)
-        for i, a in zip(staged, at, strict=True):
-            out[i] = _view_as(moved.narrow(0, a, tensors[i].nbytes), tensors[i])
     return out  # type: ignore[return-value]
 
 
@@ -319,6 +313,16 @@ class HostArena:
         self.used = 0
         self._at = 0  # bytes used in the last slab
         self._lock = threading.Lock()
+
+    @classmethod
+    def size_for(cls, sizes) -> int:
+        """The bytes one slab needs for requests of `sizes` bytes, in order (`used` after them):
+        the `hint` that makes them one slab."""
+        total = 0
+        for n in sizes:
+            if n:
+                total = _aligned(total, cls.ALIGN) + n
+        return total
 
     def reset(self) -> None:
         """Start again at the first slab's first byte: nothing handed out before may be in use

@@ -41,6 +41,7 @@ log = logging.getLogger("anchorkv.connector")
 
 PartKey = tuple[str, str]  # (layer name, field name)
 
+
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 

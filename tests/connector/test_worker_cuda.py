@@ -40,7 +40,7 @@ def test_restore_parts_from_the_host_unpack_without_a_host_synchronization(monke
     page = kda.region.block_stride
     requests = [(kda, "recurrent", [1], "int8:128"), (kda, "conv", [2], "fp8:64"), (mla, "latent", [3, 4], "raw")]
     packed = pack_many(requests)
-    arena = HostArena(pin=True, hint=sum(-(-t.nbytes // 16) * 16 for p in packed for t in (p.payload, p.scales)))
+    arena = HostArena(pin=True, hint=HostArena.size_for(t.nbytes for p in packed for t in (p.payload, p.scales)))
     if host == "pinned arena":  # as `Store.load(host=arena)` lays them
         packed = [Packed(p.codec, p.shape, p.dtype, arena(p.payload.nbytes).copy_(p.payload),
                          arena(p.scales.nbytes).view(torch.float32).view(p.scales.shape).copy_(p.scales))

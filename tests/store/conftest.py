@@ -26,13 +26,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    try:
-        import boto3  # noqa: F401
-        import moto.server  # noqa: F401
-    except ImportError:
-        pytest.fail("the S3 store tests need moto's server: pip install -e '.[test]' (moto[server])")
+def start_moto() -> tuple[subprocess.Popen, str]:
+    """A moto S3 server on a free loopback port: (process, endpoint URL). Raises RuntimeError
+    if it does not answer within 30 s."""
     port = _free_port()
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
     proc = subprocess.Popen(
@@ -44,12 +40,26 @@ def s3_endpoint():
     while True:
         try:
             urllib.request.urlopen(url, timeout=1).close()
-            break
+            return proc, url
         except Exception:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                pytest.fail(f"moto server did not start on {url} within 30 s (exit code {proc.poll()})")
+                raise RuntimeError(
+                    f"moto server did not start on {url} within 30 s (exit code {proc.poll()})") from None
             time.sleep(0.1)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    try:
+        import boto3  # noqa: F401
+        import moto.server  # noqa: F401
+    except ImportError:
+        pytest.fail("the S3 store tests need moto's server: pip install -e '.[test]' (moto[server])")
+    try:
+        proc, url = start_moto()
+    except RuntimeError as e:
+        pytest.fail(str(e))
     try:
         yield url
     finally:
