@@ -50,9 +50,9 @@ def test_a_restore_reads_into_one_arena_slab_and_restores_the_saved_bytes(tmp_pa
                     for t in (p.payload, p.scales):
                         assert not t.numel() or lo <= t.data_ptr() < t.data_ptr() + t.nbytes <= hi
         assert slabs[0] is slabs[1]  # the same (warm) memory restore after restore
-        for name, v in views.items():  # zeroed, then restored as vLLM drives a load
+        for name, v in views.items():  # stale bytes, then restored as vLLM drives a load
             for fname in v.page.names:
-                v.tensor(fname)[list(RESTORED[3] if name in paged else (6, 7, 8))] = 0
+                v.tensor(fname)[list(RESTORED[3] if name in paged else (6, 7, 8))] = 1
         w.start_load(Metadata(loads=[LoadSpec("q", entry.id, 0, tokens, RESTORED, sync=True)]))
         assert slabs[0] is w._arena.slabs[0]
         for grp in groups:
