@@ -9,9 +9,11 @@ latent).
 Providers:
     ours     `anchorkv.kernels.pack_many` / `unpack_many` (Triton on CUDA; on a CPU the auto
              backend is the torch reference, so this row measures the reference)
-    set      pack only: `anchorkv.kernels.PackSet.pack` of the same items as fixed targets (what
-             the connector saves with: no per-item keys, plan lookup by the slots' lengths, one
-             payload and one scales allocation, no per-item views)
+    set      `anchorkv.kernels.PackSet.pack` of the same items as fixed targets (what the
+             connector saves with: no per-item keys, plan lookup by the slots' lengths, one
+             payload and one scales allocation, no per-item views); for unpack,
+             `UnpackSet.unpack` of that batch into the same targets (no per-part checks: the
+             batch is checked as two tensors against the plan's layout)
     copy     one device-to-device copy of the same source bytes (the ceiling)
     eager    the torch reference, item by item, on the same device
     compile  `torch.compile` of the reference (CUDA only)
@@ -96,6 +98,8 @@ class Request:
             [kernels.PackTarget(it.buffer, it.field, it.num_blocks, it.spec) for it in self.items],
             [0 if it.block_ids is state_ids else 1 for it in self.items])
         self.slot_ids = (state_ids, mla_ids)
+        self.unpack_set = kernels.UnpackSet(self.pack_set.targets, self.pack_set.slots)
+        self.packed_batch = self.pack_set.pack(self.slot_ids)
         packed = kernels.pack_many(self.items)
         self.packed_bytes = sum(p.numel() + s.numel() * 4 for p, s in packed)
         self.unpack_items = [
@@ -159,6 +163,7 @@ PROVIDERS = {
     ("pack", "ours"): lambda req: kernels.pack_many(req.items),
     ("pack", "set"): lambda req: req.pack_set.pack(req.slot_ids),
     ("unpack", "ours"): lambda req: kernels.unpack_many(req.unpack_items),
+    ("unpack", "set"): lambda req: req.unpack_set.unpack(req.packed_batch, req.slot_ids),
     ("pack", "eager"): _eager_pack,
     ("unpack", "eager"): _eager_unpack,
     ("pack", "compile"): _compile_pack,
@@ -186,7 +191,7 @@ def _write_results(quick):
 # torch.compile (torch 2.11) goes through torch.jit.script_method, which warns it is deprecated
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("tp", [1, 4])
-@pytest.mark.parametrize("op,provider", sorted(PROVIDERS))  # set: pack only
+@pytest.mark.parametrize("op,provider", sorted(PROVIDERS))
 def test_kimi_request(benchmark, op, provider, tp, quick):
     if provider == "compile" and DEVICE.type != "cuda":
         pytest.skip("torch.compile baseline is measured on CUDA only (on a CPU it would time "

@@ -25,7 +25,7 @@ def _direct_vs_jit(ops, iters: int, launch) -> None:
     """Wall and host time per call with direct launches of the compiled kernels (the default,
     `kernels.launch`) and with every launch through the JIT, alternated in this process."""
     print(f"direct launches available: {launch.enabled()}")
-    for name in ("pack", "set", "unpack"):
+    for name in ("pack", "set", "unpack", "unpack set"):
         fn = ops[name]
         for _ in range(3):
             fn()
@@ -68,6 +68,7 @@ def main(argv=None) -> int:
         "pack": lambda: kernels.pack_many(req.items),
         "set": lambda: req.pack_set.pack(req.slot_ids),
         "unpack": lambda: kernels.unpack_many(req.unpack_items),
+        "unpack set": lambda: req.unpack_set.unpack(req.packed_batch, req.slot_ids),
         "copy": lambda: req.copy_dst.copy_(req.copy_src),
     }
     _direct_vs_jit(ops, args.iters, launch)

@@ -8,7 +8,8 @@ scales). `pack` and `unpack` here pick a backend per call with
 `anchorkv.kernels.dispatch.backend_for`: Triton for CUDA tensors, the reference on CPU.
 `pack_many` / `unpack_many` do the same for a batch of items (all the (layer, field) pairs of
 one request) in as few launches as possible. A `PackSet` packs the same targets call after call
-(a connector's every save), only the block ids changing, into one `PackedBatch`.
+(a connector's every save), only the block ids changing, into one `PackedBatch`; an
+`UnpackSet` writes such a batch back into fixed targets.
 """
 
 from __future__ import annotations
@@ -18,15 +19,16 @@ from collections.abc import Sequence
 import torch
 
 from anchorkv.kernels import reference
+from anchorkv.kernels.batch import BatchLayout
 from anchorkv.kernels.dispatch import backend_for
 from anchorkv.kernels.items import PackItem, PackTarget, Span, UnpackItem
-from anchorkv.kernels.packset import PackedBatch, PackSet
+from anchorkv.kernels.packset import PackedBatch, PackSet, UnpackSet
 from anchorkv.kernels.quant import Quant, QuantSpec
 from anchorkv.kernels.strided import StridedField, field_view
 
 __all__ = [
-    "PackItem", "PackSet", "PackTarget", "PackedBatch", "Quant", "QuantSpec", "Span", "StridedField",
-    "UnpackItem", "backend_for", "field_view", "pack", "pack_many", "reference", "unpack", "unpack_many",
+    "BatchLayout", "PackItem", "PackSet", "PackTarget", "PackedBatch", "Quant", "QuantSpec", "Span", "StridedField",
+    "UnpackItem", "UnpackSet", "backend_for", "field_view", "pack", "pack_many", "reference", "unpack", "unpack_many",
 ]
 
 

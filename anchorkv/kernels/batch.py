@@ -24,6 +24,7 @@ from typing import Generic, TypeVar
 import torch
 
 from anchorkv.kernels import reference
+from anchorkv.kernels.items import Span
 from anchorkv.kernels.quant import (
     ELEMENTWISE,
     KERNEL_FORMAT,
@@ -350,6 +351,55 @@ def group_items(keys: Sequence[tuple]) -> list[list[int]]:
     for i, key in enumerate(keys):
         out.setdefault(key, []).append(i)
     return list(out.values())
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where the parts of a batch of items lie in its two allocations (a `PackedBatch`): the
+    items grouped by signature (`group_items`: one launch each), each group's payload starting
+    16-byte aligned and its scales at a multiple of 4 values, its items in order within it.
+    It depends only on the items' fields, codecs and block counts, never on the backend, so a
+    `PackSet` on any backend and an `UnpackSet` of the same targets agree on it."""
+
+    groups: tuple[tuple[int, ...], ...]  # item indices of each group (launch)
+    starts: tuple[tuple[int, int], ...]  # (payload byte, scale value) where each group starts
+    spans: tuple[Span, ...]  # each item's part, in item order
+    payload_bytes: int
+    scale_values: int
+    #: (start, length) runs of the scales that hold parts' scales; between them, padding
+    scale_runs: tuple[tuple[int, int], ...]
+
+
+def part_size(field: StridedField, spec: QuantSpec) -> tuple[int, int, int]:
+    """(payload bytes, scale rows, scale columns) one block of `field` packs to with `spec`."""
+    fmt = quant_of(spec)
+    columns = SCALE_COLUMNS[fmt]
+    rows = field.numel // resolve_group(field.last_dim, spec.group) if columns else 0
+    return payload_nbytes(fmt, field.numel, field.itemsize), rows, columns
+
+
+def batch_layout(items: Sequence, lens: Sequence[int]) -> BatchLayout:
+    """The `BatchLayout` of `items` (anything with `buffer`, `field` and `spec`) packing
+    `lens[i]` blocks each."""
+    keys = [signature(it.buffer.device, it.field, n, it.spec) for it, n in zip(items, lens, strict=True)]
+    groups = group_items(keys)
+    spans: list = [None] * len(keys)
+    starts, runs = [], []
+    pay = sc = 0
+    for members in groups:
+        first = items[members[0]]
+        per_block, rows, cols = part_size(first.field, first.spec)
+        n = lens[members[0]]
+        per_payload, per_rows = n * per_block, n * rows
+        starts.append((pay, sc))
+        for k, m in enumerate(members):
+            spans[m] = Span(pay + k * per_payload, per_payload, sc + k * per_rows * cols, per_rows, cols)
+        values = len(members) * per_rows * cols
+        if values:
+            runs.append((sc, values))
+        pay += -(-len(members) * per_payload // VECTOR_BYTES) * VECTOR_BYTES
+        sc += -(-values // 4) * 4
+    return BatchLayout(tuple(tuple(g) for g in groups), tuple(starts), tuple(spans), pay, sc, tuple(runs))
 
 
 def grid_check(programs_per_block: int, blocks: int) -> None:

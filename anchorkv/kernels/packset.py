@@ -19,7 +19,7 @@ import torch
 
 from anchorkv.kernels import batch, reference
 from anchorkv.kernels.dispatch import backend_for
-from anchorkv.kernels.items import PackItem, PackTarget, Span
+from anchorkv.kernels.items import PackItem, PackTarget, Span, UnpackItem
 
 #: Plans a `PackSet` keeps (one per distinct tuple of slot lengths; paged slots grow with the
 #: request, so a server sees a few dozen lengths, each plan a few kB).
@@ -89,30 +89,22 @@ def host_copy(t: torch.Tensor, *, pin: bool) -> torch.Tensor:
     return out.copy_(t, non_blocking=True) if t.numel() else out
 
 
-class PackSet:
-    """Packs fixed targets; each call names the block ids of each *slot*, and target i reads
-    the ids of slot `slots[i]` (a connector: one slot per KV-cache group, whose layers share
-    their blocks).
-
-    All targets live on one device, and the backend is chosen when the set is made
-    (`dispatch.backend_for`, `ANCHORKV_BACKEND` read then, not per call). On CUDA the Triton
-    kernels run (one plan per distinct
-    tuple of slot lengths, kept while the set lives: regions stay aliased by the plan, so their
-    addresses are never reused); elsewhere the reference packs each target and the parts are
-    gathered into the batch's two allocations. Either way, part i equals
-    `kernels.pack(PackItem(target.buffer, target.field, ids, target.num_blocks, target.spec))`.
-    """
+class _TargetSet:
+    """Fixed targets on one device and the slot each reads its block ids from; what `PackSet`
+    and `UnpackSet` share: the checks of the set and of each call's ids, the backend, the plans
+    (one per distinct tuple of slot lengths)."""
 
     def __init__(self, targets: Sequence[PackTarget], slots: Sequence[int]) -> None:
         self.targets = tuple(targets)
         self.slots = tuple(slots)
+        kind = type(self).__name__
         if not self.targets:
-            raise ValueError("a PackSet needs at least one target")
+            raise ValueError(f"a {kind} needs at least one target")
         if len(self.slots) != len(self.targets):
             raise ValueError(f"one slot per target: {len(self.targets)} targets, {len(self.slots)} slots")
         devices = {t.buffer.device for t in self.targets}
         if len(devices) != 1:
-            raise ValueError(f"a PackSet's targets live on one device, found {sorted(map(str, devices))}; "
+            raise ValueError(f"a {kind}'s targets live on one device, found {sorted(map(str, devices))}; "
                              "make one set per device")
         self.device = devices.pop()
         self.backend = backend_for(self.device)
@@ -126,37 +118,130 @@ class PackSet:
         self._checks = tuple(checks)
         self._plans: batch.PlanCache = batch.PlanCache(PLANS_PER_SET)
 
-    def pack(self, ids_by_slot: Sequence) -> PackedBatch:
-        """Pack every target's blocks `ids_by_slot[slot]` (lists, tuples or CPU tensors of
-        ints; ids on a GPU cost a host synchronization)."""
+    def _ids(self, ids_by_slot: Sequence, *, distinct: bool) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+        """(each slot's length, each target's checked ids)."""
         need = max(self.slots) + 1
         if len(ids_by_slot) < need:
             raise ValueError(f"block ids for {need} slots are needed, found {len(ids_by_slot)}")
-        checked = [batch.check_ids(ids_by_slot[s], n) for s, n in self._checks]
-        ids = [checked[k] for k in self._check_of]
+        checked = [batch.check_ids(ids_by_slot[s], n, distinct=distinct) for s, n in self._checks]
+        lens = [0] * need
+        for (s, _), ids in zip(self._checks, checked, strict=True):
+            lens[s] = len(ids)
+        return tuple(lens), [checked[k] for k in self._check_of]
+
+    def _lens(self, lens_by_slot: Sequence[int]) -> list[int]:
+        return [lens_by_slot[s] for s in self.slots]
+
+
+class PackSet(_TargetSet):
+    """Packs fixed targets; each call names the block ids of each *slot*, and target i reads
+    the ids of slot `slots[i]` (a connector: one slot per KV-cache group, whose layers share
+    their blocks).
+
+    All targets live on one device, and the backend is chosen when the set is made
+    (`dispatch.backend_for`, `ANCHORKV_BACKEND` read then, not per call). On CUDA the Triton
+    kernels run (one plan per distinct
+    tuple of slot lengths, kept while the set lives: regions stay aliased by the plan, so their
+    addresses are never reused); elsewhere the reference packs each target and the parts are
+    gathered into the batch's two allocations. Either way, part i equals
+    `kernels.pack(PackItem(target.buffer, target.field, ids, target.num_blocks, target.spec))`,
+    and the parts lie where `batch.batch_layout` says (an `UnpackSet` of the same targets takes
+    the batch as it is).
+    """
+
+    def pack(self, ids_by_slot: Sequence) -> PackedBatch:
+        """Pack every target's blocks `ids_by_slot[slot]` (lists, tuples or CPU tensors of
+        ints; ids on a GPU cost a host synchronization)."""
+        lens, ids = self._ids(ids_by_slot, distinct=False)
         if self.backend != "triton":
-            return self._reference(ids)
+            return self._reference(lens, ids)
         from anchorkv.kernels.triton_pack import _Plan
 
         # keyed by the slots' lengths: the targets' lengths follow from them
-        plan = self._plans.find(tuple(len(i) for i in checked),
-                                lambda: _Plan(self.targets, [len(i) for i in ids]))
+        plan = self._plans.find(lens, lambda: _Plan(self.targets, self._lens(lens)))
         payload, scales = plan.launch(ids)
         return PackedBatch(payload, scales, plan.spans, plan.scale_runs)
 
-    def _reference(self, ids: list[tuple[int, ...]]) -> PackedBatch:
-        parts = [reference.pack(PackItem(t.buffer, t.field, i, t.num_blocks, t.spec))
-                 for t, i in zip(self.targets, ids, strict=True)]
-        spans, pay, sc = [], 0, 0
-        for p, s in parts:
-            rows, cols = (s.shape[0], s.shape[1]) if s.dim() == 2 else (0, 0)
-            spans.append(Span(pay, p.numel(), sc, rows if cols else 0, cols))
-            pay += p.numel()
-            sc += rows * cols
-        payload = torch.empty(pay, dtype=torch.uint8, device=self.device)
-        scales = torch.empty(sc, dtype=torch.float32, device=self.device)
-        for (p, s), span in zip(parts, spans, strict=True):
+    def _reference(self, lens: tuple[int, ...], ids: list[tuple[int, ...]]) -> PackedBatch:
+        layout = self._plans.find(lens, lambda: batch.batch_layout(self.targets, self._lens(lens)))
+        payload = torch.empty(layout.payload_bytes, dtype=torch.uint8, device=self.device)
+        scales = torch.empty(layout.scale_values, dtype=torch.float32, device=self.device)
+        for t, i, span in zip(self.targets, ids, layout.spans, strict=True):
+            p, s = reference.pack(PackItem(t.buffer, t.field, i, t.num_blocks, t.spec))
             payload.narrow(0, span.payload_at, span.payload_bytes).copy_(p.reshape(-1))
             if span.columns:
                 scales.narrow(0, span.scales_at, span.scale_rows * span.columns).copy_(s.reshape(-1))
-        return PackedBatch(payload, scales, tuple(spans), ((0, sc),) if sc else ())
+        return PackedBatch(payload, scales, layout.spans, layout.scale_runs)
+
+
+class UnpackSet(_TargetSet):
+    """The mirror of `PackSet`: decodes a `PackedBatch` into fixed targets, each call naming
+    the block ids of each slot (target i writes the blocks of slot `slots[i]`).
+
+    The batch must be laid out as `layout(lens)` says for the slots' lengths: what `PackSet.pack`
+    of the same targets returns, or a batch filled part by part at those spans (a restore reading
+    its parts into one host buffer). What a call does not depend on is planned once per tuple of
+    slot lengths, so a call checks the ids and the batch's two tensors, stages the item tables
+    and launches: no per-part Python. Part i is written as `kernels.unpack` of
+    `UnpackItem(target.buffer, target.field, ids, target.num_blocks, target.spec, *batch.part(i))`
+    would write it. Each slot's ids must be distinct; targets must not overlap.
+    """
+
+    def layout(self, lens_by_slot: Sequence[int]) -> batch.BatchLayout:
+        """Where each part lies in a batch for slots of `lens_by_slot` blocks."""
+        return self._plan(tuple(lens_by_slot)).layout
+
+    def _plan(self, lens: tuple[int, ...]):
+        if self.backend != "triton":
+            return self._plans.find(lens, lambda: _ReferencePlan(batch.batch_layout(self.targets, self._lens(lens))))
+        from anchorkv.kernels.triton_unpack import _SetPlan
+
+        return self._plans.find(lens, lambda: _SetPlan(self.targets, self._lens(lens)))
+
+    def unpack(self, packed: PackedBatch, ids_by_slot: Sequence) -> None:
+        """Write every part of `packed` into its target's blocks `ids_by_slot[slot]`. Everything
+        is checked before the first byte is written."""
+        lens, ids = self._ids(ids_by_slot, distinct=True)
+        plan = self._plan(lens)
+        if packed.spans is not plan.layout.spans and packed.spans is not plan.seen:
+            _check_spans(packed.spans, plan.layout, lens)
+            plan.seen = packed.spans  # a PackSet's batches share their plan's spans: compared once
+        _check_tensors(packed, plan.layout, self.device)
+        if self.backend == "triton":
+            plan.launch(packed, ids)
+            return
+        for k, (t, i) in enumerate(zip(self.targets, ids, strict=True)):
+            payload, scales = packed.part(k)
+            reference.unpack(UnpackItem(t.buffer, t.field, i, t.num_blocks, t.spec, payload, scales))
+
+
+class _ReferencePlan:
+    __slots__ = ("layout", "seen")
+
+    def __init__(self, layout: batch.BatchLayout) -> None:
+        self.layout = layout
+        self.seen: tuple[Span, ...] | None = None  # spans found equal to the layout's
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    if device.type == "cuda":
+        return t.is_cuda and t.get_device() == (device.index if device.index is not None else t.get_device())
+    return t.device == device
+
+
+def _check_spans(spans: tuple[Span, ...], layout: batch.BatchLayout, lens) -> None:
+    """A clear error unless a batch's `spans` are those of `layout`."""
+    if spans != layout.spans:
+        raise ValueError(
+            f"the batch's parts are laid out for other targets or block counts than this set's "
+            f"{len(layout.spans)} targets with slots of {list(lens)} blocks; pack it with a PackSet of "
+            "the same targets, or fill the spans of UnpackSet.layout(lens)")
+
+
+def _check_tensors(packed: PackedBatch, layout: batch.BatchLayout, device: torch.device) -> None:
+    """A clear error unless the batch's two tensors are what `layout` needs, on `device`."""
+    for name, t, dtype, n in (("payload", packed.payload, torch.uint8, layout.payload_bytes),
+                              ("scales", packed.scales, torch.float32, layout.scale_values)):
+        if t.dtype != dtype or t.dim() != 1 or t.numel() != n or not t.is_contiguous() or not _on(t, device):
+            raise ValueError(f"the batch's {name} must be {n} contiguous {dtype} values on {device}, found "
+                             f"{t.dtype} {list(t.shape)} on {t.device}")

@@ -283,25 +283,12 @@ class _Plan:
     def __init__(self, items: Sequence[PackItem | PackTarget], lens: Sequence[int]) -> None:
         self.device = items[0].buffer.device
         self.count = len(items)
-        keys = [batch.signature(it.buffer.device, it.field, n, it.spec)
-                for it, n in zip(items, lens, strict=True)]
-        self.launches: list[_Launch] = []
-        spans: list = [None] * self.count
-        pay, sc = 0, 0
-        for members in batch.group_items(keys):
-            launch = _Launch(items, members, lens[members[0]], pay, sc)
-            self.launches.append(launch)
-            cols = launch.cut.columns
-            for k, m in enumerate(members):
-                spans[m] = Span(pay + k * launch.per_payload, launch.per_payload,
-                                sc + k * launch.per_groups * cols, launch.per_groups if cols else 0, cols)
-            # every launch's outputs start 16-byte aligned (wide stores, any payload dtype view)
-            pay += -(-launch.payload_bytes // batch.VECTOR_BYTES) * batch.VECTOR_BYTES
-            sc += -(-launch.scale_values // 4) * 4
-        self.payload_bytes, self.scale_values = pay, sc
-        self.scale_runs = tuple((launch.sc_at, launch.scale_values) for launch in self.launches
-                                if launch.scale_values)
-        self.spans: tuple[Span, ...] = tuple(spans)
+        layout = batch.batch_layout(items, lens)
+        self.launches: list[_Launch] = [_Launch(items, list(members), lens[members[0]], pay, sc)
+                                        for members, (pay, sc) in zip(layout.groups, layout.starts, strict=True)]
+        self.payload_bytes, self.scale_values = layout.payload_bytes, layout.scale_values
+        self.scale_runs = layout.scale_runs
+        self.spans: tuple[Span, ...] = layout.spans
         #: the order the launches are issued in (`largest_first`); the outputs' layout keeps
         #: the items' order
         self.order = largest_first(self.launches)

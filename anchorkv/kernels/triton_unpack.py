@@ -7,7 +7,9 @@ field changes (every store is masked to the field's own elements).
 Ladder: `_unpack_kernel` (one program = BLOCK_R groups of one block of one item) ->
 `_Launch` (one batch of same-signature items, planned once per item list; per call it
 validates the payloads and builds the item table) ->
-`unpack_many` (the public function; `kernels.unpack` is one item of it).
+`unpack_many` (the public function; `kernels.unpack` is one item of it). A
+`kernels.UnpackSet` plans its fixed targets once per tuple of slot lengths (`_SetPlan`): its
+calls skip the per-item checks, the batch being checked as two tensors against the plan's layout.
 """
 
 from __future__ import annotations
@@ -190,6 +192,57 @@ class _Launch:
             launcher(_unpack_kernel, tab=table, payload=pay, scales=sc, IN_ALIGN=in_align)
 
         return rows, go
+
+
+class _SetPlan:
+    """An `UnpackSet`'s plan for one tuple of slot lengths: the launches (targets grouped by
+    signature, as `batch.batch_layout` lays out their parts), each with its members' whole
+    table prefix (field origin, block stride, payload and scales offsets from the launch's own
+    slice of the batch) and the alignment its payload offsets allow. A call stages the ids and
+    launches."""
+
+    def __init__(self, targets: Sequence, lens: Sequence[int]) -> None:
+        self.device = targets[0].buffer.device
+        self.layout = layout = batch.batch_layout(targets, lens)
+        self.launches: list[tuple[_Launch, int, int, int, int, list[tuple[int, int, int, int]], int]] = []
+        for members, (pay_at, sc_at) in zip(layout.groups, layout.starts, strict=True):
+            launch = _Launch(targets, list(members), lens[members[0]])
+            if not launch.runs:
+                continue
+            cut, n = launch.cut, launch.n
+            width = batch.payload_dtype(cut).itemsize
+            per_payload, per_scales = n * cut.payload_per_block, n * cut.groups * cut.columns
+            prefix, in_offsets = [], [cut.numel, cut.g]
+            for k, (origin, stride) in enumerate(launch.static):
+                prefix.append((origin, stride, k * per_payload // width, k * per_scales))
+                in_offsets.append(k * per_payload // width)
+            if cut.fmt is Quant.INT4:  # two codes a byte: group starts are (element offset) / 2
+                in_offsets = [cut.numel // 2, cut.g // 2, *in_offsets[2:]]
+            # the alignment the offsets allow from a 16-byte aligned slice (`batch.alignment`
+            # claims nothing from a slice that is not)
+            self.launches.append((launch, pay_at, len(members) * per_payload, sc_at, len(members) * per_scales,
+                                  prefix, batch.alignment(cut, 0, in_offsets, width)))
+        self.launches = [self.launches[k] for k in largest_first([entry[0] for entry in self.launches])]
+        #: the scales argument of launches without scales (never read)
+        self.no_scales = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.seen: tuple | None = None  # spans found equal to the layout's (`UnpackSet.unpack`)
+
+    def launch(self, packed, ids: Sequence[Sequence[int]]) -> None:
+        """Decode `packed` (checked by the caller against `layout`) into the targets' blocks `ids`."""
+        staged, rows_of = [], []
+        for launch, pay_at, pay_bytes, sc_at, sc_values, prefix, align in self.launches:
+            rows: list[int] = []
+            for m, head in zip(launch.members, prefix, strict=True):
+                rows += (*head, *ids[m])
+            cut = launch.cut
+            pay = packed.payload.narrow(0, pay_at, pay_bytes).view(batch.payload_dtype(cut))
+            sc = packed.scales.narrow(0, sc_at, sc_values).view(torch.int32) if cut.columns else self.no_scales
+            in_align = align if pay.data_ptr() % batch.VECTOR_BYTES == 0 else 1
+            staged.append((launch, pay, sc, in_align))
+            rows_of.append((self.device, rows))
+        for (launch, pay, sc, in_align), table in zip(staged, batch.stage_tables(rows_of), strict=True):
+            assert launch.launcher is not None  # (made for every launch that runs)
+            launch.launcher(_unpack_kernel, tab=table, payload=pay, scales=sc, IN_ALIGN=in_align)
 
 
 def _build(items: Sequence[UnpackItem], ids: list[tuple[int, ...]]) -> list[_Launch]:

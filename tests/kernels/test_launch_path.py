@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, CodecSpec, kimi_linear_layout
-from anchorkv.kernels import PackItem, PackSet, PackTarget, UnpackItem, batch
+from anchorkv.kernels import PackItem, PackSet, PackTarget, UnpackItem, UnpackSet, batch
 from anchorkv.kernels.strided import StridedField
 
 
@@ -98,8 +98,9 @@ def test_launch_path_never_synchronizes(tp):
             items.append(PackItem(buf, strided, ids, blocks, CodecSpec("fp8", None)))
     pack_set = PackSet([PackTarget(i.buffer, i.field, i.num_blocks, i.spec) for i in items],
                        [0 if len(i.block_ids) == 1 else 1 for i in items])
+    unpack_set = UnpackSet(pack_set.targets, pack_set.slots)
     pack_many(items)  # compile outside the check
-    pack_set.pack([[2], [4, 1, 3]])
+    unpack_set.unpack(pack_set.pack([[2], [4, 1, 3]]), [[2], [4, 1, 3]])
     torch.cuda.synchronize()
     with warnings.catch_warnings():  # torch warns that the mode is a prototype (torch 2.11)
         warnings.filterwarnings("ignore", "Synchronization debug mode is a prototype")
@@ -109,6 +110,7 @@ def test_launch_path_never_synchronizes(tp):
         unpack_many([UnpackItem(i.buffer, i.field, i.block_ids, i.num_blocks, i.spec, p, s)
                      for i, (p, s) in zip(items, packed, strict=True)])
         host = pack_set.pack([[2], [4, 1, 3]]).to_host(pin=True)  # the connector's save step
+        unpack_set.unpack(pack_set.pack([[1], [3, 4, 2]]), [[2], [4, 1, 3]])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -188,7 +190,8 @@ def test_strided_field_hash_is_cached_and_never_pickled():
 @pytest.mark.parametrize("codecs", [("int8", "int8", "fp8"), ("raw", "int4", "bf16")])
 def test_direct_launches_give_the_jit_bytes(monkeypatch, codecs):
     """Calls after a plan's first go straight to the compiled kernels (`kernels.launch`); each
-    call's bytes equal the reference's, for packs (`pack_many`, `PackSet`) and unpacks."""
+    call's bytes equal the reference's, for packs (`pack_many`, `PackSet`) and unpacks
+    (`unpack_many`, `UnpackSet`)."""
     from anchorkv.kernels import launch, reference
     from anchorkv.kernels.triton_pack import pack_many
     from anchorkv.kernels.triton_unpack import unpack_many
@@ -201,6 +204,10 @@ def test_direct_launches_give_the_jit_bytes(monkeypatch, codecs):
     pack_set = PackSet([PackTarget(i.buffer, i.field, i.num_blocks, i.spec) for i in items],
                        [0 if len(i.block_ids) == 1 else 1 for i in items])
     targets = [torch.empty_like(r) for r in regions]
+    set_targets = [torch.empty_like(r) for r in regions]
+    index = {id(r): j for j, r in enumerate(regions)}
+    unpack_set = UnpackSet([PackTarget(set_targets[index[id(t.buffer)]], t.field, t.num_blocks, t.spec)
+                            for t in pack_set.targets], pack_set.slots)
     before = dict(launch.counts)
     for rnd in range(4):
         state, latent = [rnd % 3], [[5, 3, 4], [3, 4, 5], [4, 5, 3], [5, 4, 3]][rnd]
@@ -214,17 +221,20 @@ def test_direct_launches_give_the_jit_bytes(monkeypatch, codecs):
             assert torch.equal(p, wp) and torch.equal(bp, wp), (rnd, k)
             assert torch.equal(s.view(torch.int32), ws.view(torch.int32))
             assert torch.equal(bs.view(torch.int32), ws.view(torch.int32))
-        for t, r in zip(targets, regions, strict=True):  # the same targets every round: one plan
+        for t, u, r in zip(targets, set_targets, regions, strict=True):  # the same targets every round
             t.copy_(r)
+            u.copy_(r)
         expect = [r.clone() for r in regions]
-        index = {id(r): j for j, r in enumerate(regions)}
         moves = [UnpackItem(targets[index[id(i.buffer)]], i.field, i.block_ids, i.num_blocks, i.spec, p, s)
                  for i, (p, s) in zip(now, got, strict=True)]
         unpack_many(moves)
+        unpack_set.unpack(batch_, [state, latent])
         for m in moves:
             reference.unpack(UnpackItem(expect[[id(t) for t in targets].index(id(m.buffer))], m.field,
                                         m.block_ids, m.num_blocks, m.spec, m.payload, m.scales))
         torch.cuda.synchronize()
         assert all(torch.equal(t, e) for t, e in zip(targets, expect, strict=True)), rnd
-    # 3 rounds after the first: 3 launches each of pack_many, PackSet and unpack_many, direct
-    assert launch.counts["direct"] - before["direct"] >= 3 * 3 * 3, (before, launch.counts)
+        assert all(torch.equal(t, e) for t, e in zip(set_targets, expect, strict=True)), rnd
+    # 3 rounds after the first: 3 launches each of pack_many, PackSet, unpack_many and UnpackSet,
+    # direct
+    assert launch.counts["direct"] - before["direct"] >= 3 * 3 * 4, (before, launch.counts)
