@@ -11,7 +11,8 @@ Providers, per codec set (`raw`, `quant` as in `bench_save_path.py`):
     stage+unpack  the same from the parts in a page-locked `codec.HostArena`, as the worker reads
                   them: one copy of the arena's span, then the kernels (the GPU side of a restore)
     restore       a synchronous `WorkerSide.start_load` from the local store (page cache): the
-                  worker's reads, checks, the copy and the kernels (the whole path)
+                  worker's reads (each part into its span of the restore's batch), checks, the
+                  one copy and one `codec.Unpacker` call (the whole path)
 
 `extra_info`: `bytes` (packed bytes), `gbps` = bytes / median, `state_gbps` = raw state bytes /
 median, and `ratio_vs_h2d_packed` = h2d-packed median / this median, measured in the same

@@ -92,6 +92,8 @@ def _measure(tp: int, iters: int, tokens: int | None) -> dict[str, float]:
         "kernels.PackSet.pack (the same items as fixed targets)": per_call_us(
             lambda: req.pack_set.pack(req.slot_ids), iters),
         "kernels.unpack_many": per_call_us(lambda: triton_unpack.unpack_many(unpack_items), iters),
+        "kernels.UnpackSet.unpack (the same items as fixed targets)": per_call_us(
+            lambda: req.unpack_set.unpack(req.packed_batch, req.slot_ids), iters),
     }
     if tp == 1:  # the save path's request (bench_save_path) is a tp=1 one
         root = Path(tempfile.mkdtemp(prefix="anchorkv-host-path-"))
@@ -135,9 +137,16 @@ def _restore_rows(iters: int, tokens: int | None) -> dict[str, float]:
     - now: into the worker's host arena (warm after the first restore), sent as it lies;
     - before (a store that ignores `host`, as before arenas): each part into new tensors, then
       copied into one staging buffer, warm here as torch's caching host allocator gives it on a
-      GPU (a new 100 MB buffer would add its page faults).
+      GPU (a new 100 MB buffer would add its page faults);
+    - batch: each part into its span of the restore's batch in the arena (`WorkerSide._batch_for`,
+      `_Batch.fill`); the batch's tensors lie in the arena's page-locked slab on a GPU, which
+      crosses as it lies (here, with nothing pinned, `stage_to_device` would stage a lone tensor:
+      not timed).
 
-    On this CPU the copy to the "device" itself is free; a GPU adds the same copy to both."""
+    On this CPU the copy to the "device" itself is free; a GPU adds the same copy to all three.
+    Then the launch side of the restore, the kernels stubbed: part by part (`_restore`:
+    `codec.unpack_many` and the zeroing of a partial block's stale rows) and as one batch
+    (`_restore_batch`: one `Unpacker.unpack`)."""
     from anchorkv.codec import HostArena
     from anchorkv.codec.api import stage_to_device
     from anchorkv.connector.plan import LoadSpec, Metadata
@@ -167,8 +176,23 @@ def _restore_rows(iters: int, tokens: int | None) -> dict[str, float]:
             for t in (t for p in parts.values() for t in (p.payload, p.scales)):
                 staging(t.nbytes).view(t.dtype).view(t.shape).copy_(t)
 
+        def batch_path() -> None:
+            worker._arena.reset()
+            batch = worker._batch_for(load)
+            assert batch is not None and batch.fill(worker._read(load, batch))
+
         n = max(1, iters // 100)
-        out = {"restore: read into the worker's arena, sent as it lies (now)": per_call_us(now, n)}
+        out = {"restore: read into the worker's arena, sent as it lies (now)": per_call_us(now, n),
+               "restore: read into the batch's spans (batch)": per_call_us(batch_path, n)}
+        worker._arena.reset()
+        parts = worker._read(load)
+        out["restore, launch side: part by part (codec.unpack_many + zeroing)"] = per_call_us(
+            lambda: worker._restore(load, parts), iters)
+        worker._arena.reset()
+        batch = worker._batch_for(load)
+        assert batch is not None and batch.fill(worker._read(load, batch))
+        out["restore, launch side: one batch (Unpacker.unpack)"] = per_call_us(
+            lambda: worker._restore_batch(batch), iters)
         store = worker.store
         try:
             worker.store = _IgnoresHost(store)  # type: ignore[assignment]

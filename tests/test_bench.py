@@ -343,10 +343,13 @@ def test_host_path_runs_on_a_cpu_and_names_every_step(tmp_path):
     assert set(steps) == {
         "kernels.pack_many", "kernels.pack_many: check the block ids", "kernels.pack_many: find the cached plan",
         "kernels.pack_many: plan.run (outputs, tables)", "kernels.PackSet.pack (the same items as fixed targets)",
-        "kernels.unpack_many",
+        "kernels.unpack_many", "kernels.UnpackSet.unpack (the same items as fixed targets)",
         "codec.pack_many (quant codecs)", "WorkerSide._pack (quant codecs)",
         "WorkerSide.save + flush (quant codecs, a store that keeps nothing)",
         "restore: read into the worker's arena, sent as it lies (now)",
+        "restore: read into the batch's spans (batch)",
+        "restore, launch side: part by part (codec.unpack_many + zeroing)",
+        "restore, launch side: one batch (Unpacker.unpack)",
         "restore: read into new tensors + copy into a warm staging buffer (before)"}
     assert all(math.isfinite(us) and us > 0 for us in steps.values()), steps
     assert steps["kernels.pack_many"] > steps["kernels.pack_many: check the block ids"]

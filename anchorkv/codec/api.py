@@ -196,6 +196,54 @@ class Packer:
         return PackedParts(self.metas, lens, quant, custom)
 
 
+class Unpacker:
+    """The mirror of `Packer` for restores: unpacks into the same (view, field, codec) parts
+    call after call, each call naming the block ids of each slot (part i writes the blocks of
+    slot `slot_i`). Built-in codecs only (a custom codec decodes part by part: `unpack_many`).
+
+    A call takes the parts as one `kernels.PackedBatch` laid out as `layout(lens)` says (each
+    part at its span of one payload and one scales tensor): a restore reads every part into its
+    span of one host buffer, which then crosses to the GPU in one copy, and the kernels'
+    `UnpackSet` writes it with no per-part work on the host.
+    """
+
+    def __init__(self, parts: Sequence[tuple[CacheView, str, CodecSpec | str, int]]) -> None:
+        targets: list[kernels.PackTarget] = []
+        specs: list[CodecSpec] = []
+        for view, field, codec, _ in parts:
+            spec = CodecSpec.parse(codec)
+            if not isinstance(get_codec(spec.id), QuantCodec):
+                raise ValueError(f"an Unpacker decodes the built-in codecs, found {spec} for field {field!r}; "
+                                 "unpack custom codecs with codec.unpack_many")
+            f = view.page.field(field)
+            targets.append(kernels.PackTarget(view.region.buffer, f.strided(view.region.block_stride),
+                                              view.region.num_blocks, spec))
+            specs.append(spec)
+        self.specs: tuple[CodecSpec, ...] = tuple(specs)
+        self._set = kernels.UnpackSet(targets, [slot for *_, slot in parts])
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    @staticmethod
+    def takes(codec: CodecSpec | str) -> bool:
+        """Whether an `Unpacker` decodes `codec` (a built-in one)."""
+        return isinstance(get_codec(CodecSpec.parse(codec).id), QuantCodec)
+
+    @property
+    def device(self) -> torch.device:
+        return self._set.device
+
+    def layout(self, lens_by_slot: Sequence[int]) -> kernels.BatchLayout:
+        """Where each part lies in a batch for slots of `lens_by_slot` blocks."""
+        return self._set.layout(lens_by_slot)
+
+    def unpack(self, batch: kernels.PackedBatch, ids_by_slot: Sequence) -> None:
+        """Write every part of `batch` (on the parts' device, laid out as `layout` says) into
+        its blocks `ids_by_slot[slot]`; everything is checked before a byte is written."""
+        self._set.unpack(batch, ids_by_slot)
+
+
 @dataclass(frozen=True)
 class PackedParts:
     """The result of one `Packer.pack`: the built-in codecs' parts in one `kernels.PackedBatch`

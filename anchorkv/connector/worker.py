@@ -24,18 +24,20 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from anchorkv.codec import CacheView, HostArena, ModelLayout, Packed, PackedParts, Packer, unpack_many
+from anchorkv.codec import CacheView, HostArena, ModelLayout, Packed, PackedParts, Packer, Unpacker, unpack_many
+from anchorkv.codec.api import stage_to_device
 from anchorkv.codec.layout import Field, PageLayout
 from anchorkv.connector.config import ConnectorConfig
 from anchorkv.connector.counters import Counters, Miss, load_miss_of
 from anchorkv.connector.plan import GroupInfo, GroupKind, LoadSpec, Metadata, SaveSpec
 from anchorkv.connector.storage import EntryStore
+from anchorkv.kernels import BatchLayout, PackedBatch
 
 log = logging.getLogger("anchorkv.connector")
 
@@ -91,11 +93,14 @@ class WorkerSide:
         self._arena = HostArena(pin=False)
         self._arena_lock = threading.Lock()
         self._save_set: tuple[Packer, list[tuple[str, str, GroupKind]]] | None = None
+        self._load_set: Unpacker | None = None  # built at the first restore
+        self._load_parts = True  # False: a custom codec; restores go part by part
         self.stats = Counters(primary=tp_rank == 0)
 
     def register(self, layout: ModelLayout, views: dict[str, CacheView]) -> None:
         self.layout, self.views = layout, views
         self._save_set = None
+        self._load_set, self._load_parts = None, True
         device = next(iter(views.values())).region.device
         if device.type == "cuda":
             self._stream = torch.cuda.Stream(device=device)
@@ -271,12 +276,18 @@ class WorkerSide:
         try:
             with self._arena_lock:  # the arena is this load's until its copies are done
                 self._arena.reset()
-                parts = self._read(spec)  # every chunk read and verified before any write
+                batch = self._batch_for(spec)
+                parts = self._read(spec, batch)  # every chunk read and verified before any write
+                whole = batch is not None and batch.fill(parts)
                 with job.lock:
                     if job.state != "reading":
                         return  # timed out meanwhile: its blocks may belong to someone else now
                     job.state = "writing"
-                self._restore(spec, parts, job.after)
+                if whole:
+                    assert batch is not None
+                    self._restore_batch(batch, job.after)
+                else:
+                    self._restore(spec, parts, job.after)
         except Exception as e:
             log.warning("anchorkv: load of request %s from entry %s failed (%s); vLLM recomputes",
                         spec.req_id, spec.entry_id, e)
@@ -295,11 +306,11 @@ class WorkerSide:
                      spec.num_tokens - spec.start, spec.req_id, self.tp_rank, self.tp_size,
                      nbytes / 1e6, seconds)
 
-    def _read(self, spec: LoadSpec) -> dict[PartKey, Packed]:
+    def _read(self, spec: LoadSpec, batch: _Batch | None = None) -> dict[PartKey, Packed]:
         """Every part of the restore, read (`READ_THREADS` at a time) and checked, into the
-        worker's host arena (the caller holds `_arena_lock` and has reset it). Every read has
-        ended when this returns or raises (the first failure, in part order): nothing writes
-        into the arena after it."""
+        worker's host arena (the caller holds `_arena_lock` and has reset it): each part into
+        its span of `batch` when there is one. Every read has ended when this returns or raises
+        (the first failure, in part order): nothing writes into the arena after it."""
         wanted = []
         for layer, fname, _, kind in self._parts(spec.blocks):
             field_ = self.views[layer].page.field(fname)
@@ -307,9 +318,10 @@ class WorkerSide:
             wanted.append((layer, fname, (spec.start, spec.num_tokens) if paged else None,
                            (spec.num_tokens - spec.start, *field_.shape[1:]) if paged else (1, *field_.shape),
                            field_.dtype))
+        hosts = batch.hosts(self._arena) if batch is not None else [self._arena] * len(wanted)
         reads = [self._read_pool.submit(self.store.load, spec.entry_id, layer, fname, tp_size=self.tp_size,
-                                        tp_rank=self.tp_rank, rows=rows, host=self._arena)
-                 for layer, fname, rows, _, _ in wanted]
+                                        tp_rank=self.tp_rank, rows=rows, host=host)
+                 for (layer, fname, rows, _, _), host in zip(wanted, hosts, strict=True)]
         wait(reads)
         parts = {}
         for (layer, fname, _, expected, dtype), read in zip(wanted, reads, strict=True):
@@ -342,17 +354,82 @@ class WorkerSide:
                 work.append((p.narrow(full * bs, tail).reshape(1, tail, *p.shape[1:]), rows, fname,
                              ids[full:full + 1]))
                 zero.append((view, fname, ids[full], tail))
+        with self._writing(after):
+            unpack_many(work)
+            for view, fname, block, tail in zero:
+                view.tensor(fname)[block, tail:] = 0
+
+    @contextmanager
+    def _writing(self, after: Any):
+        """A restore's writes: on the worker's stream after `after` (what vLLM queued), and
+        complete when this exits, also on an error (the copies out of the host arena are done)."""
         stream = self._stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             if stream is not None and after is not None:  # `after` is only recorded with a stream
                 stream.wait_event(after)
             try:
-                unpack_many(work)
-                for view, fname, block, tail in zero:
-                    view.tensor(fname)[block, tail:] = 0
-            finally:  # also on an error: the copies out of the host arena are done
+                yield
+            finally:
                 if stream is not None:
                     stream.synchronize()
+
+    # -------------------------------------------------------------------- loads as one batch
+
+    def _unpacker(self) -> Unpacker | None:
+        """The `Unpacker` of every (layer, field) a restore touches with the configured codecs
+        (one slot per KV-cache group), built at the first restore; None when a codec is a
+        custom one (those restores go part by part)."""
+        if self._load_set is None and self._load_parts:
+            slots = tuple(range(max((g.index for g in self.groups), default=-1) + 1))
+            parts = [(self.views[layer], fname, self.config.codec_for(fname), slot)
+                     for layer, fname, slot, _ in self._parts(slots)]
+            self._load_parts = bool(parts) and all(Unpacker.takes(c) for *_, c, _ in parts)
+            if self._load_parts:
+                self._load_set = Unpacker(parts)
+        return self._load_set
+
+    def _batch_for(self, spec: LoadSpec) -> _Batch | None:
+        """Where this restore's parts go in one batch (allocated from the arena, which the
+        caller has reset), or None when it is restored part by part: a custom codec, or a state
+        group restored into other than one block."""
+        unpacker = self._unpacker()
+        if unpacker is None:
+            return None
+        slots = len(spec.blocks)
+        lens = [0] * slots
+        ids: list[tuple[int, ...]] = [()] * slots
+        rows = spec.num_tokens - spec.start
+        for g in self.groups:
+            blocks = tuple(spec.blocks[g.index])
+            sizes = {self.views[layer].page.field(f.name).shape[0] for layer in g.layers if layer in self.views
+                     for f in self.views[layer].page.fields}
+            if not sizes:
+                continue  # padding layers only
+            if g.kind is GroupKind.STATE:
+                n = len(blocks)
+                if n != 1:
+                    return None
+            else:
+                if len(sizes) != 1:
+                    return None
+                n = -(-rows // sizes.pop())  # whole blocks, the last one maybe partial
+                if n > len(blocks):
+                    return None  # (the part-by-part path names the error)
+            lens[g.index], ids[g.index] = n, blocks[:n]
+        layout = unpacker.layout(lens)
+        payload = self._arena(layout.payload_bytes)
+        scales = self._arena(4 * layout.scale_values).view(torch.float32)
+        return _Batch(unpacker, layout, payload, scales, ids)
+
+    def _restore_batch(self, batch: _Batch, after: Any = None) -> None:
+        """Unpack a restore read whole into its batch: the batch crosses to the GPU in one copy
+        (its two tensors lie in one page-locked slab) and the kernels write every part; rows past
+        the entry's end in a partial last block decode from zero bytes to zeros."""
+        with self._writing(after):
+            payload, scales = batch.payload, batch.scales
+            if self._stream is not None:
+                payload, scales = stage_to_device([payload, scales], batch.unpacker.device)
+            batch.unpacker.unpack(PackedBatch(payload, scales, batch.layout.spans), batch.ids)
 
     # -------------------------------------------------------------------- completions
 
@@ -396,6 +473,61 @@ class WorkerSide:
         self._save_pool.shutdown(wait=True)
         self._load_pool.shutdown(wait=False, cancel_futures=True)
         self._read_pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class _Batch:
+    """A restore's parts as one `PackedBatch` in the worker's arena: part i at
+    `layout.spans[i]` of `payload` and `scales`, written into blocks `ids` (per slot)."""
+
+    unpacker: Unpacker
+    layout: BatchLayout
+    payload: torch.Tensor
+    scales: torch.Tensor
+    ids: list
+
+    def spans(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Part i's payload bytes and its scales (flat fp32) in the batch."""
+        s = self.layout.spans[i]
+        return (self.payload.narrow(0, s.payload_at, s.payload_bytes),
+                self.scales.narrow(0, s.scales_at, s.scale_rows * s.columns))
+
+    def hosts(self, arena: HostArena) -> list:
+        """Each part's `host` for `EntryStore.load`: its spans, then the arena."""
+        return [_SpanHost(self.spans(i), arena) for i in range(len(self.layout.spans))]
+
+    def fill(self, parts: dict[PartKey, Packed]) -> bool:
+        """Complete the batch from the parts read (in part order): bytes a store did not read
+        in place are copied there, and the rest of each span (rows past the entry's end in a
+        partial last block) is zeroed. False, with nothing changed, when a part is not what the
+        batch holds (an entry saved with other codecs): restore part by part then."""
+        spans = [self.spans(i) for i in range(len(parts))]
+        for p, spec, (payload, scales) in zip(parts.values(), self.unpacker.specs, spans, strict=True):
+            if p.codec != spec or p.payload.numel() > payload.numel() or p.scales.numel() > scales.numel():
+                return False
+        for p, (payload, scales) in zip(parts.values(), spans, strict=True):
+            for have, span in ((p.payload, payload), (p.scales.view(torch.uint8), scales.view(torch.uint8))):
+                n = have.numel()
+                if n and have.data_ptr() != span.data_ptr():
+                    span.narrow(0, 0, n).copy_(have.reshape(-1))
+                span.narrow(0, n, span.numel() - n).zero_()
+        return True
+
+
+class _SpanHost:
+    """`host` of one part's load: its payload span at the first call, its scales span at the
+    second, when the asked size fits (a partial last block asks for less); anything else comes
+    from the arena (and `_Batch.fill` copies it into place)."""
+
+    def __init__(self, spans: tuple[torch.Tensor, torch.Tensor], arena: HostArena) -> None:
+        self.spans = [spans[0], spans[1].view(torch.uint8)]
+        self.arena = arena
+
+    def __call__(self, nbytes: int) -> torch.Tensor:
+        span = self.spans.pop(0) if self.spans else None
+        if span is not None and nbytes <= span.numel() and span.data_ptr() % HostArena.ALIGN == 0:
+            return span.narrow(0, 0, nbytes)
+        return self.arena(nbytes)
 
 
 def _leading_rows(view: CacheView, fname: str, rows: int) -> CacheView:

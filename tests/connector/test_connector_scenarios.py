@@ -87,10 +87,10 @@ def test_preemption_while_a_load_is_in_flight(model_dir, tmp_path, monkeypatch):
     worker = eng.ranks[0].connector.worker
     read = worker._read
 
-    def held_read(spec):
+    def held_read(spec, *rest):
         if spec.req_id == "R":
             preempted.wait(120)  # released by the step that preempts B (not a timing assertion)
-        return read(spec)
+        return read(spec, *rest)
 
     monkeypatch.setattr(worker, "_read", held_read)
     eng.add("R", r_prompt + [1, 1] + [7] * 40, anchor="carol-c", max_tokens=3)

@@ -357,9 +357,9 @@ def test_load_timeout_is_counted(model_dir, tmp_path, stats_engine, monkeypatch)
     release = threading.Event()
     read = worker._read
 
-    def held(spec):
+    def held(spec, *rest):
         release.wait(30)
-        return read(spec)
+        return read(spec, *rest)
 
     monkeypatch.setattr(worker, "_read", held)
     before = len(rec.payloads())
