@@ -500,18 +500,31 @@ class _Batch:
         """Complete the batch from the parts read (in part order): bytes a store did not read
         in place are copied there, and the rest of each span (rows past the entry's end in a
         partial last block) is zeroed. False, with nothing changed, when a part is not what the
-        batch holds (an entry saved with other codecs): restore part by part then."""
-        spans = [self.spans(i) for i in range(len(parts))]
-        for p, spec, (payload, scales) in zip(parts.values(), self.unpacker.specs, spans, strict=True):
-            if p.codec != spec or p.payload.numel() > payload.numel() or p.scales.numel() > scales.numel():
+        batch holds (an entry saved with other codecs): restore part by part then. (Addresses
+        are compared, views made only where bytes move: this runs on every restore.)"""
+        checked = []
+        for p, spec, s in zip(parts.values(), self.unpacker.specs, self.layout.spans, strict=True):
+            n, m = p.payload.numel(), p.scales.numel()
+            if p.codec != spec or n > s.payload_bytes or m > s.scale_rows * s.columns:
                 return False
-        for p, (payload, scales) in zip(parts.values(), spans, strict=True):
-            for have, span in ((p.payload, payload), (p.scales.view(torch.uint8), scales.view(torch.uint8))):
-                n = have.numel()
-                if n and have.data_ptr() != span.data_ptr():
-                    span.narrow(0, 0, n).copy_(have.reshape(-1))
-                span.narrow(0, n, span.numel() - n).zero_()
+            checked.append((p, s, n, m))
+        payload_at, scales_at = self.payload.data_ptr(), self.scales.data_ptr()
+        for p, s, n, m in checked:
+            if n < s.payload_bytes or n and p.payload.data_ptr() != payload_at + s.payload_at:
+                _place(self.payload.narrow(0, s.payload_at, s.payload_bytes), p.payload)
+            values = s.scale_rows * s.columns
+            if m < values or m and p.scales.data_ptr() != scales_at + 4 * s.scales_at:
+                _place(self.scales.narrow(0, s.scales_at, values), p.scales)
         return True
+
+
+def _place(span: torch.Tensor, have: torch.Tensor) -> None:
+    """`have`'s values at the start of the 1-D `span` (unless they lie there already), zeros
+    after them."""
+    n = have.numel()
+    if n and have.data_ptr() != span.data_ptr():
+        span.narrow(0, 0, n).copy_(have.reshape(-1))
+    span.narrow(0, n, span.numel() - n).zero_()
 
 
 class _SpanHost:
