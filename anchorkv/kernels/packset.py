@@ -196,7 +196,7 @@ class UnpackSet(_TargetSet):
             return self._plans.find(lens, lambda: _ReferencePlan(batch.batch_layout(self.targets, self._lens(lens))))
         from anchorkv.kernels.triton_unpack import _SetPlan
 
-        return self._plans.find(lens, lambda: _SetPlan(self.targets, self._lens(lens)))
+        return self._plans.find(lens, lambda: _SetPlan(self.targets, self._lens(lens), self.slots))
 
     def unpack(self, packed: PackedBatch, ids_by_slot: Sequence) -> None:
         """Write every part of `packed` into its target's blocks `ids_by_slot[slot]`. Everything
@@ -242,6 +242,7 @@ def _check_tensors(packed: PackedBatch, layout: batch.BatchLayout, device: torch
     """A clear error unless the batch's two tensors are what `layout` needs, on `device`."""
     for name, t, dtype, n in (("payload", packed.payload, torch.uint8, layout.payload_bytes),
                               ("scales", packed.scales, torch.float32, layout.scale_values)):
-        if t.dtype != dtype or t.dim() != 1 or t.numel() != n or not t.is_contiguous() or not _on(t, device):
-            raise ValueError(f"the batch's {name} must be {n} contiguous {dtype} values on {device}, found "
-                             f"{t.dtype} {list(t.shape)} on {t.device}")
+        if (t.dtype != dtype or t.dim() != 1 or t.numel() != n or not t.is_contiguous() or not _on(t, device)
+                or n and t.data_ptr() % batch.VECTOR_BYTES):
+            raise ValueError(f"the batch's {name} must be {n} contiguous {dtype} values on {device} at a 16-byte "
+                             f"aligned address, found {t.dtype} {list(t.shape)} on {t.device} at {t.data_ptr():#x}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -196,53 +197,73 @@ class _Launch:
 
 class _SetPlan:
     """An `UnpackSet`'s plan for one tuple of slot lengths: the launches (targets grouped by
-    signature, as `batch.batch_layout` lays out their parts), each with its members' whole
-    table prefix (field origin, block stride, payload and scales offsets from the launch's own
-    slice of the batch) and the alignment its payload offsets allow. A call stages the ids and
-    launches."""
+    signature, as `batch.batch_layout` lays out their parts), their alignment claims, and all
+    their item tables as one host array laid out once: each launch's rows hold its members'
+    field origin, block stride and payload and scales offsets from the start of the batch's
+    tensors, then the block ids, which are all a call writes (one numpy assignment per launch
+    and slot). A call then stages that array in one copy and launches with the batch's whole
+    tensors: no per-part or per-launch slicing."""
 
-    def __init__(self, targets: Sequence, lens: Sequence[int]) -> None:
+    def __init__(self, targets: Sequence, lens: Sequence[int], slots: Sequence[int]) -> None:
         self.device = targets[0].buffer.device
         self.layout = layout = batch.batch_layout(targets, lens)
-        self.launches: list[tuple[_Launch, int, int, int, int, list[tuple[int, int, int, int]], int]] = []
+        planned = []
         for members, (pay_at, sc_at) in zip(layout.groups, layout.starts, strict=True):
             launch = _Launch(targets, list(members), lens[members[0]])
             if not launch.runs:
                 continue
             cut, n = launch.cut, launch.n
-            width = batch.payload_dtype(cut).itemsize
-            per_payload, per_scales = n * cut.payload_per_block, n * cut.groups * cut.columns
-            prefix, in_offsets = [], [cut.numel, cut.g]
-            for k, (origin, stride) in enumerate(launch.static):
-                prefix.append((origin, stride, k * per_payload // width, k * per_scales))
-                in_offsets.append(k * per_payload // width)
+            width = batch.payload_dtype(cut).itemsize  # pay_at is 16-byte aligned: whole elements
+            per_payload, per_scales = n * cut.payload_per_block // width, n * cut.groups * cut.columns
+            head = [(origin, stride, pay_at // width + k * per_payload, sc_at + k * per_scales)
+                    for k, (origin, stride) in enumerate(launch.static)]
+            in_offsets = [cut.numel, cut.g, *(h[2] for h in head)]
             if cut.fmt is Quant.INT4:  # two codes a byte: group starts are (element offset) / 2
                 in_offsets = [cut.numel // 2, cut.g // 2, *in_offsets[2:]]
-            # the alignment the offsets allow from a 16-byte aligned slice (`batch.alignment`
-            # claims nothing from a slice that is not)
-            self.launches.append((launch, pay_at, len(members) * per_payload, sc_at, len(members) * per_scales,
-                                  prefix, batch.alignment(cut, 0, in_offsets, width)))
-        self.launches = [self.launches[k] for k in largest_first([entry[0] for entry in self.launches])]
-        #: the scales argument of launches without scales (never read)
+            # the claim from a 16-byte aligned batch (`UnpackSet` checks that it is)
+            planned.append((launch, head, batch.alignment(cut, 0, in_offsets, width)))
+        planned = [planned[k] for k in largest_first([entry[0] for entry in planned])]
+        self.launches: list[tuple[_Launch, int, int, int]] = []  # (launch, table start, length, align)
+        #: per launch and slot: (rows of the table array, index of a member reading that slot)
+        self.writes: list[tuple[np.ndarray, int]] = []
+        segments, at = [], 0
+        for launch, head, align in planned:
+            w = 4 + launch.n
+            self.launches.append((launch, at, len(head) * w, align))
+            segments.append((at, head, w))
+            by_slot: dict[int, list[int]] = {}
+            for k, m in enumerate(launch.members):
+                by_slot.setdefault(slots[m], []).append(k)
+            for ks in by_slot.values():
+                rows = np.arange(at, at + len(head) * w, dtype=np.int64).reshape(len(head), w)[ks, 4:]
+                self.writes.append((rows, launch.members[ks[0]]))
+            at += len(head) * w + (len(head) * w) % 2  # each table 16-byte aligned
+        self.table = np.zeros(at, dtype=np.int64)
+        for start, head, w in segments:
+            self.table[start:start + len(head) * w].reshape(len(head), w)[:, :4] = head
+        #: the scales argument when the batch has none (never read)
         self.no_scales = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.seen: tuple | None = None  # spans found equal to the layout's (`UnpackSet.unpack`)
 
     def launch(self, packed, ids: Sequence[Sequence[int]]) -> None:
-        """Decode `packed` (checked by the caller against `layout`) into the targets' blocks `ids`."""
-        staged, rows_of = [], []
-        for launch, pay_at, pay_bytes, sc_at, sc_values, prefix, align in self.launches:
-            rows: list[int] = []
-            for m, head in zip(launch.members, prefix, strict=True):
-                rows += (*head, *ids[m])
-            cut = launch.cut
-            pay = packed.payload.narrow(0, pay_at, pay_bytes).view(batch.payload_dtype(cut))
-            sc = packed.scales.narrow(0, sc_at, sc_values).view(torch.int32) if cut.columns else self.no_scales
-            in_align = align if pay.data_ptr() % batch.VECTOR_BYTES == 0 else 1
-            staged.append((launch, pay, sc, in_align))
-            rows_of.append((self.device, rows))
-        for (launch, pay, sc, in_align), table in zip(staged, batch.stage_tables(rows_of), strict=True):
+        """Decode `packed` (checked by the caller against `layout`, 16-byte aligned) into the
+        targets' blocks `ids`."""
+        for rows, m in self.writes:
+            self.table[rows] = ids[m]
+        host = torch.from_numpy(self.table)
+        # on a GPU a page-locked copy crosses (the array is rewritten by the next call); the
+        # interpreter runs each launch before the call returns
+        table = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        scales = packed.scales.view(torch.int32) if packed.scales.numel() else self.no_scales
+        payloads: dict[torch.dtype, torch.Tensor] = {}
+        for launch, start, length, align in self.launches:
+            dtype = batch.payload_dtype(launch.cut)
+            payload = payloads.get(dtype)
+            if payload is None:
+                payload = payloads[dtype] = packed.payload.view(dtype)
             assert launch.launcher is not None  # (made for every launch that runs)
-            launch.launcher(_unpack_kernel, tab=table, payload=pay, scales=sc, IN_ALIGN=in_align)
+            launch.launcher(_unpack_kernel, tab=table[start:start + length], payload=payload, scales=scales,
+                            IN_ALIGN=align)
 
 
 def _build(items: Sequence[UnpackItem], ids: list[tuple[int, ...]]) -> list[_Launch]:

@@ -57,6 +57,31 @@ def test_every_byte_equals_the_reference_call_after_call(monkeypatch, backend, c
         assert len(us._plans) == 4  # slot lengths (1, 3), (1, 1), (1, 0), (1, 2)
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_a_launch_whose_members_read_different_slots(monkeypatch, backend):
+    """Kimi-Linear's three KDA groups: the same fields in three slots, one launch per field,
+    each member written at its own slot's blocks."""
+    monkeypatch.setenv("ANCHORKV_BACKEND", backend)
+    conv, recurrent, _ = _page()
+    sources, regions = _regions(4, seed=12), _regions(4, seed=13)
+
+    def targets_of(bufs):
+        return [PackTarget(b, f, BLOCKS, CodecSpec.parse(c)) for b in bufs
+                for f, c in ((conv, "int8:16"), (recurrent, "raw"))]
+
+    slots = [0, 0, 1, 1, 2, 2, 1, 1]
+    packed = PackSet(targets_of(sources), slots).pack([(0,), (1,), (2,)])
+    targets = targets_of(regions)
+    us = UnpackSet(targets, slots)
+    if backend == "triton":
+        plan = us._plan((1, 1, 1))
+        assert len(plan.launches) == 2 and len(plan.writes) == 6  # 2 fields x 3 slots
+    for ids in ([(2,), (0,), (1,)], [(1,), (2,), (0,)]):
+        want = _expected(regions, targets, slots, packed, ids)
+        us.unpack(packed, ids)
+        assert _same_bytes(regions, want), ids
+
+
 def test_the_layout_is_the_same_on_every_backend(monkeypatch):
     """A PackSet on either backend lays its parts out as `UnpackSet.layout` says, so a batch
     packed on one backend (or filled part by part) unpacks on the other."""
@@ -115,6 +140,8 @@ def test_bad_calls_are_refused_and_write_nothing(monkeypatch):
         ([(2,), (4, 3)], PackedBatch(packed.payload[:-16], packed.scales, packed.spans), "payload must be"),
         ([(2,), (4, 3)], PackedBatch(packed.payload, packed.scales.double(), packed.spans), "scales must be"),
         ([(2,), (4, 3)], PackedBatch(packed.payload.view(2, -1), packed.scales, packed.spans), "payload must be"),
+        ([(2,), (4, 3)], PackedBatch(_shifted(packed.payload), packed.scales, packed.spans), "16-byte aligned"),
+        ([(2,), (4, 3)], PackedBatch(packed.payload, _shifted(packed.scales), packed.spans), "16-byte aligned"),
     ]
     for ids, batch_, match in bad:
         with pytest.raises((ValueError, IndexError), match=match):
@@ -124,6 +151,13 @@ def test_bad_calls_are_refused_and_write_nothing(monkeypatch):
         UnpackSet([], [])
     with pytest.raises(ValueError, match="one slot per target"):
         UnpackSet(targets, slots[:-1])
+
+
+def _shifted(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` at an address 4 bytes past a 16-byte boundary."""
+    raw = torch.empty(t.nbytes + 32, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % 16 + 4
+    return raw[skip:skip + t.nbytes].view(t.dtype).copy_(t)
 
 
 def test_batch_layout_groups_by_signature_and_aligns_each_group():
