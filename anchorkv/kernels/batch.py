@@ -21,6 +21,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+import numpy as np
 import torch
 
 from anchorkv.kernels import reference
@@ -467,6 +468,51 @@ def payload_dtype(cut: FieldCut) -> torch.dtype:
     if cut.fmt is Quant.BF16:
         return torch.int16
     return torch.uint8
+
+
+class TableArray:
+    """The item tables of a set's launches (`PackSet`, `UnpackSet`), laid out once per plan in
+    one int64 host array, each table at an even offset (16-byte aligned, as `stage_tables`
+    places them): a launch's rows are its members' fixed columns (`heads`), then their block
+    ids. A call writes the ids (`write`: one numpy assignment per launch and slot, the members
+    of a launch that read one slot sharing its ids) and stages the array (`stage`)."""
+
+    def __init__(self, launches: Sequence[tuple[Sequence[tuple[int, ...]], Sequence[int], int]],
+                 slots: Sequence[int]) -> None:
+        """`launches`: per launch, (each member's fixed columns, its members' item indices, the
+        number of block ids); `slots[i]`: the slot item i reads its ids from."""
+        self.segments: list[tuple[int, int]] = []  # (start, length) of each launch's table
+        #: (the array's indices of the ids of some rows, an item whose ids those rows take)
+        self.writes: list[tuple[np.ndarray, int]] = []
+        at = 0
+        for heads, members, n in launches:
+            head = len(heads[0]) if heads else 0
+            w = head + n
+            self.segments.append((at, len(heads) * w))
+            by_slot: dict[int, list[int]] = {}
+            for k, m in enumerate(members):
+                by_slot.setdefault(slots[m], []).append(k)
+            cells = np.arange(at, at + len(heads) * w, dtype=np.int64).reshape(len(heads), w)
+            for ks in by_slot.values():
+                self.writes.append((cells[ks, head:], members[ks[0]]))
+            at += len(heads) * w + (len(heads) * w) % 2
+        self.array = np.zeros(at, dtype=np.int64)
+        for (start, length), (heads, _, _) in zip(self.segments, launches, strict=True):
+            if heads:
+                self.array[start:start + length].reshape(len(heads), -1)[:, :len(heads[0])] = heads
+
+    def write(self, ids: Sequence[Sequence[int]]) -> None:
+        """Put each item's block ids `ids[i]` in its rows."""
+        for cells, m in self.writes:
+            self.array[cells] = ids[m]
+
+    def stage(self, device: torch.device) -> list[torch.Tensor]:
+        """The launches' tables on `device`: on a GPU one `non_blocking` copy from page-locked
+        memory (a copy of the array: the next call rewrites it); elsewhere the array itself
+        (the Triton interpreter runs each launch before the call returns)."""
+        host = torch.from_numpy(self.array)
+        table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+        return [table[start:start + length] for start, length in self.segments]
 
 
 def stage_tables(segments: Sequence[tuple[torch.device, list[int]]]) -> list[torch.Tensor]:

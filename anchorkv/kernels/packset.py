@@ -158,7 +158,7 @@ class PackSet(_TargetSet):
         from anchorkv.kernels.triton_pack import _Plan
 
         # keyed by the slots' lengths: the targets' lengths follow from them
-        plan = self._plans.find(lens, lambda: _Plan(self.targets, self._lens(lens)))
+        plan = self._plans.find(lens, lambda: _Plan(self.targets, self._lens(lens), self.slots))
         payload, scales = plan.launch(ids)
         return PackedBatch(payload, scales, plan.spans, plan.scale_runs)
 

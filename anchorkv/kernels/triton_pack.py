@@ -278,9 +278,12 @@ class _Plan:
     launches (items grouped by signature), their static table columns, alignment claims, launch
     configurations and where each item's outputs lie (`spans`). Built once per distinct item
     list (`_plan_for`, or once per block count by a `kernels.PackSet`); a call then only
-    allocates the outputs, stages the tables and launches (`launch`)."""
+    allocates the outputs, stages the tables and launches (`launch`). A `PackSet`'s plan
+    (`slots` given: the slot each item reads its ids from) keeps its tables laid out in one
+    array (`batch.TableArray`): a call writes the ids there."""
 
-    def __init__(self, items: Sequence[PackItem | PackTarget], lens: Sequence[int]) -> None:
+    def __init__(self, items: Sequence[PackItem | PackTarget], lens: Sequence[int],
+                 slots: Sequence[int] | None = None) -> None:
         self.device = items[0].buffer.device
         self.count = len(items)
         layout = batch.batch_layout(items, lens)
@@ -291,7 +294,9 @@ class _Plan:
         self.spans: tuple[Span, ...] = layout.spans
         #: the order the launches are issued in (`largest_first`); the outputs' layout keeps
         #: the items' order
-        self.order = largest_first(self.launches)
+        self.order = [k for k in largest_first(self.launches) if self.launches[k].runs]
+        self.tables = None if slots is None else batch.TableArray(
+            [(launch.static, launch.members, launch.n) for launch in (self.launches[k] for k in self.order)], slots)
 
     def launch(self, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pack the items' blocks `ids` (checked by the caller): the call's payload (uint8) and
@@ -305,17 +310,20 @@ class _Plan:
         scales = torch.empty(self.scale_values, dtype=torch.float32, device=self.device)
         sliced = [(payload.narrow(0, launch.pay_at, launch.payload_bytes),
                    scales.narrow(0, launch.sc_at, launch.scale_values)) for launch in self.launches]
-        staged, rows_of = [], []
-        for k in self.order:
+        if self.tables is not None:
+            self.tables.write(ids)
+            tables = self.tables.stage(self.device)
+        else:
+            rows_of = []
+            for k in self.order:
+                rows: list[int] = []
+                launch = self.launches[k]
+                for m, (origin, stride) in zip(launch.members, launch.static, strict=True):
+                    rows += (origin, stride, *ids[m])
+                rows_of.append((self.device, rows))
+            tables = batch.stage_tables(rows_of)
+        for k, table in zip(self.order, tables, strict=True):
             launch, (pay, sc) = self.launches[k], sliced[k]
-            if not launch.runs:
-                continue
-            rows: list[int] = []
-            for m, (origin, stride) in zip(launch.members, launch.static, strict=True):
-                rows += (origin, stride, *ids[m])
-            staged.append((launch, pay, sc))
-            rows_of.append((self.device, rows))
-        for (launch, pay, sc), table in zip(staged, batch.stage_tables(rows_of), strict=True):
             assert launch.launcher is not None  # (made for every launch that runs)
             launch.launcher(_pack_kernel, tab=table, payload=pay.view(batch.payload_dtype(launch.cut)),
                             scales=sc.view(torch.int32))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -223,24 +222,8 @@ class _SetPlan:
             # the claim from a 16-byte aligned batch (`UnpackSet` checks that it is)
             planned.append((launch, head, batch.alignment(cut, 0, in_offsets, width)))
         planned = [planned[k] for k in largest_first([entry[0] for entry in planned])]
-        self.launches: list[tuple[_Launch, int, int, int]] = []  # (launch, table start, length, align)
-        #: per launch and slot: (rows of the table array, index of a member reading that slot)
-        self.writes: list[tuple[np.ndarray, int]] = []
-        segments, at = [], 0
-        for launch, head, align in planned:
-            w = 4 + launch.n
-            self.launches.append((launch, at, len(head) * w, align))
-            segments.append((at, head, w))
-            by_slot: dict[int, list[int]] = {}
-            for k, m in enumerate(launch.members):
-                by_slot.setdefault(slots[m], []).append(k)
-            for ks in by_slot.values():
-                rows = np.arange(at, at + len(head) * w, dtype=np.int64).reshape(len(head), w)[ks, 4:]
-                self.writes.append((rows, launch.members[ks[0]]))
-            at += len(head) * w + (len(head) * w) % 2  # each table 16-byte aligned
-        self.table = np.zeros(at, dtype=np.int64)
-        for start, head, w in segments:
-            self.table[start:start + len(head) * w].reshape(len(head), w)[:, :4] = head
+        self.tables = batch.TableArray([(head, launch.members, launch.n) for launch, head, _ in planned], slots)
+        self.launches = [(launch, align) for launch, _, align in planned]
         #: the scales argument when the batch has none (never read)
         self.no_scales = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.seen: tuple | None = None  # spans found equal to the layout's (`UnpackSet.unpack`)
@@ -248,22 +231,17 @@ class _SetPlan:
     def launch(self, packed, ids: Sequence[Sequence[int]]) -> None:
         """Decode `packed` (checked by the caller against `layout`, 16-byte aligned) into the
         targets' blocks `ids`."""
-        for rows, m in self.writes:
-            self.table[rows] = ids[m]
-        host = torch.from_numpy(self.table)
-        # on a GPU a page-locked copy crosses (the array is rewritten by the next call); the
-        # interpreter runs each launch before the call returns
-        table = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        self.tables.write(ids)
+        tables = self.tables.stage(self.device)
         scales = packed.scales.view(torch.int32) if packed.scales.numel() else self.no_scales
         payloads: dict[torch.dtype, torch.Tensor] = {}
-        for launch, start, length, align in self.launches:
+        for (launch, align), table in zip(self.launches, tables, strict=True):
             dtype = batch.payload_dtype(launch.cut)
             payload = payloads.get(dtype)
             if payload is None:
                 payload = payloads[dtype] = packed.payload.view(dtype)
             assert launch.launcher is not None  # (made for every launch that runs)
-            launch.launcher(_unpack_kernel, tab=table[start:start + length], payload=payload, scales=scales,
-                            IN_ALIGN=align)
+            launch.launcher(_unpack_kernel, tab=table, payload=payload, scales=scales, IN_ALIGN=align)
 
 
 def _build(items: Sequence[UnpackItem], ids: list[tuple[int, ...]]) -> list[_Launch]:

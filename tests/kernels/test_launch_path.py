@@ -61,6 +61,35 @@ def test_item_tables_cross_in_one_pinned_non_blocking_copy(monkeypatch):
     assert [t.storage_offset() % 2 for t in tables] == [0, 0, 0]
 
 
+def test_a_sets_tables_cross_in_one_pinned_non_blocking_copy(monkeypatch):
+    """`batch.TableArray` (the tables of a PackSet's or UnpackSet's plan): the fixed columns are
+    laid out once, a call writes each slot's ids into its members' rows, and on CUDA the array
+    crosses in one non_blocking copy of a page-locked copy; every table starts 16-byte aligned."""
+    calls = []
+
+    def fake_pin(self):
+        calls.append(("pin", self.numel()))
+        return self.clone()  # (a copy, as pin_memory makes: the next call rewrites the array)
+
+    def fake_to(self, *args, **kwargs):
+        calls.append(("to", args, kwargs))
+        return self
+
+    tables = batch.TableArray([([(10, 11), (12, 13), (14, 15)], [0, 1, 2], 1), ([(20, 21, 22)], [3], 1)],
+                              slots=[0, 1, 0, 1])
+    tables.write([(1,), (3,), (1,), (5,)])
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    monkeypatch.setattr(torch.Tensor, "to", fake_to)
+    cuda = torch.device("cuda", 0)
+    first, second = tables.stage(cuda)
+    assert calls == [("pin", 14), ("to", (cuda,), {"non_blocking": True})]  # 9 + 1 padding + 4
+    assert first.tolist() == [10, 11, 1, 12, 13, 3, 14, 15, 1] and second.tolist() == [20, 21, 22, 5]
+    assert [t.storage_offset() % 2 for t in (first, second)] == [0, 0]
+    tables.write([(0,), (2,), (0,), (3,)])  # the next call: only the ids change
+    assert tables.array.tolist()[:9] == [10, 11, 0, 12, 13, 2, 14, 15, 0]
+    assert first.tolist()[2] == 1  # what the earlier call staged is a copy
+
+
 def test_cpu_tables_are_not_copied(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pytest.fail("pinned on CPU"))
     (t,) = batch.stage_tables([(torch.device("cpu"), [1, 2])])

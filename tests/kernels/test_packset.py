@@ -59,6 +59,21 @@ def test_every_part_equals_the_reference_call_after_call(monkeypatch, backend, c
         assert len(ps._plans) == 4  # slot lengths (1, 3), (1, 1), (1, 0), (1, 2)
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_a_launch_whose_members_read_different_slots(monkeypatch, backend):
+    """Kimi-Linear's three KDA groups: the same fields in three slots share a launch; each
+    member packs its own slot's blocks."""
+    monkeypatch.setenv("ANCHORKV_BACKEND", backend)
+    conv, recurrent, _ = _page()
+    regions = _regions(4, seed=14)
+    targets = [PackTarget(b, f, BLOCKS, CodecSpec.parse(c)) for b in regions
+               for f, c in ((conv, "int8:16"), (recurrent, "raw"))]
+    slots = [0, 0, 1, 1, 2, 2, 1, 1]
+    ps = PackSet(targets, slots)
+    for ids in ([(0,), (1,), (2,)], [(2,), (0,), (1,)]):
+        _assert_parts_equal_reference(ps.pack(ids), targets, slots, ids)
+
+
 def test_a_plan_per_length_tuple_is_reused_and_the_oldest_evicted(monkeypatch):
     monkeypatch.setenv("ANCHORKV_BACKEND", "triton")
     monkeypatch.setattr(packset, "PLANS_PER_SET", 2)
@@ -67,9 +82,9 @@ def test_a_plan_per_length_tuple_is_reused_and_the_oldest_evicted(monkeypatch):
     built = []
     real = triton_pack._Plan
 
-    def counting(targets, lens):
+    def counting(targets, lens, slots):
         built.append(tuple(lens))  # one length per target
-        return real(targets, lens)
+        return real(targets, lens, slots)
 
     monkeypatch.setattr(triton_pack, "_Plan", counting)
     targets, slots = _set(_regions(2, seed=3), CODEC_SETS[0])
