@@ -6,8 +6,11 @@ sync in the forward pass), and queues two asynchronous copies of the packed byte
 and one scales allocation) to pinned host memory; a background thread then cuts them into parts
 and writes this rank's part of the entry to the store.
 Loads: every chunk a request needs is read and verified *before* a single cache byte is
-written, then unpacked into exactly the request's blocks, and the rows past the entry's end in
-its last paged block are zeroed. Async loads run on a background thread; a load that fails or
+written, each part straight into its span of one batch in the worker's host arena; the batch
+crosses to the GPU in one copy and one `codec.Unpacker` call (built once) writes exactly the
+request's blocks, the rows past the entry's end in its last paged block decoding from zero
+bytes to zeros. (A restore the batch cannot hold, an entry saved with other codecs for one, is
+unpacked part by part, those rows zeroed after.) Async loads run on a background thread; a load that fails or
 times out is reported in `failed_recving` (vLLM recomputes) and never writes afterwards. Sync
 loads (`async_load: false`) run inside `start_load_kv`, which vLLM calls before the forward
 that reads them; they are never reported (vLLM asserts a running request gets no
