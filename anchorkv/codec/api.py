@@ -212,7 +212,7 @@ class Unpacker:
         specs: list[CodecSpec] = []
         for view, field, codec, _ in parts:
             spec = CodecSpec.parse(codec)
-            if not isinstance(get_codec(spec.id), QuantCodec):
+            if not self.takes(spec):
                 raise ValueError(f"an Unpacker decodes the built-in codecs, found {spec} for field {field!r}; "
                                  "unpack custom codecs with codec.unpack_many")
             f = view.page.field(field)

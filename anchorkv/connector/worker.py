@@ -98,6 +98,9 @@ class WorkerSide:
         self._save_set: tuple[Packer, list[tuple[str, str, GroupKind]]] | None = None
         self._load_set: Unpacker | None = None  # built at the first restore
         self._load_parts = True  # False: a custom codec; restores go part by part
+        #: (group index, kind, rows of its blocks' fields; None: several) of the groups a
+        #: restore writes, found with the Unpacker
+        self._load_groups: list[tuple[int, GroupKind, int | None]] = []
         self.stats = Counters(primary=tp_rank == 0)
 
     def register(self, layout: ModelLayout, views: dict[str, CacheView]) -> None:
@@ -389,6 +392,12 @@ class WorkerSide:
             self._load_parts = bool(parts) and all(Unpacker.takes(c) for *_, c, _ in parts)
             if self._load_parts:
                 self._load_set = Unpacker(parts)
+                self._load_groups = []
+                for g in self.groups:
+                    rows = {view.page.field(f.name).shape[0] for view in (self.views.get(n) for n in g.layers)
+                            if view is not None for f in view.page.fields}
+                    if rows:  # (not padding layers only)
+                        self._load_groups.append((g.index, g.kind, rows.pop() if len(rows) == 1 else None))
         return self._load_set
 
     def _batch_for(self, spec: LoadSpec) -> _Batch | None:
@@ -402,23 +411,19 @@ class WorkerSide:
         lens = [0] * slots
         ids: list[tuple[int, ...]] = [()] * slots
         rows = spec.num_tokens - spec.start
-        for g in self.groups:
-            blocks = tuple(spec.blocks[g.index])
-            sizes = {self.views[layer].page.field(f.name).shape[0] for layer in g.layers if layer in self.views
-                     for f in self.views[layer].page.fields}
-            if not sizes:
-                continue  # padding layers only
-            if g.kind is GroupKind.STATE:
+        for index, kind, block_rows in self._load_groups:
+            blocks = tuple(spec.blocks[index])
+            if kind is GroupKind.STATE:
                 n = len(blocks)
                 if n != 1:
                     return None
             else:
-                if len(sizes) != 1:
+                if block_rows is None:
                     return None
-                n = -(-rows // sizes.pop())  # whole blocks, the last one maybe partial
+                n = -(-rows // block_rows)  # whole blocks, the last one maybe partial
                 if n > len(blocks):
                     return None  # (the part-by-part path names the error)
-            lens[g.index], ids[g.index] = n, blocks[:n]
+            lens[index], ids[index] = n, blocks[:n]
         layout = unpacker.layout(lens)
         payload = self._arena(layout.payload_bytes)
         scales = self._arena(4 * layout.scale_values).view(torch.float32)

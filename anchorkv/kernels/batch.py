@@ -300,6 +300,13 @@ class PlanCache(Generic[P]):
         return len(self._plans)
 
 
+def same_device(t: torch.Tensor, other: torch.Tensor) -> bool:
+    """`t.device == other.device`; on CUDA by index (a device object per tensor costs ~1 us)."""
+    if t.is_cuda:
+        return other.is_cuda and t.get_device() == other.get_device()
+    return t.device == other.device
+
+
 def byte_address(t: torch.Tensor) -> int:
     """Address of the first byte of `t` (its storage start plus its storage offset)."""
     return t.data_ptr()

@@ -206,7 +206,7 @@ class UnpackSet(_TargetSet):
         if packed.spans is not plan.layout.spans and packed.spans is not plan.seen:
             _check_spans(packed.spans, plan.layout, lens)
             plan.seen = packed.spans  # a PackSet's batches share their plan's spans: compared once
-        _check_tensors(packed, plan.layout, self.device)
+        _check_tensors(packed, plan.layout, self.targets[0].buffer)
         if self.backend == "triton":
             plan.launch(packed, ids)
             return
@@ -223,12 +223,6 @@ class _ReferencePlan:
         self.seen: tuple[Span, ...] | None = None  # spans found equal to the layout's
 
 
-def _on(t: torch.Tensor, device: torch.device) -> bool:
-    if device.type == "cuda":
-        return t.is_cuda and t.get_device() == (device.index if device.index is not None else t.get_device())
-    return t.device == device
-
-
 def _check_spans(spans: tuple[Span, ...], layout: batch.BatchLayout, lens) -> None:
     """A clear error unless a batch's `spans` are those of `layout`."""
     if spans != layout.spans:
@@ -238,11 +232,13 @@ def _check_spans(spans: tuple[Span, ...], layout: batch.BatchLayout, lens) -> No
             "the same targets, or fill the spans of UnpackSet.layout(lens)")
 
 
-def _check_tensors(packed: PackedBatch, layout: batch.BatchLayout, device: torch.device) -> None:
-    """A clear error unless the batch's two tensors are what `layout` needs, on `device`."""
+def _check_tensors(packed: PackedBatch, layout: batch.BatchLayout, target: torch.Tensor) -> None:
+    """A clear error unless the batch's two tensors are what `layout` needs, on `target`'s device."""
     for name, t, dtype, n in (("payload", packed.payload, torch.uint8, layout.payload_bytes),
                               ("scales", packed.scales, torch.float32, layout.scale_values)):
-        if (t.dtype != dtype or t.dim() != 1 or t.numel() != n or not t.is_contiguous() or not _on(t, device)
+        if (t.dtype != dtype or t.dim() != 1 or t.numel() != n or not t.is_contiguous()
+                or not batch.same_device(t, target)
                 or n and t.data_ptr() % batch.VECTOR_BYTES):
-            raise ValueError(f"the batch's {name} must be {n} contiguous {dtype} values on {device} at a 16-byte "
-                             f"aligned address, found {t.dtype} {list(t.shape)} on {t.device} at {t.data_ptr():#x}")
+            raise ValueError(f"the batch's {name} must be {n} contiguous {dtype} values on {target.device} at a "
+                             f"16-byte aligned address, found {t.dtype} {list(t.shape)} on {t.device} at "
+                             f"{t.data_ptr():#x}")

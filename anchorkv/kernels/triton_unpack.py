@@ -103,19 +103,12 @@ def _unpack_kernel(
             tl.store(p_dst, narrow(v * scale[:, None], DST), mask=m)
 
 
-def _same_device(t: torch.Tensor, buffer: torch.Tensor) -> bool:
-    """`t.device == buffer.device`; on CUDA by index (a device object per tensor costs ~1 us)."""
-    if t.is_cuda:
-        return buffer.is_cuda and t.get_device() == buffer.get_device()
-    return t.device == buffer.device
-
-
 def _check(item: UnpackItem, cut: batch.FieldCut, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The item's payload and scales, validated, contiguous and aligned for the kernel."""
     payload, scales = item.payload, item.scales
     want_bytes = n * cut.payload_per_block
     if (payload.dtype != torch.uint8 or payload.numel() != want_bytes
-            or not _same_device(payload, item.buffer)):
+            or not batch.same_device(payload, item.buffer)):
         raise ValueError(
             f"payload must be {want_bytes} uint8 bytes on {item.buffer.device} for {n} blocks of "
             f"{cut.fmt} {list(item.field.shape)} {cut.dtype}, found {payload.numel()} "
@@ -124,7 +117,7 @@ def _check(item: UnpackItem, cut: batch.FieldCut, n: int) -> tuple[torch.Tensor,
     if cut.columns:
         want = (n * cut.groups, cut.columns)
         if (scales.dtype != torch.float32 or tuple(scales.shape) != want
-                or not _same_device(scales, item.buffer)):
+                or not batch.same_device(scales, item.buffer)):
             raise ValueError(
                 f"scales must be float32 {list(want)} on {item.buffer.device}, found {scales.dtype} "
                 f"{list(scales.shape)} on {scales.device}"
@@ -134,6 +127,14 @@ def _check(item: UnpackItem, cut: batch.FieldCut, n: int) -> tuple[torch.Tensor,
     if payload.data_ptr() % batch.payload_dtype(cut).itemsize:
         payload = payload.clone()  # a fresh allocation is aligned for the wide loads
     return payload, scales.contiguous()
+
+
+def _in_align(cut: batch.FieldCut, address: int, pay_offsets: list[int], width: int) -> int:
+    """IN_ALIGN of a launch: what `batch.alignment` allows for payload group starts from
+    `address`, the members' payloads at `pay_offsets` (elements of `width` bytes)."""
+    if cut.fmt is Quant.INT4:  # two codes a byte: group starts are (element offset) / 2
+        return batch.alignment(cut, address, [cut.numel // 2, cut.g // 2, *pay_offsets], width)
+    return batch.alignment(cut, address, [cut.numel, cut.g, *pay_offsets], width)
 
 
 class _Launch:
@@ -173,17 +174,15 @@ class _Launch:
         else:  # raw has no scales; the kernel never reads this
             sc = torch.zeros(1, dtype=torch.int32, device=device)
         rows: list[int] = []
-        in_offsets = [cut.numel, cut.g]
+        pay_offsets = []
         pay_at, pay_size = pay.untyped_storage().data_ptr(), pay.element_size()
         sc_at, sc_size = sc.untyped_storage().data_ptr(), sc.element_size()
         for m, (origin, stride), (payload, scales) in zip(self.members, self.static, checked, strict=True):
             pay_off = batch.offset_in(payload.data_ptr(), pay_at, pay_size, "payload")
             sc_off = batch.offset_in(scales.data_ptr(), sc_at, sc_size, "scales") if cut.columns else 0
             rows += (origin, stride, pay_off, sc_off, *ids[m])
-            in_offsets.append(pay_off)
-        if cut.fmt is Quant.INT4:  # two codes a byte: group starts are (element offset) / 2
-            in_offsets = [cut.numel // 2, cut.g // 2, *in_offsets[2:]]
-        in_align = batch.alignment(cut, pay.data_ptr(), in_offsets, pay.element_size())
+            pay_offsets.append(pay_off)
+        in_align = _in_align(cut, pay.data_ptr(), pay_offsets, pay.element_size())
 
         launcher = self.launcher
         assert launcher is not None
@@ -216,11 +215,8 @@ class _SetPlan:
             per_payload, per_scales = n * cut.payload_per_block // width, n * cut.groups * cut.columns
             head = [(origin, stride, pay_at // width + k * per_payload, sc_at + k * per_scales)
                     for k, (origin, stride) in enumerate(launch.static)]
-            in_offsets = [cut.numel, cut.g, *(h[2] for h in head)]
-            if cut.fmt is Quant.INT4:  # two codes a byte: group starts are (element offset) / 2
-                in_offsets = [cut.numel // 2, cut.g // 2, *in_offsets[2:]]
             # the claim from a 16-byte aligned batch (`UnpackSet` checks that it is)
-            planned.append((launch, head, batch.alignment(cut, 0, in_offsets, width)))
+            planned.append((launch, head, _in_align(cut, 0, [h[2] for h in head], width)))
         planned = [planned[k] for k in largest_first([entry[0] for entry in planned])]
         self.tables = batch.TableArray([(head, launch.members, launch.n) for launch, head, _ in planned], slots)
         self.launches = [(launch, align) for launch, _, align in planned]

@@ -82,6 +82,40 @@ def test_a_launch_whose_members_read_different_slots(monkeypatch, backend):
         assert _same_bytes(regions, want), ids
 
 
+@pytest.mark.parametrize("codecs", [("int4:16", "raw", "bf16"), ("fp8:8", "int8:32", "int4:64")], ids="-".join)
+def test_each_launch_claims_an_alignment_every_group_start_has(monkeypatch, codecs):
+    """IN_ALIGN (`tl.multiple_of` on the payload loads: an over-claim faults on a GPU, and the
+    interpreter ignores it) divides the address of every group the launch reads, checked from
+    the recorded launch arguments; some launch claims more than 1."""
+    from anchorkv.kernels import triton_unpack
+
+    calls = []
+
+    class Recorder:  # stands for the kernel (tests.kernels.sm90's recorder: importing it leaves the interpreter)
+        def __getitem__(self, grid):
+            return lambda **kwargs: calls.append(kwargs)
+
+    monkeypatch.setenv("ANCHORKV_BACKEND", "triton")
+    src_targets, slots = _set(_regions(4, seed=15), codecs)
+    packed = PackSet(src_targets, slots).pack([(1,), (5, 3)])
+    targets, _ = _set(_regions(4, seed=16), codecs)
+    monkeypatch.setattr(triton_unpack, "_unpack_kernel", Recorder())
+    UnpackSet(targets, slots).unpack(packed, [(2,), (4, 3)])
+    claims = []
+    for kw in calls:
+        width, w = kw["payload"].element_size(), 4 + kw["N"]
+        rows = kw["tab"].view(-1, w)
+        half = kw["FMT"] == batch.FMT_CODE[batch.Quant.INT4]  # two codes a byte
+        for row in rows.tolist():
+            for i_n in range(kw["N"]):
+                for grp in range(kw["GROUPS"]):
+                    e = i_n * kw["NUMEL"] + grp * kw["G"]
+                    e = row[2] + (e // 2 if half else e)
+                    assert (kw["payload"].data_ptr() + e * width) % (kw["IN_ALIGN"] * width) == 0, kw["IN_ALIGN"]
+        claims.append(kw["IN_ALIGN"])
+    assert len(claims) == 3 and max(claims) > 1, claims
+
+
 def test_the_layout_is_the_same_on_every_backend(monkeypatch):
     """A PackSet on either backend lays its parts out as `UnpackSet.layout` says, so a batch
     packed on one backend (or filled part by part) unpacks on the other."""
