@@ -52,7 +52,8 @@ def triton_passes_every_argument() -> bool:
     """Whether the installed triton launches as `Launcher` assumes: `JITFunction.run` hands
     the compiled kernel's launcher every bound argument in parameter order (constexprs
     included; triton 3.6 and 3.9 do, some older ones passed only the others), and
-    `CompiledKernel[grid]` forwards its arguments to the same launcher unchanged. Read from
+    `CompiledKernel[grid]` forwards its arguments to the same launcher unchanged (it reads all three
+    grid axes, so a `Launcher` keeps its grid padded to three). Read from
     the installed sources, so a triton that launches otherwise keeps every launch on the JIT."""
     try:
         from triton.compiler.compiler import CompiledKernel
@@ -81,7 +82,12 @@ class Launcher:
     __slots__ = ("grid", "fixed", "kernel", "names", "compiled", "device")
 
     def __init__(self, grid: tuple[int, ...], fixed: Mapping[str, Any]) -> None:
-        self.grid, self.fixed = grid, dict(fixed)
+        if not 1 <= len(grid) <= 3:
+            raise ValueError(f"a launch grid has 1 to 3 axes, found {grid!r}")
+        # three axes, as `JITFunction.run` pads a grid before launching: `CompiledKernel[grid]`
+        # reads grid[0], grid[1] and grid[2] as they are (a 2-axis grid raised IndexError there)
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.fixed = dict(fixed)
         self.kernel: Any = None  # the JIT function whose compiled kernels `compiled` holds
         self.names: tuple[str, ...] = ()
         self.compiled: dict[tuple, Any] = {}  # specialization key -> the runner of its kernel

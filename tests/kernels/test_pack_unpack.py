@@ -169,7 +169,8 @@ def test_payload_or_scales_on_another_device_are_refused(what):
         payload = payload.to("meta")
     else:
         scales = scales.to("meta")
-    with pytest.raises(ValueError, match=f"{what} must be .* on cpu.*, found .* on meta"):
+    # the buffer's device: cpu here, cuda:0 where the tests run on a GPU
+    with pytest.raises(ValueError, match=f"{what} must be .* on {buffer.device}.*, found .* on meta"):
         triton_unpack(UnpackItem(buffer, field, [2], 3, CodecSpec("int8", 32), payload, scales))
 
 
@@ -177,5 +178,6 @@ def test_wrong_scales_shape_is_refused_with_what_was_expected():
     field = make_field(torch.float32, (3, 32), (32, 1))
     buffer = make_region(field, 3)
     payload, scales = reference.pack(PackItem(buffer, field, [0], 3, CodecSpec("int8", 32)))
-    with pytest.raises(ValueError, match=r"scales must be float32 \[3, 1\] on cpu, found torch.float32 \[1, 3\]"):
+    expected = rf"scales must be float32 \[3, 1\] on {buffer.device}, found torch.float32 \[1, 3\]"
+    with pytest.raises(ValueError, match=expected):
         triton_unpack(UnpackItem(buffer, field, [2], 3, CodecSpec("int8", 32), payload, scales.view(1, -1)))

@@ -126,11 +126,12 @@ def test_copy_to_host_is_two_copies_of_exact_bytes(monkeypatch):
     host = batch.copy_to_host(pin=False)
     assert copies == [True, True], "one non_blocking copy per allocation"
     assert host.payload.data_ptr() != batch.payload.data_ptr()
-    assert torch.equal(host.payload, batch.payload) and torch.equal(host.scales.view(torch.int32),
-                                                                    batch.scales.view(torch.int32))
+    assert host.payload.device.type == "cpu" and host.scales.device.type == "cpu"
+    assert torch.equal(host.payload, batch.payload.cpu()) and torch.equal(host.scales.view(torch.int32),
+                                                                          batch.scales.cpu().view(torch.int32))
     for (p, s), (hp, hs) in zip(batch.parts(), host.parts(), strict=True):
-        assert torch.equal(p, hp) and torch.equal(s.view(torch.int32), hs.view(torch.int32))
-    assert batch.to_host() is batch  # already on the host: no copy
+        assert torch.equal(p.cpu(), hp) and torch.equal(s.cpu().view(torch.int32), hs.view(torch.int32))
+    assert host.to_host() is host  # already on the host: no copy
 
 
 def test_ids_are_checked_once_per_slot_and_blocks(monkeypatch):
@@ -161,7 +162,8 @@ def test_bad_sets_are_refused_with_the_reason(monkeypatch):
     with pytest.raises(ValueError, match="one slot per target: 5 targets, 4 slots"):
         PackSet(targets, slots[:-1])
     meta = PackTarget(torch.empty(64, dtype=torch.uint8, device="meta"), targets[0].field, 1, targets[0].spec)
-    with pytest.raises(ValueError, match=r"one device, found \['cpu', 'meta'\]; make one set per device"):
+    where = targets[0].buffer.device  # cpu here, cuda:0 where the tests run on a GPU
+    with pytest.raises(ValueError, match=rf"one device, found \['{where}', 'meta'\]; make one set per device"):
         PackSet([targets[0], meta], [0, 0])
     monkeypatch.setenv("ANCHORKV_BACKEND", "triton")
     odd = StridedField(torch.bfloat16, (4, 6), (6, 1), 0, 64)

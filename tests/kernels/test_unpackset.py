@@ -141,8 +141,9 @@ def test_a_batch_filled_part_by_part_unpacks(monkeypatch, backend):
     targets, _ = _set(regions, ("int4:16", "fp8:32", "raw"))
     us = UnpackSet(targets, slots)
     layout = us.layout((1, 2))
-    payload = torch.full((layout.payload_bytes,), 0xAB, dtype=torch.uint8)
-    scales = torch.full((layout.scale_values,), float("nan"))  # padding is never read
+    device = regions[0].device  # the batch lies where the targets do (cuda:0 on a GPU)
+    payload = torch.full((layout.payload_bytes,), 0xAB, dtype=torch.uint8, device=device)
+    scales = torch.full((layout.scale_values,), float("nan"), device=device)  # padding is never read
     for t, s, span in zip(src_targets, slots, layout.spans, strict=True):
         from anchorkv.kernels import PackItem
 
