@@ -91,6 +91,13 @@ class FieldCut:
     def itemsize(self) -> int:
         return self.dtype.itemsize
 
+    @property
+    def flat(self) -> bool:
+        """Whether a block's groups lie end to end (group k at element k * g of the block): a
+        contiguous last axis under at most one leading axis whose stride is the row's length."""
+        return (self.td == 1 and self.sizes[0] == 1 and self.sizes[1] == 1
+                and (self.sizes[2] == 1 or self.strides[2] == self.last))
+
 
 def _merge_leading(shape: tuple[int, ...], strides: tuple[int, ...]) -> list[tuple[int, int]]:
     """Leading axes as (size, stride), size-1 axes dropped and row-major-adjacent axes merged."""
@@ -146,6 +153,11 @@ def _field_cut(field: StridedField, fmt: Quant, group: int | None) -> FieldCut:
         )
     leading = [(1, 0)] * (MAX_LEADING_AXES - len(leading)) + leading
     numel = field.numel
+    if numel >= 2**31 - 2**16:  # the kernels count a block's groups in 32 bits
+        raise ValueError(
+            f"the Triton kernels take fields of fewer than 2**31 - 2**16 elements per block, found "
+            f"{numel} ({list(field.shape)}); use the reference backend (ANCHORKV_BACKEND=reference)"
+        )
     return FieldCut(
         fmt=fmt,
         dtype=field.dtype,
@@ -455,10 +467,10 @@ def row_offsets(cut: FieldCut) -> list[int]:
 
 
 def hardware_fp8(device: torch.device) -> bool:
-    """Whether the pack kernel makes fp8 codes with the GPU's own convert: CUDA devices of
-    compute capability 8.9 or newer (the Triton interpreter's cast rounds wrongly when rounding
-    carries into the exponent, so CPU tensors take the integer encoding; both give the
-    reference's bytes)."""
+    """Whether the kernels convert with the GPU's own instructions (fp8 codes and their decode,
+    fp32 -> bf16 rounding): CUDA devices of compute capability 8.9 or newer. The Triton
+    interpreter's casts round wrongly (fp8 when rounding carries into the exponent), so CPU
+    tensors take the integer encodings of `kernels.bits`; both give the reference's bytes."""
     return device.type == "cuda" and _capability(device.index) >= (8, 9)
 
 

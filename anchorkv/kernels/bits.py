@@ -60,20 +60,26 @@ def widen(bits, SRC: tl.constexpr):
 
 
 @triton.jit
-def narrow(x, DST: tl.constexpr):
+def narrow(x, DST: tl.constexpr, HW: tl.constexpr = False):
     """fp32 -> integer bits of bf16, fp16 or fp32 (DST), RNE, NaN canonical.
 
     The canonical NaNs are those torch writes on a CPU for an fp32 NaN of bits 0x7FC00000:
-    bf16 0x7FC0, fp16 0x7E00, fp32 0x7FC00000.
+    bf16 0x7FC0, fp16 0x7E00, fp32 0x7FC00000. `HW` (a GPU, never the interpreter): bf16 by
+    the hardware's RNE convert (cvt.rn.bf16x2.f32, one instruction for two elements), the
+    same bits as c10's integer rounding for every non-NaN value.
     """
     is_nan = x != x
     u = x.to(tl.int32, bitcast=True)
     if DST == BF16:
-        # c10::round_to_nearest_even, done in int32 with logical shifts
-        lsb = (u >> 16) & 1
-        r = ((u + 0x7FFF + lsb) >> 16) & 0xFFFF
-        r = tl.where(is_nan, _BF16_NAN, r)
-        out = r.to(tl.int16)
+        if HW:
+            r = x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
+            out = tl.where(is_nan, _BF16_NAN, r.to(tl.int32)).to(tl.int16)
+        else:
+            # c10::round_to_nearest_even, done in int32 with logical shifts
+            lsb = (u >> 16) & 1
+            r = ((u + 0x7FFF + lsb) >> 16) & 0xFFFF
+            r = tl.where(is_nan, _BF16_NAN, r)
+            out = r.to(tl.int16)
     elif DST == FP16:
         h = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         h = tl.where(is_nan, _FP16_NAN, h)

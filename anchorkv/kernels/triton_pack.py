@@ -46,20 +46,32 @@ _POISON = tl.constexpr(POISON_SCALE_BITS)
 @triton.jit
 def field_tile(cache, b_block, i_t, GROUPS, GPR, S1, S2, T0, T1, T2, TD, G: tl.constexpr,
                BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, CONTIG: tl.constexpr,
-               ALIGN: tl.constexpr):
+               ALIGN: tl.constexpr, FLAT: tl.constexpr):
     """Tile `i_t` of one block of a field, shared by the pack and unpack kernels.
 
     `b_block` is the block's first element (from `cache`). Returns the tile's group indices
     `[BLOCK_R]`, their mask, the element pointers `[BLOCK_R, BLOCK_G]` into `cache` (row-major
     groups of G elements of the last axis, rows unravelled over `[S0, S1, S2]`) and their mask.
+
+    The group arithmetic is 32-bit (a block holds fewer than 2**31 elements: `batch.field_cut`
+    checks it); only offsets into the cache are 64-bit. A GPU has no integer divider: a 64-bit
+    division by a runtime value is a called routine, and the unravelling did six per row, the
+    larger part of the kernels' instructions (ncu on the H200: issue-bound, not memory-bound).
+    `FLAT` (host-checked, `batch.FieldCut.flat`): the block's groups lie end to end, group k at
+    element k * G, and the unravelling is skipped.
     """
-    o_grp = i_t * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    m_grp = o_grp < GROUPS
-    o_rowi = o_grp // GPR
-    o_j = o_grp % GPR
-    o_i2 = o_rowi % S2
-    o_rest = o_rowi // S2
-    o_row = (o_rest // S1) * T0 + (o_rest % S1) * T1 + o_i2 * T2 + o_j * (G * TD)
+    o_g = i_t * BLOCK_R + tl.arange(0, BLOCK_R)  # int32
+    m_grp = o_g < GROUPS
+    if FLAT:
+        o_row = o_g.to(tl.int64) * G
+    else:
+        o_rowi = o_g // GPR
+        o_j = o_g % GPR
+        o_i2 = o_rowi % S2
+        o_rest = o_rowi // S2
+        o_row = ((o_rest // S1).to(tl.int64) * T0 + (o_rest % S1).to(tl.int64) * T1
+                 + o_i2.to(tl.int64) * T2 + o_j.to(tl.int64) * (G * TD))
+    o_grp = o_g.to(tl.int64)
     # the block's start (a runtime value) is added last, so the sum the alignment claim is
     # attached to is never folded away (a claim on a folded `x + 0` is lost)
     o_start = tl.multiple_of(b_block + o_row, ALIGN)
@@ -99,19 +111,21 @@ def _pack_kernel(
     BLOCK_G: tl.constexpr,  # next power of two of G
     CONTIG: tl.constexpr,  # the last axis is contiguous (TD == 1)
     ALIGN: tl.constexpr,  # host-checked: every row start is a multiple of ALIGN elements
-    HW_FP8: tl.constexpr,  # fp8 codes by the hardware's convert (sm_89+), not in software
+    FLAT: tl.constexpr,  # host-checked: group k of a block starts at its element k * G
+    HW_FP8: tl.constexpr,  # the GPU's own converts (sm_89+): fp8 codes and bf16 rounding
 ):
-    i_t = tl.program_id(0).to(tl.int64)
-    i_b = tl.program_id(1).to(tl.int64)  # item * N + block
-    i_item = i_b // N
-    i_n = i_b % N
+    i_t = tl.program_id(0)
+    pid_b = tl.program_id(1)  # item * N + block (32-bit: divided by N in 32 bits)
+    i_b = pid_b.to(tl.int64)
+    i_item = (pid_b // N).to(tl.int64)
+    i_n = (pid_b % N).to(tl.int64)
     p_tab = tab + i_item * TAB_W
     b_base = tl.load(p_tab)
     b_bstride = tl.load(p_tab + 1)
     b_bid = tl.load(p_tab + 2 + i_n)
 
     o_grp, m_grp, p_src, m = field_tile(src, b_base + b_bid * b_bstride, i_t, GROUPS, GPR, S1,
-                                        S2, T0, T1, T2, TD, G, BLOCK_R, BLOCK_G, CONTIG, ALIGN)
+                                        S2, T0, T1, T2, TD, G, BLOCK_R, BLOCK_G, CONTIG, ALIGN, FLAT)
     o_col = tl.arange(0, BLOCK_G).to(tl.int64)
     o_out = i_b * NUMEL + o_grp * G  # first element of each group in the packed [N, *F] order
     o_scale = i_b * GROUPS + o_grp
@@ -151,7 +165,7 @@ def _pack_kernel(
         if FMT == FMT_RAW:
             tl.store(p_out, b_x, mask=m)
         elif FMT == FMT_BF16:  # bf16 bits of each value, RNE, NaN canonical (as `narrow`)
-            tl.store(p_out, narrow(widen(b_x, SRC), 0), mask=m)
+            tl.store(p_out, narrow(widen(b_x, SRC), 0, HW_FP8), mask=m)
         else:
             x = widen(b_x, SRC)
             ok = tl.abs(x) < float("inf")
@@ -165,10 +179,11 @@ def _pack_kernel(
                 scale = tl.math.div_rn(amax, _FP8_MAX)
                 scale = tl.where(scale == 0.0, 1.0, scale)
                 v = tl.math.div_rn(clean, scale[:, None])
-                v = tl.where(v > _FP8_MAX, _FP8_MAX, tl.where(v < -_FP8_MAX, -_FP8_MAX, v))
-                if HW_FP8:  # the hardware's RNE, saturating convert (cvt.rn.satfinite.e4m3x2)
+                if HW_FP8:  # the hardware's RNE, saturating convert (cvt.rn.satfinite.e4m3x2):
+                    #         |v| past 448 gives 448, as the clamp below
                     q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
                 else:  # the interpreter's cast rounds wrongly on exponent carries
+                    v = tl.where(v > _FP8_MAX, _FP8_MAX, tl.where(v < -_FP8_MAX, -_FP8_MAX, v))
                     q = fp8_encode(v)
             else:
                 scale = tl.math.div_rn(amax, _INT8_MAX)
@@ -219,6 +234,7 @@ def launch_config(cut: batch.FieldCut, count: int, n: int) -> tuple[tuple[int, i
         BLOCK_R=br,
         BLOCK_G=bg,
         CONTIG=cut.td == 1,
+        FLAT=cut.flat,
         num_warps=batch.num_warps(br * bg),
         enable_fp_fusion=False,  # a rounded product, then a rounded sum: as the reference
     )

@@ -54,11 +54,13 @@ def _unpack_kernel(
     CONTIG: tl.constexpr,  # the last axis is contiguous (TD == 1)
     ALIGN: tl.constexpr,  # host-checked: every target row start is a multiple of ALIGN elements
     IN_ALIGN: tl.constexpr,  # host-checked: every payload group start is a multiple of IN_ALIGN
+    FLAT: tl.constexpr,  # host-checked: group k of a block starts at its element k * G
+    HW_FP8: tl.constexpr,  # the GPU's own converts (sm_89+): fp8 decode and bf16 rounding
 ):
-    i_t = tl.program_id(0).to(tl.int64)
-    i_b = tl.program_id(1).to(tl.int64)
-    i_item = i_b // N
-    i_n = i_b % N
+    i_t = tl.program_id(0)
+    pid_b = tl.program_id(1)  # item * N + block (32-bit: divided by N in 32 bits)
+    i_item = (pid_b // N).to(tl.int64)
+    i_n = (pid_b % N).to(tl.int64)
     p_tab = tab + i_item * TAB_W
     b_base = tl.load(p_tab)
     b_bstride = tl.load(p_tab + 1)
@@ -67,7 +69,7 @@ def _unpack_kernel(
     b_bid = tl.load(p_tab + 4 + i_n)
 
     o_grp, m_grp, p_dst, m = field_tile(dst, b_base + b_bid * b_bstride, i_t, GROUPS, GPR, S1,
-                                        S2, T0, T1, T2, TD, G, BLOCK_R, BLOCK_G, CONTIG, ALIGN)
+                                        S2, T0, T1, T2, TD, G, BLOCK_R, BLOCK_G, CONTIG, ALIGN, FLAT)
     o_col = tl.arange(0, BLOCK_G).to(tl.int64)
     o_in = i_n * NUMEL + o_grp * G  # first element of each group in the item's [N, *F] order
     o_scale = i_n * GROUPS + o_grp
@@ -85,7 +87,7 @@ def _unpack_kernel(
         y_odd = ((b_q >> 4) & 0xF).to(tl.float32) * scale[:, None]
         y_odd = y_odd + lo[:, None]
         # interleave back into element order: one contiguous store per group
-        y = tl.reshape(tl.join(narrow(y_even, DST), narrow(y_odd, DST)), (BLOCK_R, BLOCK_G))
+        y = tl.reshape(tl.join(narrow(y_even, DST, HW_FP8), narrow(y_odd, DST, HW_FP8)), (BLOCK_R, BLOCK_G))
         tl.store(p_dst, y, mask=m)
     else:
         o_in = tl.multiple_of(b_pay + o_in, IN_ALIGN)
@@ -93,14 +95,18 @@ def _unpack_kernel(
         if FMT == FMT_RAW:
             tl.store(p_dst, b_q, mask=m)
         elif FMT == FMT_BF16:  # bf16 bits -> exact fp32 -> the field's dtype, rounded once
-            tl.store(p_dst, narrow(widen(b_q, 0), DST), mask=m)
+            tl.store(p_dst, narrow(widen(b_q, 0), DST, HW_FP8), mask=m)
         else:
             scale = tl.load(scales + b_sc + o_scale, mask=m_grp, other=0).to(tl.float32, bitcast=True)
             if FMT == FMT_FP8:
-                v = fp8_decode(b_q.to(tl.int32) & 0xFF)
+                if HW_FP8:  # cvt.rn.f16x2.e4m3x2: exact (every e4m3 value is an fp16); NaN
+                    #         codes stay NaN, written canonical by `narrow` as in software
+                    v = b_q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                else:
+                    v = fp8_decode(b_q.to(tl.int32) & 0xFF)
             else:
                 v = b_q.to(tl.int8, bitcast=True).to(tl.float32)
-            tl.store(p_dst, narrow(v * scale[:, None], DST), mask=m)
+            tl.store(p_dst, narrow(v * scale[:, None], DST, HW_FP8), mask=m)
 
 
 def _check(item: UnpackItem, cut: batch.FieldCut, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +164,8 @@ class _Launch:
         self.dst, self.static, self.align = batch.region_columns(items, members, cut)
         self.grid, common = launch_config(cut, len(members), n)
         self.launcher = Launcher(self.grid, dict(common, dst=self.dst, TAB_W=4 + n,
-                                                 DST=batch.FLOAT_KIND.get(cut.dtype, 0), ALIGN=self.align))
+                                                 DST=batch.FLOAT_KIND.get(cut.dtype, 0), ALIGN=self.align,
+                                                 HW_FP8=batch.hardware_fp8(first.buffer.device)))
 
     def rows(self, items: Sequence[UnpackItem], ids: list[tuple[int, ...]]):
         """Validate the members' payloads; (table rows, launch) of this call, or None when

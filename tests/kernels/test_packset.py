@@ -168,7 +168,7 @@ def test_bad_sets_are_refused_with_the_reason(monkeypatch):
     monkeypatch.setenv("ANCHORKV_BACKEND", "triton")
     odd = StridedField(torch.bfloat16, (4, 6), (6, 1), 0, 64)
     with pytest.raises(ValueError, match="even group size, found 3"):  # at construction, not per call
-        PackSet([PackTarget(torch.zeros(128, dtype=torch.uint8), odd, 2, CodecSpec("int4", 3))], [0])
+        PackSet([PackTarget(torch.zeros(128, dtype=torch.uint8, device=where), odd, 2, CodecSpec("int4", 3))], [0])
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
