@@ -439,9 +439,16 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, cap, least) in enumerate(active):
             left = args.budget - (time.perf_counter() - t0) - REPORT_S
-            limit = min(cap, left - GRACE_S - sum(s[2] for s in active[i + 1:]))
+            kept = sum(s[2] for s in active[i + 1:])
+            limit = min(cap, left - GRACE_S - kept)
             if limit < least / 2:
-                res["steps"][name] = {"status": "no time", "reason": f"{left:.0f} s of the budget left"}
+                # say what it would take: a step is never given less than half its minimum
+                short = least / 2 - limit
+                reason = (f"{left:.0f} s of the budget left, {kept} s of it kept for the later steps: "
+                          f"{limit:.0f} s for this one, which needs {least / 2:.0f}; pass --budget "
+                          f"{args.budget + short:.0f} or more")
+                print(f"  {name}: no time ({reason})", flush=True)
+                res["steps"][name] = {"status": "no time", "reason": reason}
                 continue
             if name == "tests":
                 res["steps"][name] = run_tests(args, out, machine, limit, log, env)
