@@ -79,7 +79,7 @@ class Launcher:
     benchmark's no-op) is called every time.
     """
 
-    __slots__ = ("grid", "fixed", "kernel", "names", "compiled", "device")
+    __slots__ = ("grid", "fixed", "kernel", "names", "compiled", "device", "template", "at")
 
     def __init__(self, grid: tuple[int, ...], fixed: Mapping[str, Any]) -> None:
         if not 1 <= len(grid) <= 3:
@@ -92,14 +92,18 @@ class Launcher:
         self.names: tuple[str, ...] = ()
         self.compiled: dict[tuple, Any] = {}  # specialization key -> the runner of its kernel
         self.device: int | None = None
+        # the argument list in `kernel.arg_names` order with the fixed values in place, and the
+        # index of each changing argument in it (filled in at the first kept kernel)
+        self.template: list[Any] = []
+        self.at: dict[str, int] = {}
 
     def __call__(self, kernel: Any, **changing: Any) -> None:
         key = None
         if kernel is self.kernel and not _disabled:  # (no key to compute for other kernels)
-            key = tuple(_spec_of(v) for v in changing.values())
+            key = tuple([_spec_of(v) for v in changing.values()])
             runner = self.compiled.get(key)
-            if runner is not None and torch.cuda.current_device() == self.device:
-                args = [changing[n] if n in changing else self.fixed[n] for n in self.names]
+            args = self._args(changing) if runner is not None else None
+            if args is not None and torch.cuda.current_device() == self.device:
                 try:
                     runner(*args)
                 except Exception as e:  # never twice: the JIT launches from now on
@@ -108,11 +112,25 @@ class Launcher:
                     counts["direct"] += 1
                     return
             elif runner is not None:
-                key = None  # another current device: the JIT's launch, nothing kept
+                key = None  # another current device or other names: the JIT's launch, nothing kept
         compiled = kernel[self.grid](**self.fixed, **changing)
         counts["jit"] += 1
         if compiled is not None and not _disabled and (key is None or key not in self.compiled):
             self._keep(kernel, key, changing, compiled)
+
+    def _args(self, changing: dict) -> list | None:
+        """The argument list of a direct launch: the template with `changing` in place; None if
+        `changing` names other arguments than the first kept launch did."""
+        if len(changing) != len(self.at):
+            return None
+        args = self.template.copy()
+        at = self.at
+        for name, value in changing.items():
+            i = at.get(name)
+            if i is None:
+                return None
+            args[i] = value
+        return args
 
     def _keep(self, kernel: Any, key: tuple | None, changing: dict, compiled: Any) -> None:
         """Keep the kernel the JIT just compiled for these arguments, if it may be launched
@@ -124,9 +142,15 @@ class Launcher:
             return  # one kernel and one device per launcher: the first ones
         if hasattr(compiled, "result"):  # a future under asynchronous compilation
             compiled = compiled.result()
+        names = tuple(kernel.arg_names)
+        if any(n not in self.fixed and n not in changing for n in names) or any(n not in names for n in changing):
+            return  # an argument left to its default, or not the kernel's: the JIT binds those
         if key is None:
-            key = tuple(_spec_of(v) for v in changing.values())
-        self.kernel, self.device, self.names = kernel, device, tuple(kernel.arg_names)
+            key = tuple([_spec_of(v) for v in changing.values()])
+        if self.kernel is None:
+            self.kernel, self.device, self.names = kernel, device, names
+            self.template = [self.fixed[n] if n in self.fixed else None for n in names]
+            self.at = {n: i for i, n in enumerate(names) if n not in self.fixed}
         self.compiled[key] = compiled[self.grid]
 
 

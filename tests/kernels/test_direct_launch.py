@@ -80,9 +80,16 @@ def test_second_launch_goes_direct_with_the_jit_argument_order(fake):
     assert args[0] == 1 and args[1] is t2 and args[2] == 2.5 and args[3] == 64 and len(args) == 4
 
 
+class FakeJIT2(FakeJIT):
+    """A `FakeJIT` with one more parameter, BLOCK2."""
+
+    arg_names = ["a", "tab", "b", "BLOCK", "BLOCK2"]
+
+
 @pytest.mark.parametrize("change", ["alignment", "value", "dtype", "device", "kernel"])
 def test_anything_that_could_respecialize_goes_through_the_jit(fake, change):
-    kernel, device = fake
+    _, device = fake
+    kernel = FakeJIT2()
     launcher = launch.Launcher((1,), {"a": 0, "b": 0, "BLOCK": 8})
     launcher(kernel, tab=_tab(), BLOCK2=1)
     other = kernel
@@ -96,7 +103,7 @@ def test_anything_that_could_respecialize_goes_through_the_jit(fake, change):
     elif change == "device":
         device["index"] = 1
     else:
-        other = FakeJIT()
+        other = FakeJIT2()
     launcher(other, tab=tab, BLOCK2=value)
     assert [k for k, *_ in other.log][-1] == "jit"
     if change in ("device", "kernel"):  # one device and one kernel per launcher: always the JIT
@@ -105,6 +112,26 @@ def test_anything_that_could_respecialize_goes_through_the_jit(fake, change):
     else:  # a new specialization is kept under its own key
         launcher(other, tab=tab, BLOCK2=value)
         assert [k for k, *_ in other.log][-1] == "direct"
+
+
+def test_arguments_the_first_launch_did_not_name_go_through_the_jit(fake):
+    """Direct launches pass the kernel's parameters only: a changing launch option (not a
+    parameter), a parameter left to its default, or other names than the first launch's make
+    every launch the JIT's."""
+    kernel, _ = fake
+    option = launch.Launcher((1,), {"a": 0, "b": 0, "BLOCK": 8})
+    for _ in range(2):
+        option(kernel, tab=_tab(), num_warps=4)  # an option the JIT takes, the runner does not
+    defaulted = launch.Launcher((1,), {"a": 0, "b": 0})  # BLOCK left to the kernel's default
+    for _ in range(2):
+        defaulted(kernel, tab=_tab())
+    assert [k for k, *_ in kernel.log] == ["jit"] * 4
+    two = FakeJIT2()
+    renamed = launch.Launcher((1,), {"a": 0, "b": 0})
+    renamed(two, tab=_tab(), BLOCK=8, BLOCK2=1)
+    renamed(two, tab=_tab(), BLOCK=8, BLOCK2=1)
+    renamed(two, tab=_tab(), BLOCK=8, num_warps=1)  # the same values' key, other names
+    assert [k for k, *_ in two.log] == ["jit", "direct", "jit"]
 
 
 def test_a_failing_direct_launch_turns_them_off_and_the_jit_launches(fake, caplog):
