@@ -103,7 +103,7 @@ class Launcher:
             key = tuple([_spec_of(v) for v in changing.values()])
             runner = self.compiled.get(key)
             args = self._args(changing) if runner is not None else None
-            if args is not None and torch.cuda.current_device() == self.device:
+            if runner is not None and args is not None and torch.cuda.current_device() == self.device:
                 try:
                     runner(*args)
                 except Exception as e:  # never twice: the JIT launches from now on
