@@ -457,6 +457,16 @@ def alignment(cut: FieldCut, anchor_address: int, offsets: Sequence[int], itemsi
     return max(a, 1)
 
 
+def payload_alignment(cut: FieldCut, address: int, offsets: Sequence[int], width: int) -> int:
+    """The payload side's `*_ALIGN` of a launch (pack: OUT_ALIGN, unpack: IN_ALIGN): what
+    `alignment` allows for the payload group starts from `address`, the members' payloads at
+    `offsets` (elements of `width` bytes). Group k of block i of a launch starts at its member's
+    offset + i * numel + k * g elements (int4: half that, two codes a byte)."""
+    if cut.fmt is Quant.INT4:
+        return alignment(cut, address, [cut.numel // 2, cut.g // 2, *offsets], width)
+    return alignment(cut, address, [cut.numel, cut.g, *offsets], width)
+
+
 def row_offsets(cut: FieldCut) -> list[int]:
     """The per-row element offsets of a field inside one block: leading axis strides (of axes
     longer than 1) and the start of each group within a row."""

@@ -87,12 +87,15 @@ def field_tile(cache, b_block, i_t, GROUPS, GPR, S1, S2, T0, T1, T2, TD, G: tl.c
     return o_grp, m_grp, p, m
 
 
-@triton.jit(do_not_specialize=["N", "TAB_W"])
+@triton.jit(do_not_specialize=["N", "TAB_W", "PAY0", "SC0"])
 def _pack_kernel(
     src,  # integer alias of the first item's storage (the anchor of every source offset)
     tab,  # int64 [items, 2 + N]: field origin (elements from src), block stride, N block ids
-    payload,  # uint8 codes; raw: the source-width integer type; bf16: int16 bits
-    scales,  # int32 bits of the fp32 scales [items * N * GROUPS, C]
+    payload,  # the call's whole payload allocation: uint8 codes; raw: the source-width
+    #           integer type; bf16: int16 bits (16-byte aligned)
+    scales,  # int32 bits of the call's whole fp32 scales allocation
+    PAY0,  # where this launch's payload starts in `payload` (its elements)
+    SC0,  # where this launch's scales [items * N * GROUPS, C] start in `scales`
     N,
     GROUPS,
     GPR,
@@ -113,6 +116,7 @@ def _pack_kernel(
     ALIGN: tl.constexpr,  # host-checked: every row start is a multiple of ALIGN elements
     FLAT: tl.constexpr,  # host-checked: group k of a block starts at its element k * G
     HW_FP8: tl.constexpr,  # the GPU's own converts (sm_89+): fp8 codes and bf16 rounding
+    OUT_ALIGN: tl.constexpr,  # host-checked: every payload group start is a multiple of OUT_ALIGN
 ):
     i_t = tl.program_id(0)
     pid_b = tl.program_id(1)  # item * N + block (32-bit: divided by N in 32 bits)
@@ -127,8 +131,8 @@ def _pack_kernel(
     o_grp, m_grp, p_src, m = field_tile(src, b_base + b_bid * b_bstride, i_t, GROUPS, GPR, S1,
                                         S2, T0, T1, T2, TD, G, BLOCK_R, BLOCK_G, CONTIG, ALIGN, FLAT)
     o_col = tl.arange(0, BLOCK_G).to(tl.int64)
-    o_out = i_b * NUMEL + o_grp * G  # first element of each group in the packed [N, *F] order
-    o_scale = i_b * GROUPS + o_grp
+    o_out = i_b * NUMEL + o_grp * G  # first element of each group in the launch's [N, *F] order
+    o_scale = i_b * GROUPS + o_grp  # its scale row in the launch's scales
 
     if FMT == FMT_INT4:
         x = widen(tl.load(p_src, mask=m, other=0), SRC)
@@ -154,14 +158,15 @@ def _pack_kernel(
         v_odd = tl.where(v_odd > _INT4_LEVELS, _INT4_LEVELS, tl.where(v_odd < 0.0, 0.0, v_odd))
         q = rne(v_even).to(tl.int32) | (rne(v_odd).to(tl.int32) << 4)
         q = tl.where(bad[:, None], 0, q)
-        tl.store(payload + (o_out // 2)[:, None] + o_half[None, :], q.to(tl.uint8), mask=m)
+        o_pay = tl.multiple_of(PAY0 + o_out // 2, OUT_ALIGN)  # two codes a byte
+        tl.store(payload + o_pay[:, None] + o_half[None, :], q.to(tl.uint8), mask=m)
         s_bits = tl.where(bad, _POISON, scale.to(tl.int32, bitcast=True))
         lo_bits = tl.where(bad, 0, lo.to(tl.int32, bitcast=True))
-        tl.store(scales + 2 * o_scale, s_bits, mask=m_grp)
-        tl.store(scales + 2 * o_scale + 1, lo_bits, mask=m_grp)
+        tl.store(scales + SC0 + 2 * o_scale, s_bits, mask=m_grp)
+        tl.store(scales + SC0 + 2 * o_scale + 1, lo_bits, mask=m_grp)
     else:
         b_x = tl.load(p_src, mask=m, other=0)
-        p_out = payload + o_out[:, None] + o_col[None, :]
+        p_out = payload + tl.multiple_of(PAY0 + o_out, OUT_ALIGN)[:, None] + o_col[None, :]
         if FMT == FMT_RAW:
             tl.store(p_out, b_x, mask=m)
         elif FMT == FMT_BF16:  # bf16 bits of each value, RNE, NaN canonical (as `narrow`)
@@ -194,7 +199,7 @@ def _pack_kernel(
             q = tl.where(bad[:, None], 0, q)
             tl.store(p_out, q.to(tl.uint8), mask=m)
             s_bits = tl.where(bad, _POISON, scale.to(tl.int32, bitcast=True))
-            tl.store(scales + o_scale, s_bits, mask=m_grp)
+            tl.store(scales + SC0 + o_scale, s_bits, mask=m_grp)
 
 
 def block_g(cut: batch.FieldCut) -> int:
@@ -264,9 +269,14 @@ class _Launch:
             return
         self.src, self.static, self.align = batch.region_columns(items, members, cut)
         self.grid, common = launch_config(cut, len(members), n)
+        # the outputs are the call's whole allocations (16-byte aligned): this launch's part
+        # starts at pay_at (16-byte aligned by `batch.batch_layout`, so whole elements) and sc_at
+        width = batch.payload_dtype(cut).itemsize
+        pay0 = pay_at // width
         self.launcher = Launcher(self.grid, dict(
             common, src=self.src, TAB_W=2 + n, SRC=batch.FLOAT_KIND.get(cut.dtype, 0), ALIGN=self.align,
-            HW_FP8=batch.hardware_fp8(first.buffer.device)))
+            HW_FP8=batch.hardware_fp8(first.buffer.device), PAY0=pay0, SC0=sc_at,
+            OUT_ALIGN=batch.payload_alignment(cut, 0, [pay0], width)))
 
     @property
     def payload_bytes(self) -> int:
@@ -317,15 +327,13 @@ class _Plan:
     def launch(self, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pack the items' blocks `ids` (checked by the caller): the call's payload (uint8) and
         scales (fp32) allocations, each item's part where `spans` says."""
-        payload, scales, _ = self._launch(ids)
-        return payload, scales
+        return self._launch(ids)
 
     def _launch(self, ids: Sequence[Sequence[int]]):
-        """`launch`, plus each launch's (payload, scales) slices (for `run`'s views)."""
+        """`launch`: the call's two allocations, each launch writing its part of them (the
+        launches take the whole tensors and their parts' offsets: no per-call slicing)."""
         payload = torch.empty(self.payload_bytes, dtype=torch.uint8, device=self.device)
         scales = torch.empty(self.scale_values, dtype=torch.float32, device=self.device)
-        sliced = [(payload.narrow(0, launch.pay_at, launch.payload_bytes),
-                   scales.narrow(0, launch.sc_at, launch.scale_values)) for launch in self.launches]
         if self.tables is not None:
             self.tables.write(ids)
             tables = self.tables.stage(self.device)
@@ -338,18 +346,25 @@ class _Plan:
                     rows += (origin, stride, *ids[m])
                 rows_of.append((self.device, rows))
             tables = batch.stage_tables(rows_of)
+        scale_bits = scales.view(torch.int32)
+        views: dict[torch.dtype, torch.Tensor] = {}
         for k, table in zip(self.order, tables, strict=True):
-            launch, (pay, sc) = self.launches[k], sliced[k]
+            launch = self.launches[k]
+            dtype = batch.payload_dtype(launch.cut)
+            pay = views.get(dtype)
+            if pay is None:
+                pay = views[dtype] = payload.view(dtype)
             assert launch.launcher is not None  # (made for every launch that runs)
-            launch.launcher(_pack_kernel, tab=table, payload=pay.view(batch.payload_dtype(launch.cut)),
-                            scales=sc.view(torch.int32))
-        return payload, scales, sliced
+            launch.launcher(_pack_kernel, tab=table, payload=pay, scales=scale_bits)
+        return payload, scales
 
     def run(self, ids: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`launch`, then one (payload, scales) view per item, in item order."""
-        _, scales, sliced = self._launch(ids)
+        payload, scales = self._launch(ids)
         out: list = [None] * self.count
-        for launch, (pay, sc) in zip(self.launches, sliced, strict=True):
+        for launch in self.launches:
+            pay = payload.narrow(0, launch.pay_at, launch.payload_bytes)
+            sc = scales.narrow(0, launch.sc_at, launch.scale_values)
             cut, count = launch.cut, len(launch.members)
             # one view per item; `unbind` makes them in one call (`split` costs ~1.5 us a view)
             pays = pay.view(count, -1).unbind(0) if launch.per_payload else [pay] * count

@@ -24,7 +24,6 @@ from anchorkv.kernels import batch
 from anchorkv.kernels.bits import FMT_BF16, FMT_FP8, FMT_INT4, FMT_RAW, fp8_decode, narrow, widen
 from anchorkv.kernels.items import UnpackItem
 from anchorkv.kernels.launch import Launcher
-from anchorkv.kernels.quant import Quant
 from anchorkv.kernels.triton_pack import PLAN_CACHE_SIZE, field_tile, largest_first, launch_config
 
 
@@ -135,14 +134,6 @@ def _check(item: UnpackItem, cut: batch.FieldCut, n: int) -> tuple[torch.Tensor,
     return payload, scales.contiguous()
 
 
-def _in_align(cut: batch.FieldCut, address: int, pay_offsets: list[int], width: int) -> int:
-    """IN_ALIGN of a launch: what `batch.alignment` allows for payload group starts from
-    `address`, the members' payloads at `pay_offsets` (elements of `width` bytes)."""
-    if cut.fmt is Quant.INT4:  # two codes a byte: group starts are (element offset) / 2
-        return batch.alignment(cut, address, [cut.numel // 2, cut.g // 2, *pay_offsets], width)
-    return batch.alignment(cut, address, [cut.numel, cut.g, *pay_offsets], width)
-
-
 class _Launch:
     """What one launch of same-signature items needs that does not depend on the payloads or
     the block ids: the target anchor, each member's field origin and block stride (elements of
@@ -189,7 +180,7 @@ class _Launch:
             sc_off = batch.offset_in(scales.data_ptr(), sc_at, sc_size, "scales") if cut.columns else 0
             rows += (origin, stride, pay_off, sc_off, *ids[m])
             pay_offsets.append(pay_off)
-        in_align = _in_align(cut, pay.data_ptr(), pay_offsets, pay.element_size())
+        in_align = batch.payload_alignment(cut, pay.data_ptr(), pay_offsets, pay.element_size())
 
         launcher = self.launcher
         assert launcher is not None
@@ -223,7 +214,7 @@ class _SetPlan:
             head = [(origin, stride, pay_at // width + k * per_payload, sc_at + k * per_scales)
                     for k, (origin, stride) in enumerate(launch.static)]
             # the claim from a 16-byte aligned batch (`UnpackSet` checks that it is)
-            planned.append((launch, head, _in_align(cut, 0, [h[2] for h in head], width)))
+            planned.append((launch, head, batch.payload_alignment(cut, 0, [h[2] for h in head], width)))
         planned = [planned[k] for k in largest_first([entry[0] for entry in planned])]
         self.tables = batch.TableArray([(head, launch.members, launch.n) for launch, head, _ in planned], slots)
         self.launches = [(launch, align) for launch, _, align in planned]

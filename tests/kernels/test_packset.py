@@ -198,3 +198,48 @@ def test_nan_check_reads_every_part_and_no_padding(monkeypatch, backend):
             scales.view(-1)[-1] = float("nan")
             assert batch.may_hold_nan(), f"a NaN in part {k} was missed"
             scales.view(-1)[-1] = keep
+
+
+@pytest.mark.parametrize("codecs", [("int4:16", "raw", "bf16"), ("fp8:8", "int8:32", "int4:64"),
+                                    ("raw", "int4:32", "int4:64")], ids="-".join)
+@pytest.mark.parametrize("entry", ["set", "pack_many"])
+def test_each_pack_launch_claims_an_alignment_every_group_start_has(monkeypatch, codecs, entry):
+    """OUT_ALIGN (`tl.multiple_of` on the payload stores: an over-claim faults on a GPU, and the
+    interpreter ignores it) divides the address of every group a launch writes into the call's
+    whole payload (from PAY0, the launch's part), checked from the recorded launch arguments;
+    some launch claims more than 1. The launches' parts tile the payload and scales in the
+    layout's order."""
+    from anchorkv.kernels import batch, triton_pack
+    from anchorkv.kernels.triton_pack import pack_many
+
+    calls = []
+
+    class Recorder:  # stands for the kernel (tests.kernels.sm90's recorder: importing it leaves the interpreter)
+        def __getitem__(self, grid):
+            return lambda **kwargs: calls.append(kwargs)
+
+    monkeypatch.setenv("ANCHORKV_BACKEND", "triton")
+    monkeypatch.setattr(triton_pack, "_pack_kernel", Recorder())
+    targets, slots = _set(_regions(4, seed=17), codecs)
+    ids = [(1,), (5, 3)]
+    if entry == "set":
+        PackSet(targets, slots).pack(ids)
+    else:
+        pack_many([PackItem(t.buffer, t.field, ids[s], t.num_blocks, t.spec) for t, s in zip(targets, slots,
+                                                                                           strict=True)])
+    claims, parts = [], []
+    for kw in calls:
+        width, n = kw["payload"].element_size(), kw["N"]
+        items = kw["tab"].numel() // kw["TAB_W"]
+        half = kw["FMT"] == batch.FMT_CODE[batch.Quant.INT4]  # two codes a byte
+        for i_b in range(items * n):
+            for grp in range(kw["GROUPS"]):
+                e = i_b * kw["NUMEL"] + grp * kw["G"]
+                e = kw["PAY0"] + (e // 2 if half else e)
+                assert (kw["payload"].data_ptr() + e * width) % (kw["OUT_ALIGN"] * width) == 0, kw["OUT_ALIGN"]
+        per_block = kw["NUMEL"] // 2 if half else kw["NUMEL"] * width  # bytes
+        parts.append((kw["PAY0"] * width, items * n * per_block))
+        claims.append(kw["OUT_ALIGN"])
+    assert len(claims) == 3 and max(claims) > 1, claims
+    parts.sort()
+    assert all(a + size <= b for (a, size), (b, _) in zip(parts, parts[1:], strict=False)), parts  # no overlap
