@@ -41,6 +41,11 @@ TP_SIZES = (1, 2, 4, 8)
 GROUPS = {"conv": (32, 64, 128, 512), "recurrent": (32, 64, 128), "latent": (32, 64, 192, None)}
 FORMATS = (Quant.FP8, Quant.INT8, Quant.INT4)
 _MEM = re.compile(r"\b(ld|st)\.global((?:\.[A-Za-z0-9_:]+)*?)(?:\.v(\d))?\.([bfsu])(\d+)\b")
+#: PTX instructions counted per specialization (`ops`): 64-bit integer division and remainder (a
+#: called routine of dozens of instructions on a GPU, which has no integer divider) and the
+#: hardware converts the kernels use on sm_89+ (fp8 encode and decode, fp32 -> bf16).
+_OPS = re.compile(r"\b(?:(?:div|rem)\.[su]64|cvt\.rn\.satfinite\.e4m3x2\.f32|cvt\.rn\.f16x2\.e4m3x2"
+                  r"|cvt\.rn\.bf16(?:x2)?\.f32)\b")
 
 
 def _layouts():
@@ -132,6 +137,8 @@ def specializations(items=None) -> list[dict]:
             entry["align"] = kwargs.get("ALIGN", 1)
             entry["itemsize"] = torch.tensor([], dtype=pack.field.dtype).element_size()
             entry["fmt"] = pack.spec.id
+            entry["dtype"] = str(pack.field.dtype).removeprefix("torch.")
+            entry["flat"] = bool(kwargs["FLAT"])
             entry["contig"] = bool(kwargs["CONTIG"])
             entry["in_align"] = kwargs.get("IN_ALIGN")
             # what a `kernels.launch.Launcher` passes the compiled kernel (every parameter by
@@ -223,7 +230,8 @@ def _compile(args) -> dict:
     for m in _MEM.finditer(ptx):
         kind, _, vec, _, bits = m.groups()
         accesses[f"{kind}.v{vec}.b{bits}" if vec else f"{kind}.b{bits}"] += 1
-    return dict(accesses)
+    ops = Counter(m.group(0) for m in _OPS.finditer(ptx))
+    return dict(accesses), dict(ops)
 
 
 def check(entry: dict) -> str | None:
@@ -275,8 +283,8 @@ def main(argv=None) -> int:
         specs = specs[: args.limit]
     work = [(s["op"], *s.pop("_compile")) for s in specs]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for s, acc in zip(specs, pool.map(_compile, work), strict=True):
-            s["accesses"] = acc
+        for s, (acc, ops) in zip(specs, pool.map(_compile, work), strict=True):
+            s["accesses"], s["ops"] = acc, ops
             s["problem"] = check(s)
     failed = [s for s in specs if s["problem"]]
     for s in specs:
