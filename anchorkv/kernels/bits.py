@@ -4,10 +4,13 @@ Why integer bit operations instead of Triton's casts: the bytes must equal the t
 on a GPU *and* in the Triton interpreter, and the casts do not agree with it everywhere:
 
 * the interpreter's fp32 -> float8e4nv cast is wrong when rounding carries into the exponent
-  (-31.75 becomes -16), so e4m3fn codes are built from the fp32 bit pattern;
+  (-31.75 becomes -16), so e4m3fn codes are built from the fp32 bit pattern (on sm_89+ GPUs
+  the kernels use the hardware's saturating convert, and its decode: `batch.hardware_fp8`);
 * `libdevice.rint` does not run in the interpreter, so round-half-even is the classic
   `(x + 1.5 * 2**23) - 1.5 * 2**23`, exact for |x| < 2**22 (callers clamp first);
-* fp32 -> bf16 must give c10's canonical NaN (0x7FC0) and RNE, so it is done on the bits;
+* fp32 -> bf16 must give c10's canonical NaN (0x7FC0) and RNE, so it is done on the bits
+  (on sm_89+ GPUs `narrow(..., HW=True)` uses the hardware's RNE convert, then writes NaN
+  canonical: the same bits);
 * NaN results of the decode are written as the canonical NaN the reference writes on a CPU
   (a GPU multiply returns 0x7FFFFFFF instead).
 
