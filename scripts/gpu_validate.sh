@@ -3,7 +3,7 @@
 # kernel tests, kernel and save-path benchmarks, host-vs-kernel profile, report under --out.
 #
 # Usage (from anywhere; it runs in the repository root):
-#   scripts/gpu_validate.sh [--out DIR] [--quick] [--skip-tests] [--tests-k EXPR] [-k EXPR] [--budget S]
+#   scripts/gpu_validate.sh [--out DIR] [--quick] [--skip-tests] [--tests-k EXPR] [--with-sm90] [-k EXPR] [--budget S]
 #
 # Python: $PYTHON, else .venv/bin/python if there is one, else python3. When the store's and the
 # kernel tests' dependencies do not import there and .whl/ holds wheels (scripts/fetch_gpu_wheels.sh
