@@ -79,7 +79,7 @@ class Launcher:
     benchmark's no-op) is called every time.
     """
 
-    __slots__ = ("grid", "fixed", "kernel", "names", "compiled", "device", "template", "at")
+    __slots__ = ("grid", "fixed", "kernel", "compiled", "device", "template", "at")
 
     def __init__(self, grid: tuple[int, ...], fixed: Mapping[str, Any]) -> None:
         if not 1 <= len(grid) <= 3:
@@ -89,7 +89,6 @@ class Launcher:
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.fixed = dict(fixed)
         self.kernel: Any = None  # the JIT function whose compiled kernels `compiled` holds
-        self.names: tuple[str, ...] = ()
         self.compiled: dict[tuple, Any] = {}  # specialization key -> the runner of its kernel
         self.device: int | None = None
         # the argument list in `kernel.arg_names` order with the fixed values in place, and the
@@ -148,7 +147,7 @@ class Launcher:
         if key is None:
             key = tuple([_spec_of(v) for v in changing.values()])
         if self.kernel is None:
-            self.kernel, self.device, self.names = kernel, device, names
+            self.kernel, self.device = kernel, device
             self.template = [self.fixed[n] if n in self.fixed else None for n in names]
             self.at = {n: i for i, n in enumerate(names) if n not in self.fixed}
         self.compiled[key] = compiled[self.grid]

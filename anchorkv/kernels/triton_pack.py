@@ -326,12 +326,8 @@ class _Plan:
 
     def launch(self, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pack the items' blocks `ids` (checked by the caller): the call's payload (uint8) and
-        scales (fp32) allocations, each item's part where `spans` says."""
-        return self._launch(ids)
-
-    def _launch(self, ids: Sequence[Sequence[int]]):
-        """`launch`: the call's two allocations, each launch writing its part of them (the
-        launches take the whole tensors and their parts' offsets: no per-call slicing)."""
+        scales (fp32) allocations, each item's part where `spans` says (the launches take the
+        whole tensors and their parts' offsets: no per-call slicing)."""
         payload = torch.empty(self.payload_bytes, dtype=torch.uint8, device=self.device)
         scales = torch.empty(self.scale_values, dtype=torch.float32, device=self.device)
         if self.tables is not None:
@@ -360,7 +356,7 @@ class _Plan:
 
     def run(self, ids: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`launch`, then one (payload, scales) view per item, in item order."""
-        payload, scales = self._launch(ids)
+        payload, scales = self.launch(ids)
         out: list = [None] * self.count
         for launch in self.launches:
             pay = payload.narrow(0, launch.pay_at, launch.payload_bytes)
