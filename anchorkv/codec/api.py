@@ -254,11 +254,20 @@ class PackedParts:
     quant: kernels.PackedBatch | None
     custom: dict[int, Packed]
 
-    def to_host(self, *, pin: bool = True) -> PackedParts:
+    @property
+    def host_bytes(self) -> int:
+        """The bytes of the `host` buffer `to_host` may be given (the built-in codecs' parts)."""
+        return self.quant.host_bytes if self.quant is not None else 0
+
+    def to_host(self, *, pin: bool = True, host: torch.Tensor | None = None) -> PackedParts:
         """The parts in host memory, copied asynchronously on the current stream (into
         page-locked memory with `pin`): two copies for all the built-in codecs' parts, two per
-        custom part. Itself when everything is on the host already."""
-        quant = self.quant.to_host(pin=pin) if self.quant is not None else None
+        custom part. Itself when everything is on the host already. With `host` (a uint8
+        buffer of at least `host_bytes`, page-locked: see `HostPool`) the built-in codecs'
+        parts are copied into it (`kernels.PackedBatch.copy_into`) instead of new tensors."""
+        quant = self.quant
+        if quant is not None and quant.payload.device.type != "cpu":
+            quant = quant.copy_into(host) if host is not None else quant.copy_to_host(pin=pin)
         custom = {i: p if p.payload.device.type == "cpu" else _host_copy(p, pin)
                   for i, p in self.custom.items()}
         return PackedParts(self.metas, self.slot_lens, quant, custom)
@@ -397,6 +406,40 @@ class HostArena:
             at = 0
         self._at = at + nbytes
         return self.slabs[-1].narrow(0, at, nbytes)
+
+
+class HostPool:
+    """Reused host buffers for copies from the GPU that outlive the step that makes them (a
+    save's packed bytes, which the writer thread holds until the store has them), so a save
+    does not allocate page-locked memory: `take(nbytes)` hands out the smallest free buffer of
+    at least `nbytes`, or a new one (page-locked with `pin`, rounded up to `GRANULE` bytes);
+    `give(buffer)` returns it once nothing reads or writes it any more (its copies complete).
+    At most `keep` free buffers are kept (the largest); as many are in use as saves are in
+    flight. Thread-safe: a step takes, the writer gives back."""
+
+    GRANULE = 1 << 20
+
+    def __init__(self, *, pin: bool, keep: int = 4) -> None:
+        self.pin, self.keep = pin, keep
+        self.free: list[torch.Tensor] = []
+        self.made = 0  # buffers allocated (tests, benchmarks)
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if nbytes < 0:
+            raise ValueError(f"HostPool: {nbytes} bytes asked for, expected >= 0")
+        with self._lock:
+            fits = [k for k, b in enumerate(self.free) if b.numel() >= nbytes]
+            if fits:
+                return self.free.pop(min(fits, key=lambda k: self.free[k].numel()))
+            self.made += 1
+        return torch.empty(_aligned(max(nbytes, 1), self.GRANULE), dtype=torch.uint8, pin_memory=self.pin)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self.free.append(buffer)
+            if len(self.free) > self.keep:
+                self.free.pop(min(range(len(self.free)), key=lambda k: self.free[k].numel()))
 
 
 def _host_copy(p: Packed, pin: bool) -> Packed:

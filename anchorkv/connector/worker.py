@@ -33,7 +33,17 @@ from typing import Any
 
 import torch
 
-from anchorkv.codec import CacheView, HostArena, ModelLayout, Packed, PackedParts, Packer, Unpacker, unpack_many
+from anchorkv.codec import (
+    CacheView,
+    HostArena,
+    HostPool,
+    ModelLayout,
+    Packed,
+    PackedParts,
+    Packer,
+    Unpacker,
+    unpack_many,
+)
 from anchorkv.codec.api import stage_to_device
 from anchorkv.codec.layout import Field, PageLayout
 from anchorkv.connector.config import ConnectorConfig
@@ -56,6 +66,17 @@ def _cores() -> int:
 #: the cores: reads from the page cache are CPU work (copies, checksums), and on 2 cores 8
 #: threads read a local entry ~15% slower than 1 or 2 (`python -m benchmarks.restore_reads`).
 READ_THREADS = max(1, min(8, _cores()))
+
+
+@dataclass
+class _Packing:
+    """A save's packed parts (on the host once `ready` has passed; in `host`, a buffer of the
+    worker's `HostPool`, when given) and its events (CUDA only): `read` the cache is read."""
+
+    packed: PackedParts
+    host: torch.Tensor | None = None
+    read: Any = None
+    ready: Any = None
 
 
 @dataclass
@@ -95,6 +116,9 @@ class WorkerSide:
         #: one copy as they lie), reused restore after restore; one restore at a time
         self._arena = HostArena(pin=False)
         self._arena_lock = threading.Lock()
+        #: the page-locked host memory saves copy their packed bytes into, reused save after
+        #: save (one buffer per save in flight: the writer gives it back when stored)
+        self._save_host = HostPool(pin=False)
         self._save_set: tuple[Packer, list[tuple[str, str, GroupKind]]] | None = None
         self._load_set: Unpacker | None = None  # built at the first restore
         self._load_parts = True  # False: a custom codec; restores go part by part
@@ -112,6 +136,7 @@ class WorkerSide:
             self._stream = torch.cuda.Stream(device=device)
         with self._arena_lock:
             self._arena = HostArena(pin=device.type == "cuda")
+        self._save_host = HostPool(pin=device.type == "cuda")
 
     # -------------------------------------------------------------------- what a spec touches
 
@@ -152,15 +177,15 @@ class WorkerSide:
                     self._releases.append((full_spec.req_id, None))
                 continue
             try:
-                packed, read, ready = self._pack(spec)
+                packing = self._pack(spec)
             except Exception:
                 log.exception("anchorkv: packing request %s failed; not saved", spec.req_id)
                 self.stats.save_failed()
-                packed, read, ready = None, None, None
+                packing = None
             if spec.release_blocks:  # the blocks are free once the pack has read them
-                self._releases.append((spec.req_id, read))
-            if packed is not None:
-                self._save_pool.submit(self._write, spec, packed, ready)
+                self._releases.append((spec.req_id, packing.read if packing is not None else None))
+            if packing is not None:
+                self._save_pool.submit(self._write, spec, packing)
 
     def _packer(self) -> tuple[Packer, list[tuple[str, str, GroupKind]]]:
         """The `Packer` of every (layer, field) a save touches (one slot per KV-cache group) and
@@ -173,19 +198,21 @@ class WorkerSide:
             self._save_set = packer, [(layer, fname, kind) for layer, fname, _, kind in parts]
         return self._save_set
 
-    def _pack(self, spec: SaveSpec) -> tuple[PackedParts, Any, Any]:
+    def _pack(self, spec: SaveSpec) -> _Packing:
         """Pack every (layer, field) of the request in a few launches; on CUDA, on the side
-        stream after the forward pass, then copy the packed bytes to pinned host memory there
-        too (two copies). Returns the packed parts and two events (None on a CPU): `read`, the
-        cache blocks are read (the step's stream waits for it, and a finished request's blocks
-        are released after it), and `ready`, the host copies are complete (the writer thread
-        waits for it). The next forward waits for the pack only, not for the copies over PCIe
-        (~2 ms for a 100 MB request). The parts are cut into `Packed` views by the writer thread
-        (`_host_parts`): the step pays for the launches and the copies only."""
+        stream after the forward pass, then copy the packed bytes there too, in two copies, into
+        a page-locked buffer of the worker's `HostPool` (reused save after save: no pinned
+        allocation per save). Returns the packed parts, the buffer, and two events (None on a
+        CPU): `read`, the cache blocks are read (the step's stream waits for it, and a finished
+        request's blocks are released after it), and `ready`, the host copies are complete (the
+        writer thread waits for it, then gives the buffer back). The next forward waits for the
+        pack only, not for the copies over PCIe (~2 ms for a 100 MB request). The parts are cut
+        into `Packed` views by the writer thread (`_host_parts`): the step pays for the launches
+        and the copies only."""
         packer, _ = self._packer()
         stream = self._stream
         if stream is None:
-            return packer.pack(spec.blocks), None, None
+            return _Packing(packer.pack(spec.blocks))
         step = torch.cuda.current_stream(stream.device)
         stream.wait_stream(step)  # order after the forward pass without blocking the host
         read = None
@@ -194,7 +221,8 @@ class WorkerSide:
                 packed = packer.pack(spec.blocks)
                 read = torch.cuda.Event()
                 read.record(stream)
-                packed = packed.to_host(pin=True)
+                host = self._save_host.take(packed.host_bytes) if packed.host_bytes else None
+                packed = packed.to_host(pin=True, host=host)
                 ready = torch.cuda.Event()
                 ready.record(stream)
         finally:
@@ -205,7 +233,7 @@ class WorkerSide:
                 step.wait_event(read)
             else:
                 step.wait_stream(stream)
-        return packed, read, ready
+        return _Packing(packed, host, read, ready)
 
     def _host_parts(self, spec: SaveSpec, packed: PackedParts) -> dict[PartKey, Packed]:
         """The request's parts as host `Packed`s, paged fields cut to the saved tokens."""
@@ -217,11 +245,20 @@ class WorkerSide:
             out[(layer, fname)] = p.to("cpu") if p.payload.is_cuda else p  # (`_pack` copied them)
         return out
 
-    def _write(self, spec: SaveSpec, packed: PackedParts, ready: Any) -> None:
-        t0 = time.perf_counter()
+    def _write(self, spec: SaveSpec, packing: _Packing) -> None:
         try:
-            if ready is not None:
-                ready.synchronize()  # the pinned host copies are complete
+            self._store(spec, packing)
+        finally:
+            # the buffer is reused once its copies are complete (not if waiting for them failed)
+            if packing.host is not None and (packing.ready is None or packing.ready.query()):
+                self._save_host.give(packing.host)
+
+    def _store(self, spec: SaveSpec, packing: _Packing) -> None:
+        t0 = time.perf_counter()
+        packed = packing.packed
+        try:
+            if packing.ready is not None:
+                packing.ready.synchronize()  # the pinned host copies are complete
             host = self._host_parts(spec, packed)
             # one reduction over the batch; a count per (trimmed) part only if it finds a NaN
             poisoned = sum(p.poisoned_groups() for p in host.values()) if packed.may_hold_nan() else 0

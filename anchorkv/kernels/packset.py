@@ -73,6 +73,34 @@ class PackedBatch:
         return PackedBatch(host_copy(self.payload, pin=pin), host_copy(self.scales, pin=pin), self.spans,
                            self.scale_runs)
 
+    @property
+    def host_bytes(self) -> int:
+        """The bytes of a host buffer that `copy_into` fills: the payload, then the scales at
+        the next 16-byte boundary."""
+        return self._scales_at() + self.scales.nbytes
+
+    def _scales_at(self) -> int:
+        return -(-self.payload.nbytes // batch.VECTOR_BYTES) * batch.VECTOR_BYTES
+
+    def copy_into(self, host: torch.Tensor) -> PackedBatch:
+        """The batch in `host` (uint8, 1-D, contiguous, at least `host_bytes`, on the CPU):
+        the payload at its start and the scales at the next 16-byte boundary, two asynchronous
+        copies on the current stream (page-locked `host`: a copy into pageable memory blocks the
+        CPU until the stream drains). A caller that reuses its buffers save after save skips
+        torch's pinned allocations; the bytes are there once the stream has passed this point."""
+        need = self.host_bytes
+        if (host.dtype != torch.uint8 or host.dim() != 1 or not host.is_contiguous() or host.device.type != "cpu"
+                or host.numel() < need):
+            raise ValueError(f"copy_into needs a contiguous 1-D uint8 CPU tensor of at least {need} bytes, found "
+                             f"{host.dtype} {list(host.shape)} on {host.device}")
+        payload = host.narrow(0, 0, self.payload.numel())
+        scales = host.narrow(0, self._scales_at(), self.scales.nbytes).view(torch.float32)
+        if payload.numel():
+            payload.copy_(self.payload, non_blocking=True)
+        if scales.numel():
+            scales.copy_(self.scales, non_blocking=True)
+        return PackedBatch(payload, scales, self.spans, self.scale_runs)
+
 
 def may_hold_nan(t: torch.Tensor) -> bool:
     """False only when no element of the float tensor `t` is NaN: one reduction (a NaN makes the

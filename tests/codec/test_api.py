@@ -322,6 +322,30 @@ def test_host_arena_hands_out_aligned_disjoint_spans_and_grows():
         arena(-1)
 
 
+def test_host_pool_reuses_the_smallest_fitting_free_buffer():
+    from anchorkv.codec import HostPool
+
+    pool = HostPool(pin=False, keep=2)
+    mib = HostPool.GRANULE
+    a = pool.take(3 * mib + 1)  # rounded up to whole granules
+    b = pool.take(10)
+    assert (a.numel(), b.numel(), pool.made) == (4 * mib, mib, 2)
+    assert a.dtype == torch.uint8 and a.dim() == 1 and pool.free == []
+    pool.give(a)
+    pool.give(b)
+    assert pool.take(100) is b  # the smallest that fits, not the first given back
+    assert pool.take(2 * mib) is a and pool.made == 2
+    c = pool.take(mib)  # none free: a new one
+    assert pool.made == 3 and c is not a and c is not b
+    for t in (a, b, c):
+        pool.give(t)
+    assert len(pool.free) == 2 and all(t is not b for t in pool.free)  # at most `keep`, the largest kept
+    assert pool.take(5 * mib).numel() == 5 * mib and pool.made == 4
+    assert pool.take(0).numel() == mib  # (a buffer is never empty)
+    with pytest.raises(ValueError, match="expected >= 0"):
+        pool.take(-1)
+
+
 def test_stage_to_device_sends_a_shared_buffer_as_it_lies(monkeypatch):
     """Parts read into one arena slab cross in one copy of the span they cover, with no
     staging copy on the CPU (here host to host: the "device" copies are the slab itself);

@@ -7,16 +7,20 @@ stream was given. (`test_worker_cuda.py` runs the real stream path on a GPU.)"""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from contextlib import contextmanager
 
 import pytest
 import torch
 
+from anchorkv.codec import pack_many
 from anchorkv.codec.api import PackedParts
 from anchorkv.connector.plan import Metadata, SaveSpec
 from tests.connector.kimi_worker import kimi_worker
 
 BLOCKS = ((1,), (2,), (3,), (4, 5))
+CODECS = {"conv": "int8:128", "recurrent": "int4:32", "latent": "fp8:64"}  # scales behind the payloads
 
 
 class _Stream:
@@ -32,6 +36,7 @@ class _Stream:
 
 class _Event:
     made: list[_Event] = []
+    gate = threading.Event()  # the host copies "complete" when it is set
 
     def __init__(self) -> None:
         self.name = f"event {len(_Event.made)}"
@@ -45,6 +50,7 @@ class _Event:
         return self.done
 
     def synchronize(self) -> None:
+        _Event.gate.wait(10)
         self.done = True
 
 
@@ -52,7 +58,7 @@ class _Event:
 def recorded(tmp_path, monkeypatch):
     """(worker, log, store): the worker's side stream and the step's stream record what is
     queued on them; the pack and the host copies are logged on the stream current then."""
-    w, _, _, _, layout, store = kimi_worker(tmp_path, 7, BLOCKS)
+    w, _, _, _, layout, store = kimi_worker(tmp_path, 7, BLOCKS, {"codec": CODECS})
     log: list = []
     step, side = _Stream("step", log), _Stream("side", log)
     current = [step]
@@ -66,23 +72,29 @@ def recorded(tmp_path, monkeypatch):
             current.pop()
 
     _Event.made = []
+    _Event.gate.set()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
-    to_host = PackedParts.to_host
-    monkeypatch.setattr(PackedParts, "to_host", lambda self, **kw: (
-        log.append((current[-1].name, "copies to the host")), to_host(self, **kw))[1])
+
+    def to_host(self, *, pin, host=None):  # CPU "device" tensors: copy into the buffer as a GPU batch would
+        log.append((current[-1].name, "copies to the host"))
+        assert pin and host is not None and host.numel() >= self.host_bytes
+        return dataclasses.replace(self, quant=self.quant.copy_into(host))
+
+    monkeypatch.setattr(PackedParts, "to_host", to_host)
     packer, _ = w._packer()
     pack = packer.pack
     monkeypatch.setattr(packer, "pack", lambda blocks: (log.append((current[-1].name, "packs")), pack(blocks))[1])
     w._stream = side
     yield w, log, store, 2 * layout.block_size
+    _Event.gate.set()
     w.shutdown()
     store.close()
 
 
-def _spec(tokens: int) -> SaveSpec:
-    return SaveSpec("r1", None, tuple(range(tokens)), tokens, BLOCKS, release_blocks=True)
+def _spec(tokens: int, req: str = "r1", salt: int = 0) -> SaveSpec:
+    return SaveSpec(req, None, tuple(range(salt, salt + tokens)), tokens, BLOCKS, release_blocks=True)
 
 
 def test_the_next_forward_waits_for_the_pack_not_for_the_host_copies(recorded):
@@ -116,3 +128,48 @@ def test_a_pack_that_fails_leaves_the_step_waiting_for_the_whole_side_stream(rec
     assert w.transfer_results({"r1"})[0] == {"r1"}  # nothing to wait for: the step's stream does
     w.flush()
     assert list(store.store.list()) == []
+
+
+def _stored(w, store, spec: SaveSpec, layer: str, fname: str):
+    ref = store.lookup(anchor=None, token_ids=list(spec.token_ids), max_tokens=spec.num_tokens, multiple_of=1,
+                       mode="exact")
+    assert ref is not None and ref.num_tokens == spec.num_tokens
+    rows = None if fname != "latent" else (0, spec.num_tokens)
+    return store.load(ref.entry_id, layer, fname, tp_size=1, tp_rank=0, rows=rows)
+
+
+def test_saves_reuse_one_host_buffer_and_store_its_bytes(recorded):
+    """Saves one after the other copy into the same page-locked buffer (`HostPool`: no pinned
+    allocation per save), given back by the writer once stored; a save made while the writer
+    still holds it (copies not complete) gets another buffer. Every entry holds the bytes the
+    codec layer packs, so a reused buffer never leaks one save's bytes into another's."""
+    w, log, store, tokens = recorded
+    pool = w._save_host
+    specs = [_spec(tokens, f"r{k}", salt=1000 * k) for k in range(3)]
+    for spec in specs[:2]:
+        w.save(Metadata(saves=[spec]))
+        w.flush()
+    assert pool.made == 1 and len(pool.free) == 1
+    buffer = pool.free[0]
+    _Event.gate.clear()  # the writer waits for the copies of the next save: it holds the buffer
+    w.save(Metadata(saves=[specs[2]]))
+    views = w.views
+    layer = next(name for name in views if "latent" in [f.name for f in views[name].page.fields])
+    views[layer].tensor("latent")[BLOCKS[3][0]] += 1  # the cache changes between the two saves
+    w.save(Metadata(saves=[_spec(tokens, "r3", salt=3000)]))
+    assert pool.made == 2  # the first buffer was in use
+    _Event.gate.set()
+    w.flush()
+    assert pool.made == 2 and len(pool.free) == 2 and any(b is buffer for b in pool.free)
+    assert w.stats.take().get("saves") == 4
+    now = {(name, f.name): p for (name, f), p in zip(
+        [(name, f) for g in w.groups for name in g.layers for f in views[name].page.fields],
+        pack_many([(views[name], f.name, list(BLOCKS[g.index]), w.config.codec_for(f.name))
+                   for g in w.groups for name in g.layers for f in views[name].page.fields]), strict=True)}
+    for (name, fname), want in now.items():  # every part of the last save, as packed now
+        got = _stored(w, store, _spec(tokens, "r3", salt=3000), name, fname)
+        if fname == "latent":
+            want = want.reshape(want.shape[0] * want.shape[1], *want.shape[2:]).narrow(0, tokens)
+        assert torch.equal(got.payload, want.payload) and torch.equal(got.scales, want.scales), (name, fname)
+    before = _stored(w, store, specs[2], layer, "latent")
+    assert not torch.equal(before.payload, _stored(w, store, _spec(tokens, "r3", salt=3000), layer, "latent").payload)

@@ -4,6 +4,8 @@ the reference path, whatever the block ids and their counts."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -132,6 +134,35 @@ def test_copy_to_host_is_two_copies_of_exact_bytes(monkeypatch):
     for (p, s), (hp, hs) in zip(batch.parts(), host.parts(), strict=True):
         assert torch.equal(p.cpu(), hp) and torch.equal(s.cpu().view(torch.int32), hs.view(torch.int32))
     assert host.to_host() is host  # already on the host: no copy
+
+
+def test_copy_into_fills_one_buffer_payload_then_aligned_scales(monkeypatch):
+    """`copy_into` (the worker's reused pinned buffers): two non_blocking copies into views of
+    the given buffer, the payload at 0 and the scales at the next 16-byte boundary, every part
+    byte-equal; bytes past `host_bytes` untouched; a buffer that cannot hold it is refused."""
+    targets, slots = _set(_regions(2, seed=6), CODEC_SETS[0])
+    batch = PackSet(targets, slots).pack([(1,), (2, 5)])
+    need = batch.host_bytes
+    assert need == -(-batch.payload.nbytes // 16) * 16 + batch.scales.nbytes
+    host = torch.full((need + 64,), 0xAB, dtype=torch.uint8)
+    copies = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, non_blocking=False: (
+        copies.append(non_blocking), real_copy(self, src, non_blocking=non_blocking))[1])
+    out = batch.copy_into(host)
+    monkeypatch.undo()
+    assert copies == [True, True]
+    assert out.payload.data_ptr() == host.data_ptr() and out.scales.data_ptr() == host.data_ptr() + need - \
+        batch.scales.nbytes and out.scales.data_ptr() % 16 == 0
+    for (p, s), (hp, hs) in zip(batch.parts(), out.parts(), strict=True):
+        assert torch.equal(p, hp) and torch.equal(s.view(torch.int32), hs.view(torch.int32))
+    assert bool((host[need:] == 0xAB).all()), "copy_into wrote past host_bytes"
+    _assert_parts_equal_reference(out, targets, slots, [(1,), (2, 5)])
+    for bad, found in ((torch.empty(need - 1, dtype=torch.uint8), "uint8"),
+                       (torch.empty(need, dtype=torch.int8), "int8"),
+                       (torch.empty(2, need, dtype=torch.uint8), "[2, ")):
+        with pytest.raises(ValueError, match=f"at least {need} bytes, found .*{re.escape(found)}"):
+            batch.copy_into(bad)
 
 
 def test_ids_are_checked_once_per_slot_and_blocks(monkeypatch):
