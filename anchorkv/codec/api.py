@@ -282,12 +282,12 @@ class PackedParts:
 
     def packed(self) -> list[Packed]:
         out = []
+        parts = self.quant.parts() if self.quant is not None else []
         for i, meta in enumerate(self.metas):
             if meta.quant is None:
                 out.append(self.custom[i])
                 continue
-            assert self.quant is not None
-            payload, scales = self.quant.part(meta.quant)
+            payload, scales = parts[meta.quant]
             out.append(Packed(meta.spec, (self.slot_lens[meta.slot], *meta.shape), meta.dtype, payload, scales))
         return out
 

@@ -136,6 +136,36 @@ def test_copy_to_host_is_two_copies_of_exact_bytes(monkeypatch):
     assert host.to_host() is host  # already on the host: no copy
 
 
+@pytest.mark.parametrize("codecs", CODEC_SETS, ids="-".join)
+@pytest.mark.parametrize("ids", [[(1,), (3, 4)], [(2,), ()], [(), (0, 5, 1)]], ids=["both", "no-paged", "no-state"])
+def test_parts_are_the_views_part_makes(monkeypatch, codecs, ids):
+    """`parts()` (two `split_with_sizes` calls) gives each part's very view `part(i)` gives:
+    same address, shape and strides, in target order (the layout's order differs), with
+    alignment gaps skipped and empty parts (a slot of no blocks, raw scales) empty."""
+    monkeypatch.setenv("ANCHORKV_BACKEND", "reference")
+    targets, slots = _set(_regions(3, seed=7), codecs)
+    batch = PackSet(targets, slots).pack(ids)
+    if ids[0] and ids[1]:  # launches group targets by signature: the layout's order is not theirs
+        assert [s.payload_at for s in batch.spans] != sorted(s.payload_at for s in batch.spans)
+    for _ in range(2):  # the second time from the cached cut
+        parts = batch.parts()
+        assert len(parts) == len(targets)
+        for k, (p, s) in enumerate(parts):
+            want_p, want_s = batch.part(k)
+            for got, want in ((p, want_p), (s, want_s)):
+                assert got.shape == want.shape and got.stride() == want.stride() and got.dtype == want.dtype, k
+                assert got.numel() == 0 or got.data_ptr() == want.data_ptr(), k
+
+
+def test_cuts_refuse_overlapping_or_overflowing_parts():
+    sizes, index = packset._cuts([(16, 8), (0, 10), (30, 0), (24, 2)], 40)
+    assert sizes == [10, 6, 8, 2, 14, 0] and index == [2, 0, 5, 3]
+    with pytest.raises(ValueError, match="overlap at 5"):
+        packset._cuts([(0, 10), (5, 2)], 20)
+    with pytest.raises(ValueError, match="end at 12, past its 10"):
+        packset._cuts([(0, 12)], 10)
+
+
 def test_copy_into_fills_one_buffer_payload_then_aligned_scales(monkeypatch):
     """`copy_into` (the worker's reused pinned buffers): two non_blocking copies into views of
     the given buffer, the payload at 0 and the scales at the next 16-byte boundary, every part
