@@ -200,6 +200,16 @@ _PROFILE_LINE = re.compile(r"== (\w+) tp=(\d+): wall ([\d.]+) ms/call, host-only
                            r"kernels ([\d.]+) ms/call")
 
 
+_STAGES = re.compile(r"== save stages, (\w+) codecs, [^\n]*\n((?:   [^\n]+ ms\n?)+)")
+
+
+def save_stages(text: str) -> dict[str, dict[str, float]]:
+    """{codecs: {stage: ms}} from `benchmarks.profile_save`'s blocks in a step's output."""
+    return {m[1]: {line[:-3].rsplit(None, 1)[0].strip(): float(line[:-3].rsplit(None, 1)[1])
+                   for line in m[2].splitlines() if line.strip()}
+            for m in _STAGES.finditer(text)}
+
+
 def run_profile(args, limit: float, log: Path, env: dict) -> dict:
     import torch
 
@@ -210,6 +220,7 @@ def run_profile(args, limit: float, log: Path, env: dict) -> dict:
     rows = [{"op": m[1], "tp": int(m[2]), "wall_ms": float(m[3]), "host_ms": float(m[4]),
              "kernel_ms": float(m[5])} for m in _PROFILE_LINE.finditer(text)]
     res["rows"] = rows
+    res["save_stages"] = save_stages(text)
     res["status"] = ("timeout" if res["timed_out"] else "ok" if res["returncode"] == 0 and rows
                      else "failed")
     return res
@@ -350,6 +361,16 @@ def render_markdown(res: dict) -> str:
                         [[p["op"], p["tp"], num(p["wall_ms"], ".3f"), num(p["host_ms"], ".3f"),
                           num(p["kernel_ms"], ".3f"), num(p["kernel_ms"] / p["wall_ms"], ".2f")]
                          for p in prof]) + [""]
+    stages = res["steps"].get("profile", {}).get("save_stages", {})
+    if stages:
+        names = list(next(iter(stages.values())))
+        lines += ["## Save path stages (`python -m benchmarks.profile_save`)", "",
+                  "Median ms of one save of the save path's request (a store that keeps nothing), from its "
+                  "start: `_pack` returning (the step's host time), the cache read, the host copies done; then "
+                  "the writer's part, an idle flush, the whole save + flush, and a plain d2h copy of the packed "
+                  "bytes.", ""]
+        lines += table(["codecs", *names], [[c, *(num(v.get(k), ".3f") for k in names)] for c, v in stages.items()])
+        lines += [""]
     for n, s in res["steps"].items():
         if s["status"] not in ("ok", "passed", "skipped"):
             lines += [f"**Step `{n}`: {s['status'].upper()}**; its output is in `{res['files']['log']}`.", ""]

@@ -6,7 +6,8 @@ Prints, for `pack_many`, `PackSet.pack` and `unpack_many` of the request `bench_
 times: the wall and host time per call with direct launches of the compiled kernels
 (`kernels.launch`, the default) against every launch through the JIT, alternated; the wall time
 per call (host + device, synchronized), the CUDA kernel time from torch.profiler, the launches
-per call, and the host-side hot spots (cProfile, top 15). A diagnostic, not a gate.
+per call, and the host-side hot spots (cProfile, top 15); at tp=1, the save path's stages
+(`benchmarks.profile_save`, raw and quant codecs). A diagnostic, not a gate.
 """
 
 from __future__ import annotations
@@ -115,6 +116,11 @@ def main(argv=None) -> int:
             s = io.StringIO()
             pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
             print("\n".join(s.getvalue().splitlines()[:50]))
+    if args.tp == 1:  # the save path's request is a tp=1 one: its save, stage by stage
+        from benchmarks import profile_save
+
+        for codecs in ("raw", "quant"):
+            profile_save.main(["--codecs", codecs, "--rounds", str(min(args.iters, 10))])
     return 0
 
 

@@ -75,7 +75,8 @@ def _canned(status: str):
                                 "extra_info": info}]}
 
     profile = {"status": "ok", "rows": [{"op": "pack", "tp": 1, "wall_ms": 2.0, "host_ms": 1.5,
-                                         "kernel_ms": 0.1}]}
+                                         "kernel_ms": 0.1}],
+               "save_stages": {"quant": {"_pack returns": 0.25, "save + flush": 3.5}}}
     return tests, bench, profile
 
 
@@ -102,6 +103,7 @@ def test_exit_status_and_report_follow_the_kernel_tests(status, tmp_path, monkey
     assert ("**PASSED**" in md) == (status == "passed")
     assert ("tests.kernels.test_x::test_y[int8]" in md) == (status == "failed")
     assert "| pack | 1 | 2.000 | 1.500 | 0.100 | 0.05 |" in md  # host vs kernel time
+    assert "| quant | 0.250 | 3.500 |" in md  # the save path's stages
     assert "| raw 7680 tokens | restore | 100.0 | 20.000 | 5.00 | 5.00 | 0.250 |" in md  # the load path
     assert (tmp_path / f"{machine}.png").stat().st_size > 0
 
@@ -114,3 +116,20 @@ def test_a_step_over_its_limit_is_interrupted_and_keeps_its_output(tmp_path):
                                       dict(os.environ))
     assert res["timed_out"] and res["returncode"] == 2  # interrupted, not killed (that is -9)
     assert "interrupted: reports written" in text and "===== sleeper" in (tmp_path / "log").read_text()
+
+
+def test_save_stages_are_measured_parsed_and_reported(capsys):
+    """`profile_save` times one save's stages (here the CPU path at the quick size) and the
+    report parses its printed block into the profile step's table."""
+    from benchmarks import profile_save
+
+    assert profile_save.main(["--quick", "--rounds", "1", "--codecs", "raw"]) == 0
+    assert profile_save.main(["--quick", "--rounds", "1"]) == 0
+    text = capsys.readouterr().out
+    stages = gpu_validate.save_stages("noise\n" + text + "== pack tp=1: wall 1 ms/call\n")
+    assert list(stages) == ["raw", "quant"]
+    for ms in stages.values():
+        assert list(ms) == ["_pack returns", "cache read", "host copies done", "writer", "flush (idle)",
+                            "save + flush", "d2h copy"]
+        assert all(v > 0 for v in ms.values())
+        assert ms["_pack returns"] <= ms["cache read"] <= ms["host copies done"]

@@ -1,0 +1,104 @@
+"""Where the time of one save goes, stage by stage: the step's launches, the pack on the GPU,
+the copies to pinned host memory, the writer thread's views and checks, and the whole save.
+
+    python -m benchmarks.profile_save [--codecs quant] [--rounds 10] [--quick]
+
+`bench_save_path.py`'s `pack+d2h` row times the whole of a save against a plain copy of the
+packed bytes to pinned memory (issue 13's target: >= 0.8 of it); this splits one save of the
+same request (`bench_save_path.Request`, its worker with a store that keeps nothing) into what
+runs one after the other, each the median of `--rounds` saves of new tokens, synchronized
+before each:
+
+    _pack returns        host time of the step's side: launches, copies queued, events
+    cache read           until the pack has read the cache (`read`: what the next forward waits for)
+    host copies done     until the packed bytes are in pinned memory (`ready`)
+    writer               the writer thread's part for a completed save (views, NaN check, store)
+    flush (idle)         a flush with nothing queued (what the benchmark's flush adds)
+    save + flush         the whole, as `pack+d2h` times it
+    d2h copy             the baseline: one copy of the packed bytes to pinned memory
+
+On a CPU the events are absent (the first three rows are one) and the pack runs the reference.
+A diagnostic, not a gate (`gpu_validate`'s profile step prints it on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def breakdown(codecs: str = "quant", rounds: int = 10, quick: bool = False) -> dict[str, float]:
+    """Median milliseconds of each stage of one save (see the module docstring)."""
+    from anchorkv.connector.plan import Metadata
+    from benchmarks.bench_save_path import QUICK_TOKENS, TOKENS, Request, request_layout
+
+    root = Path(tempfile.mkdtemp(prefix="anchorkv-profile-save-"))
+    req = Request(request_layout(quick), QUICK_TOKENS if quick else TOKENS, codecs, root)
+    worker = req.discard_worker
+    times: dict[str, list[float]] = {k: [] for k in (
+        "_pack returns", "cache read", "host copies done", "writer", "flush (idle)", "save + flush", "d2h copy")}
+    try:
+        for r in range(rounds + 1):  # the first round warms up
+            spec = req.spec()
+            _sync()
+            t0 = time.perf_counter()
+            packing = worker._pack(spec)
+            t1 = time.perf_counter()
+            if packing.read is not None:
+                packing.read.synchronize()
+            t2 = time.perf_counter()
+            if packing.ready is not None:
+                packing.ready.synchronize()
+            t3 = time.perf_counter()
+            worker._write(spec, packing)
+            t4 = time.perf_counter()
+            worker.flush()
+            t5 = time.perf_counter()
+            spec = req.spec()
+            _sync()
+            t6 = time.perf_counter()
+            worker.save(Metadata(saves=[spec]))
+            worker.flush()
+            t7 = time.perf_counter()
+            req.copy("d2h-packed")
+            t8 = time.perf_counter()
+            if r:
+                for k, v in zip(times, (t1 - t0, t2 - t0, t3 - t0, t4 - t3, t5 - t4, t7 - t6, t8 - t7), strict=True):
+                    times[k].append(v * 1e3)
+        failed = (worker.stats.take() or {}).get("save_failed")
+        if failed:
+            raise RuntimeError(f"{failed} saves were refused: the figures would time the refusals")
+        return {k: statistics.median(v) for k, v in times.items()}
+    finally:
+        req.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--codecs", choices=["raw", "quant"], default="quant")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="bench_save_path's quick request (8.7 MB)")
+    args = ap.parse_args(argv)
+    ms = breakdown(args.codecs, args.rounds, args.quick)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"== save stages, {args.codecs} codecs, {device}: median ms of {args.rounds} saves")
+    for k, v in ms.items():
+        print(f"   {k:20s} {v:8.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
