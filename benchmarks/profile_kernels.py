@@ -149,6 +149,7 @@ def _host_breakdown(req, iters: int = 200) -> None:
     plan = tp._plan_for(items, ids)
     pool = HostPool(pin=True)
     payload_bytes = req.pack_set.pack(req.slot_ids).payload.nbytes
+    table = torch.zeros(4096, dtype=torch.int64)
     launches, real = [], tp._pack_kernel
 
     class Recorder:
@@ -163,6 +164,8 @@ def _host_breakdown(req, iters: int = 200) -> None:
              "PackSet.pack + copies into a HostPool buffer": lambda: _into_pool(req, pool),
              "torch.empty(pin_memory=True) of the batch's payload": lambda: torch.empty(
                  payload_bytes, dtype=torch.uint8, pin_memory=True),
+             # what each call's item tables pay (`batch.TableArray.stage`) before their copy
+             "pin_memory() of a 32 KB table": lambda: table.pin_memory(),
              "check the block ids": lambda: batch.check_all_ids(items),
              "find the cached plan": lambda: tp._plan_for(items, ids)}
     tp._pack_kernel = Recorder()
