@@ -27,6 +27,8 @@ from anchorkv.kernels.bits import (
     FMT_RAW,
     fp8_encode,
     narrow,
+    quotient,
+    reciprocals,
     rne,
     row_max,
     row_min,
@@ -152,8 +154,9 @@ def _pack_kernel(
         c_even, c_odd = tl.split(tl.reshape(clean, (BLOCK_R, BLOCK_G // 2, 2)))
         o_half = tl.arange(0, BLOCK_G // 2).to(tl.int64)
         m = m_grp[:, None] & (o_half < G // 2)[None, :]
-        v_even = tl.math.div_rn(c_even - lo[:, None], scale[:, None])
-        v_odd = tl.math.div_rn(c_odd - lo[:, None], scale[:, None])
+        shift, shifted, recip = reciprocals(scale)
+        v_even = quotient(c_even - lo[:, None], shift, shifted, recip)
+        v_odd = quotient(c_odd - lo[:, None], shift, shifted, recip)
         v_even = tl.where(v_even > _INT4_LEVELS, _INT4_LEVELS, tl.where(v_even < 0.0, 0.0, v_even))
         v_odd = tl.where(v_odd > _INT4_LEVELS, _INT4_LEVELS, tl.where(v_odd < 0.0, 0.0, v_odd))
         q = rne(v_even).to(tl.int32) | (rne(v_odd).to(tl.int32) << 4)
@@ -183,7 +186,7 @@ def _pack_kernel(
             if FMT == FMT_FP8:
                 scale = tl.math.div_rn(amax, _FP8_MAX)
                 scale = tl.where(scale == 0.0, 1.0, scale)
-                v = tl.math.div_rn(clean, scale[:, None])
+                v = quotient(clean, *reciprocals(scale))
                 if HW_FP8:  # the hardware's RNE, saturating convert (cvt.rn.satfinite.e4m3x2):
                     #         |v| past 448 gives 448, as the clamp below
                     q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
@@ -193,7 +196,7 @@ def _pack_kernel(
             else:
                 scale = tl.math.div_rn(amax, _INT8_MAX)
                 scale = tl.where(scale == 0.0, 1.0, scale)
-                v = tl.math.div_rn(clean, scale[:, None])
+                v = quotient(clean, *reciprocals(scale))
                 v = tl.where(v > _INT8_MAX, _INT8_MAX, tl.where(v < -_INT8_MAX, -_INT8_MAX, v))
                 q = rne(v).to(tl.int32) & 0xFF
             q = tl.where(bad[:, None], 0, q)

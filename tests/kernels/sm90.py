@@ -43,9 +43,10 @@ FORMATS = (Quant.FP8, Quant.INT8, Quant.INT4)
 _MEM = re.compile(r"\b(ld|st)\.global((?:\.[A-Za-z0-9_:]+)*?)(?:\.v(\d))?\.([bfsu])(\d+)\b")
 #: PTX instructions counted per specialization (`ops`): 64-bit integer division and remainder (a
 #: called routine of dozens of instructions on a GPU, which has no integer divider) and the
-#: hardware converts the kernels use on sm_89+ (fp8 encode and decode, fp32 -> bf16).
+#: hardware converts the kernels use on sm_89+ (fp8 encode and decode, fp32 -> bf16), fp32
+#: divisions (one per row and scale, not per value: `bits.quotient`).
 _OPS = re.compile(r"\b(?:(?:div|rem)\.[su]64|cvt\.rn\.satfinite\.e4m3x2\.f32|cvt\.rn\.f16x2\.e4m3x2"
-                  r"|cvt\.rn\.bf16(?:x2)?\.f32)\b")
+                  r"|cvt\.rn\.bf16(?:x2)?\.f32|div\.rn\.f32)\b")
 
 
 def _layouts():
@@ -141,6 +142,7 @@ def specializations(items=None) -> list[dict]:
             entry["flat"] = bool(kwargs["FLAT"])
             entry["contig"] = bool(kwargs["CONTIG"])
             entry["in_align"] = kwargs.get("IN_ALIGN")
+            entry["values_per_thread"] = kwargs["BLOCK_R"] * kwargs["BLOCK_G"] // (32 * kwargs["num_warps"])
             # what a `kernels.launch.Launcher` passes the compiled kernel (every parameter by
             # name, in `arg_names` order) is what `JITFunction.run` passes: the binder's list
             names = kernels[op].arg_names

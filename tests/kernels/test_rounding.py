@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -153,3 +154,52 @@ def test_non_finite_groups_are_poisoned_exactly(bad, codec, dtype):
         [-(i + 0.5) for i in range(G)],
     ]
     _check(_groups(rows), dtype, codec)
+
+
+def _codes(q: np.ndarray, codec: str) -> np.ndarray:
+    """The code each fp32 quotient rounds to: e4m3fn bits (fp8), the nearest integer (int8, int4)."""
+    if codec == "fp8":
+        return torch.from_numpy(q.copy()).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    return np.rint(q)
+
+
+def _hard_quotients(codec: str, amax: float, want: int = 48) -> tuple[list[list[float]], int]:
+    """(groups, how many hard values they hold): values x whose quotient x / scale a plain
+    multiply by the reciprocal rounds to another fp32 *and* another code, found among the fp32
+    values within 64 ulps of each code boundary (e4m3fn midpoints, k + 0.5). Each boundary has
+    one or two, so groups are made for amax, then amax a few ulps up, and so on until `want`:
+    element 0 of a group pins its amax (the scale is amax / levels) and element 1 is 0 (int4's
+    min)."""
+    levels = {"fp8": 448.0, "int8": 127.0, "int4": 15.0}[codec]
+    mids = _e4m3_values().numpy()[0x7F:] if codec == "fp8" else np.arange(0, levels) + 0.5
+    rows, found = [], 0
+    a = np.float32(amax)
+    while found < want and len(rows) < 400:
+        s = a / np.float32(levels)  # fp32 division: the kernels' scale
+        centre = (mids * np.float64(s)).astype(np.float32).view(np.int32)
+        xs = (centre[:, None] + np.arange(-64, 65, dtype=np.int32)[None, :]).reshape(-1).view(np.float32)
+        xs = xs[(xs > 0) & (xs <= a)]
+        if codec != "int4":
+            xs = np.concatenate([xs, -xs])
+        by_mul, by_div = xs * (np.float32(1.0) / s), xs / s
+        hard = xs[(by_mul != by_div) & (_codes(by_mul, codec) != _codes(by_div, codec))]
+        for i in range(0, len(hard), G - 2):
+            part = hard[i:i + G - 2].tolist()
+            rows.append([float(a), 0.0] + part + [0.0] * (G - 2 - len(part)))
+        found += len(hard)
+        a = np.nextafter(np.nextafter(a, np.float32(np.inf)), np.float32(np.inf))
+    return rows, found
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("amax", [448.0 * (2 - 2**-23), 1.2345e-3, 3.3e-30, 9.9e35],
+                         ids=["significand-all-ones", "plain", "tiny-scale", "huge-scale"])
+def test_quotients_a_multiply_by_the_reciprocal_would_round_wrongly(codec, amax):
+    """The kernels divide by a row's reciprocal and one fma correction (`bits.quotient`), not
+    by division: values whose quotient a plain multiply would round to the wrong code, at
+    scales inside and outside the range where the reciprocal divides as it is (the tiny and
+    huge scales are shifted by a power of two first). Found here, not listed: each case holds
+    dozens of them."""
+    rows, hard = _hard_quotients(codec, amax)
+    assert hard >= 48, f"{hard} hard quotients found: the case would test nothing"
+    _check(torch.tensor(rows, dtype=torch.float64), torch.float32, codec)

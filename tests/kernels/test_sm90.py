@@ -56,7 +56,7 @@ def test_no_64_bit_division_and_the_hardware_converts(compiled):
     fp8 codes, their decode and the rounding to bf16 are the hardware's converts."""
     _, specs = compiled
     div64 = [(s["op"], s["labels"][0], s["ops"]) for s in specs
-             if any(k.startswith(("div.", "rem.")) for k in s["ops"])]
+             if any(k.startswith(("div.", "rem.")) and k.endswith("64") for k in s["ops"])]
     assert not div64, div64
     assert any(s["flat"] for s in specs) and not all(s["flat"] for s in specs)
     for s in specs:
@@ -67,6 +67,25 @@ def test_no_64_bit_division_and_the_hardware_converts(compiled):
             assert ops.get("cvt.rn.f16x2.e4m3x2"), label
         if s["op"] == "unpack" and s["fmt"] != "raw" and s["dtype"] == "bfloat16":
             assert ops.get("cvt.rn.bf16x2.f32") or ops.get("cvt.rn.bf16.f32"), label
+
+
+def test_quantizing_packs_divide_once_a_row_not_once_a_value(compiled):
+    """A pack divides each value by its group's scale as a multiply by the row's reciprocal and
+    an fma correction (`bits.quotient`: the same bits as a division). A division is ~20
+    instructions on a GPU, once for each of a thread's 16 values before; now each row has
+    two (its scale, its reciprocal). Where the last axis is contiguous a thread's values share
+    a few rows; a strided last axis (the DS conv layout) can give a thread a value of each of
+    16 rows, and then a row's two divisions are per value as before."""
+    _, specs = compiled
+    quant = [s for s in specs if s["op"] == "pack" and s["fmt"] in ("fp8", "int8", "int4")]
+    assert quant
+    for s in quant:
+        divs, values = s["ops"].get("div.rn.f32", 0), s["values_per_thread"]
+        assert divs >= 2, (s["labels"][0], s["ops"])  # (the count is read: the scale is a division)
+        if s["contig"]:
+            assert divs <= values // 2, (s["labels"][0], divs, values)
+        else:
+            assert divs <= 2 * values, (s["labels"][0], divs, values)
 
 
 def test_direct_launches_pass_the_jit_argument_list(compiled):
