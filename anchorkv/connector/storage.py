@@ -44,4 +44,5 @@ class EntryStore(Protocol):
     def save_part(self, spec: SaveSpec, parts: dict[tuple[str, str], Packed], *, tp_size: int,
                   tp_rank: int) -> int:
         """Write this rank's part of the entry; the entry becomes visible once every rank's part
-        is written. Returns the bytes written."""
+        is written. Returns the bytes written. The parts' memory is the caller's again when this
+        returns: nothing may read it later (the worker reuses its page-locked save buffers)."""
