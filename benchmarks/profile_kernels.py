@@ -5,7 +5,8 @@
 Prints, for `pack_many`, `PackSet.pack` and `unpack_many` of the request `bench_kernels.py`
 times: the wall and host time per call with direct launches of the compiled kernels
 (`kernels.launch`, the default) against every launch through the JIT, alternated; the wall time
-per call (host + device, synchronized), the CUDA kernel time from torch.profiler, the launches
+per call (host + device, synchronized), the CUDA kernel time from torch.profiler (`set_div`: the
+same set with the pack kernels dividing once per value, as before `bits.quotient`), the launches
 per call, and the host-side hot spots (cProfile, top 15); at tp=1, the save path's stages
 (`benchmarks.profile_save`, raw and quant codecs). A diagnostic, not a gate.
 """
@@ -65,9 +66,20 @@ def main(argv=None) -> int:
     from benchmarks.bench_kernels import request
 
     req = request(args.tp)
+    # the same set whose plans divide once per value (`triton_pack.RECIPROCAL` off): the pack
+    # kernels before `bits.quotient`, timed against it in this process (`set_div` vs `set`)
+    from anchorkv.kernels import PackSet, triton_pack
+
+    triton_pack.RECIPROCAL = False
+    try:
+        div_set = PackSet(req.pack_set.targets, req.pack_set.slots)
+        div_set.pack(req.slot_ids)  # (its plan is made now)
+    finally:
+        triton_pack.RECIPROCAL = True
     ops = {
         "pack": lambda: kernels.pack_many(req.items),
         "set": lambda: req.pack_set.pack(req.slot_ids),
+        "set_div": lambda: div_set.pack(req.slot_ids),
         "unpack": lambda: kernels.unpack_many(req.unpack_items),
         "unpack set": lambda: req.unpack_set.unpack(req.packed_batch, req.slot_ids),
         "copy": lambda: req.copy_dst.copy_(req.copy_src),

@@ -89,6 +89,17 @@ def field_tile(cache, b_block, i_t, GROUPS, GPR, S1, S2, T0, T1, T2, TD, G: tl.c
     return o_grp, m_grp, p, m
 
 
+@triton.jit
+def divide(x, scale, RECIP: tl.constexpr):
+    """x / scale[:, None] with the bits of `tl.math.div_rn`: by the rows' reciprocals
+    (`bits.quotient`), or (RECIP False) by a division per value."""
+    if RECIP:
+        v = quotient(x, *reciprocals(scale))
+    else:
+        v = tl.math.div_rn(x, scale[:, None])
+    return v
+
+
 @triton.jit(do_not_specialize=["N", "TAB_W", "PAY0", "SC0"])
 def _pack_kernel(
     src,  # integer alias of the first item's storage (the anchor of every source offset)
@@ -119,6 +130,8 @@ def _pack_kernel(
     FLAT: tl.constexpr,  # host-checked: group k of a block starts at its element k * G
     HW_FP8: tl.constexpr,  # the GPU's own converts (sm_89+): fp8 codes and bf16 rounding
     OUT_ALIGN: tl.constexpr,  # host-checked: every payload group start is a multiple of OUT_ALIGN
+    RECIP: tl.constexpr,  # divide by each row's reciprocal (`bits.quotient`); False: a division
+    #                       per value (the same bits; `RECIPROCAL`, for profile_kernels' A/B)
 ):
     i_t = tl.program_id(0)
     pid_b = tl.program_id(1)  # item * N + block (32-bit: divided by N in 32 bits)
@@ -154,9 +167,13 @@ def _pack_kernel(
         c_even, c_odd = tl.split(tl.reshape(clean, (BLOCK_R, BLOCK_G // 2, 2)))
         o_half = tl.arange(0, BLOCK_G // 2).to(tl.int64)
         m = m_grp[:, None] & (o_half < G // 2)[None, :]
-        shift, shifted, recip = reciprocals(scale)
-        v_even = quotient(c_even - lo[:, None], shift, shifted, recip)
-        v_odd = quotient(c_odd - lo[:, None], shift, shifted, recip)
+        if RECIP:
+            shift, shifted, recip = reciprocals(scale)
+            v_even = quotient(c_even - lo[:, None], shift, shifted, recip)
+            v_odd = quotient(c_odd - lo[:, None], shift, shifted, recip)
+        else:
+            v_even = tl.math.div_rn(c_even - lo[:, None], scale[:, None])
+            v_odd = tl.math.div_rn(c_odd - lo[:, None], scale[:, None])
         v_even = tl.where(v_even > _INT4_LEVELS, _INT4_LEVELS, tl.where(v_even < 0.0, 0.0, v_even))
         v_odd = tl.where(v_odd > _INT4_LEVELS, _INT4_LEVELS, tl.where(v_odd < 0.0, 0.0, v_odd))
         q = rne(v_even).to(tl.int32) | (rne(v_odd).to(tl.int32) << 4)
@@ -186,7 +203,7 @@ def _pack_kernel(
             if FMT == FMT_FP8:
                 scale = tl.math.div_rn(amax, _FP8_MAX)
                 scale = tl.where(scale == 0.0, 1.0, scale)
-                v = quotient(clean, *reciprocals(scale))
+                v = divide(clean, scale, RECIP)
                 if HW_FP8:  # the hardware's RNE, saturating convert (cvt.rn.satfinite.e4m3x2):
                     #         |v| past 448 gives 448, as the clamp below
                     q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
@@ -196,13 +213,19 @@ def _pack_kernel(
             else:
                 scale = tl.math.div_rn(amax, _INT8_MAX)
                 scale = tl.where(scale == 0.0, 1.0, scale)
-                v = quotient(clean, *reciprocals(scale))
+                v = divide(clean, scale, RECIP)
                 v = tl.where(v > _INT8_MAX, _INT8_MAX, tl.where(v < -_INT8_MAX, -_INT8_MAX, v))
                 q = rne(v).to(tl.int32) & 0xFF
             q = tl.where(bad[:, None], 0, q)
             tl.store(p_out, q.to(tl.uint8), mask=m)
             s_bits = tl.where(bad, _POISON, scale.to(tl.int32, bitcast=True))
             tl.store(scales + SC0 + o_scale, s_bits, mask=m_grp)
+
+
+#: Whether plans made from now on divide by each row's reciprocal (`bits.quotient`, the
+#: default) or once per value (the kernels before it: the same bytes, more instructions). Read
+#: when a plan is made; `profile_kernels` makes a second set with it off to time both.
+RECIPROCAL = True
 
 
 def block_g(cut: batch.FieldCut) -> int:
@@ -279,7 +302,7 @@ class _Launch:
         self.launcher = Launcher(self.grid, dict(
             common, src=self.src, TAB_W=2 + n, SRC=batch.FLOAT_KIND.get(cut.dtype, 0), ALIGN=self.align,
             HW_FP8=batch.hardware_fp8(first.buffer.device), PAY0=pay0, SC0=sc_at,
-            OUT_ALIGN=batch.payload_alignment(cut, 0, [pay0], width)))
+            OUT_ALIGN=batch.payload_alignment(cut, 0, [pay0], width), RECIP=RECIPROCAL))
 
     @property
     def payload_bytes(self) -> int:

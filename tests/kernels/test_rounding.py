@@ -23,6 +23,18 @@ pytestmark = pytest.mark.interpreter
 G = 32
 
 
+@pytest.fixture(params=["reciprocal", "division"], autouse=True)
+def division(request, monkeypatch):
+    """Every case packs both ways: by each row's reciprocal (`bits.quotient`, the default) and
+    by a division per value (`triton_pack.RECIPROCAL = False`, what `profile_kernels` times
+    against it): the same bytes."""
+    from anchorkv.kernels import batch, triton_pack
+
+    monkeypatch.setattr(triton_pack, "RECIPROCAL", request.param == "reciprocal")
+    monkeypatch.setattr(triton_pack, "_plans", batch.PlanCache(triton_pack.PLAN_CACHE_SIZE, triton_pack._plans.build))
+    return request.param
+
+
 def _e4m3_values() -> torch.Tensor:
     """Every finite positive e4m3fn value and every midpoint between neighbours."""
     vals = []
@@ -194,7 +206,7 @@ def _hard_quotients(codec: str, amax: float, want: int = 48) -> tuple[list[list[
 @pytest.mark.parametrize("codec", ["fp8", "int8", "int4"])
 @pytest.mark.parametrize("amax", [448.0 * (2 - 2**-23), 1.2345e-3, 3.3e-30, 9.9e35],
                          ids=["significand-all-ones", "plain", "tiny-scale", "huge-scale"])
-def test_quotients_a_multiply_by_the_reciprocal_would_round_wrongly(codec, amax):
+def test_quotients_a_multiply_by_the_reciprocal_would_round_wrongly(codec, amax, division):
     """The kernels divide by a row's reciprocal and one fma correction (`bits.quotient`), not
     by division: values whose quotient a plain multiply would round to the wrong code, at
     scales inside and outside the range where the reciprocal divides as it is (the tiny and
@@ -203,3 +215,7 @@ def test_quotients_a_multiply_by_the_reciprocal_would_round_wrongly(codec, amax)
     rows, hard = _hard_quotients(codec, amax)
     assert hard >= 48, f"{hard} hard quotients found: the case would test nothing"
     _check(torch.tensor(rows, dtype=torch.float64), torch.float32, codec)
+    from anchorkv.kernels import triton_pack
+
+    launches = [launch for launch in triton_pack._plans.newest().launches if launch.runs]
+    assert [launch.launcher.fixed["RECIP"] for launch in launches] == [division == "reciprocal"]
