@@ -168,6 +168,8 @@ def run_tests(args, out: Path, machine: str, limit: float, log: Path, env: dict)
            f"--rootdir={ROOT}", f"--junitxml={junit}", "-o", "junit_suite_name=anchorkv-kernels"]
     # the sm_90 compile check compiles on the CPU (CI runs it): device time better spent elsewhere
     cmd += [] if args.with_sm90 else ["--ignore=tests/kernels/test_sm90.py"]
+    # numpy arithmetic (bits.quotient's, against fp32 division): nothing of it runs on the device
+    cmd += ["--ignore=tests/kernels/test_quotient.py"]
     cmd += ["-k", args.tests_k] if args.tests_k else []
     res, _ = run_step("tests", cmd, limit, log, env)
     res["junit"] = junit.name
