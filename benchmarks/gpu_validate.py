@@ -203,13 +203,12 @@ _PROFILE_LINE = re.compile(r"== (\w+) tp=(\d+): wall ([\d.]+) ms/call, host-only
 
 
 _STAGES = re.compile(r"== save stages, (\w+) codecs, [^\n]*\n((?:   [^\n]+ ms\n?)+)")
+_STAGE = re.compile(r"^   (.+?)\s+([\d.]+) ms$", re.M)
 
 
 def save_stages(text: str) -> dict[str, dict[str, float]]:
     """{codecs: {stage: ms}} from `benchmarks.profile_save`'s blocks in a step's output."""
-    return {m[1]: {line[:-3].rsplit(None, 1)[0].strip(): float(line[:-3].rsplit(None, 1)[1])
-                   for line in m[2].splitlines() if line.strip()}
-            for m in _STAGES.finditer(text)}
+    return {m[1]: {name: float(ms) for name, ms in _STAGE.findall(m[2])} for m in _STAGES.finditer(text)}
 
 
 def run_profile(args, limit: float, log: Path, env: dict) -> dict:

@@ -24,7 +24,6 @@ A diagnostic, not a gate (`gpu_validate`'s profile step prints it on a GPU).
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
 import tempfile
@@ -82,8 +81,7 @@ def breakdown(codecs: str = "quant", rounds: int = 10, quick: bool = False) -> d
             raise RuntimeError(f"{failed} saves were refused: the figures would time the refusals")
         return {k: statistics.median(v) for k, v in times.items()}
     finally:
-        req.close()
-        shutil.rmtree(root, ignore_errors=True)
+        req.close()  # (removes root)
 
 
 def main(argv=None) -> int:

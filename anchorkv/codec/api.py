@@ -265,9 +265,7 @@ class PackedParts:
         custom part. Itself when everything is on the host already. With `host` (a uint8
         buffer of at least `host_bytes`, page-locked: see `HostPool`) the built-in codecs'
         parts are copied into it (`kernels.PackedBatch.copy_into`) instead of new tensors."""
-        quant = self.quant
-        if quant is not None and quant.payload.device.type != "cpu":
-            quant = quant.copy_into(host) if host is not None else quant.copy_to_host(pin=pin)
+        quant = self.quant.to_host(pin=pin, host=host) if self.quant is not None else None
         custom = {i: p if p.payload.device.type == "cpu" else _host_copy(p, pin)
                   for i, p in self.custom.items()}
         return PackedParts(self.metas, self.slot_lens, quant, custom)

@@ -67,14 +67,15 @@ class PackedBatch:
         return [(pays[p], scs[k].view(s.scale_rows, s.columns) if s.columns else empty)
                 for s, p, k in zip(self.spans, cut.payload_index, cut.scale_index, strict=True)]
 
-    def to_host(self, *, pin: bool = True) -> PackedBatch:
+    def to_host(self, *, pin: bool = True, host: torch.Tensor | None = None) -> PackedBatch:
         """The batch in host memory: itself when it is there already, else two asynchronous
         copies on the current stream (into page-locked memory with `pin`: a copy into pageable
-        memory would block the CPU until the stream drains). The host bytes are complete once
-        the stream has passed this point (record an event after it)."""
+        memory would block the CPU until the stream drains), into `host` when given
+        (`copy_into`). The host bytes are complete once the stream has passed this point
+        (record an event after it)."""
         if self.payload.device.type == "cpu":
             return self
-        return self.copy_to_host(pin=pin)
+        return self.copy_into(host) if host is not None else self.copy_to_host(pin=pin)
 
     def copy_to_host(self, *, pin: bool) -> PackedBatch:
         """`to_host` without the shortcut: always two new host tensors."""

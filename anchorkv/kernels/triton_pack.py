@@ -167,13 +167,8 @@ def _pack_kernel(
         c_even, c_odd = tl.split(tl.reshape(clean, (BLOCK_R, BLOCK_G // 2, 2)))
         o_half = tl.arange(0, BLOCK_G // 2).to(tl.int64)
         m = m_grp[:, None] & (o_half < G // 2)[None, :]
-        if RECIP:
-            shift, shifted, recip = reciprocals(scale)
-            v_even = quotient(c_even - lo[:, None], shift, shifted, recip)
-            v_odd = quotient(c_odd - lo[:, None], shift, shifted, recip)
-        else:
-            v_even = tl.math.div_rn(c_even - lo[:, None], scale[:, None])
-            v_odd = tl.math.div_rn(c_odd - lo[:, None], scale[:, None])
+        v_even = divide(c_even - lo[:, None], scale, RECIP)
+        v_odd = divide(c_odd - lo[:, None], scale, RECIP)
         v_even = tl.where(v_even > _INT4_LEVELS, _INT4_LEVELS, tl.where(v_even < 0.0, 0.0, v_even))
         v_odd = tl.where(v_odd > _INT4_LEVELS, _INT4_LEVELS, tl.where(v_odd < 0.0, 0.0, v_odd))
         q = rne(v_even).to(tl.int32) | (rne(v_odd).to(tl.int32) << 4)

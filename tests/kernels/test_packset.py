@@ -187,6 +187,7 @@ def test_copy_into_fills_one_buffer_payload_then_aligned_scales(monkeypatch):
     for (p, s), (hp, hs) in zip(batch.parts(), out.parts(), strict=True):
         assert torch.equal(p, hp) and torch.equal(s.view(torch.int32), hs.view(torch.int32))
     assert bool((host[need:] == 0xAB).all()), "copy_into wrote past host_bytes"
+    assert batch.to_host(host=host) is batch  # on the host already: no copy, the buffer unused
     _assert_parts_equal_reference(out, targets, slots, [(1,), (2, 5)])
     for bad, found in ((torch.empty(need - 1, dtype=torch.uint8), "uint8"),
                        (torch.empty(need, dtype=torch.int8), "int8"),
