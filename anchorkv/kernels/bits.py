@@ -181,7 +181,7 @@ def quotient(x, shift, scale, recip):
     residual r = x - q * scale is exact in one fma, and q + r * recip, rounded once, is the
     correctly rounded quotient (Markstein's correction: `recip` correctly rounded, nothing
     underflows). A zero residual keeps q, so -0.0 stays -0.0. Checked in C against fp32
-    division (and in numpy in CI: `tests/kernels/test_quotient.py`): every fp32 x in
+    division (`scripts/quotient_*.c`; in numpy in CI: `tests/kernels/test_quotient.py`): every fp32 x in
     [-448 s, 448 s] for 7 scales s (significands 1, 1 + 2**-23, 2 - 2**-23, ...), and 2.8e8
     random (x, s) with s from 2**-149 to 2**120 for each bound |x| <= 448 s, 127 s and 15 s
     (fp8, int8, int4): equal wherever the quotient is 2**-12 or more (below that every code
