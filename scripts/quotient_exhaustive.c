@@ -1,5 +1,5 @@
 /* bits.quotient against fp32 division: every fp32 x in [-448 s, 448 s] for 7 scales s (the exhaustive
- * check of stop 27; ~35 s). Prints, per scale, how many x a plain multiply by the reciprocal gets wrong
+ * check of stops 27 and 28; ~35 s). Prints, per scale, how many x a plain multiply by the reciprocal gets wrong
  * and how many the corrected quotient gets wrong where a code could see it (>= 2**-12, or the sign).
  *   gcc -O2 -ffp-contract=off -mfma -o /tmp/quotient_exhaustive scripts/quotient_exhaustive.c -lm && /tmp/quotient_exhaustive */
 #include <stdio.h>
@@ -9,8 +9,11 @@
 static float f_of(uint32_t u){float f; memcpy(&f,&u,4); return f;}
 static uint32_t u_of(float f){uint32_t u; memcpy(&u,&f,4); return u;}
 static float fast(float x, float s, float y){
-  float q0 = x * y; float r = fmaf(-q0, s, x); float q1 = fmaf(r, y, q0);
-  return r == 0.0f ? q0 : q1;
+  /* the residual negated (q0 * s - x): q0 - neg * y keeps a zero quotient's sign untested. volatile:
+   * gcc -O2 folds -fmaf(a, b, -c) into fmaf(-a, b, c), which is not the same for signed zeros (the
+   * GPU's FFMA takes negated operands as they are: see bits.quotient) */
+  float q0 = x * y; volatile float neg = fmaf(q0, s, -x);
+  return fmaf(-neg, y, q0);
 }
 int main(){
   uint32_t ss[] = {0x3f800000u, 0x3fffffffu, 0x3f800001u, 0x3fc00000u|0x12345u, 0x1ffffffu|0x20000000u, 0x5effffffu, 0x3b12f4e3u};

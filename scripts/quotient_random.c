@@ -1,5 +1,5 @@
 /* bits.reciprocals + bits.quotient against fp32 division: 2.8e8 random (x, s), s from 2**-149 to 2**120,
- * |x| <= LIMIT * s (448 fp8, 127 int8, 15 int4), the scale shift included (stop 27; ~4 s a bound).
+ * |x| <= LIMIT * s (448 fp8, 127 int8, 15 int4), the scale shift included (stops 27, 28; ~4 s a bound).
  *   gcc -O2 -ffp-contract=off -mfma -o /tmp/quotient_random scripts/quotient_random.c -lm
  *   /tmp/quotient_random 448 && /tmp/quotient_random 127 && /tmp/quotient_random 15 */
 #include <stdio.h>
@@ -14,8 +14,11 @@ static uint32_t rnd(){st^=st<<13;st^=st>>7;st^=st<<17;return (uint32_t)st;}
 static float fastk(float x, float s){
   float k = s < 0x1p-90f ? 0x1p100f : (s > 0x1p100f ? 0x1p-100f : 1.0f);
   float sk = s * k, y = 1.0f / sk, xk = x * k;
-  float q0 = xk * y; float r = fmaf(-q0, sk, xk); float q1 = fmaf(r, y, q0);
-  return r == 0.0f ? q0 : q1;
+  /* the residual negated (q0 * sk - xk): q0 - neg * y keeps a zero quotient's sign untested. volatile:
+   * gcc -O2 folds -fmaf(a, b, -c) into fmaf(-a, b, c), which is not the same for signed zeros (the
+   * GPU's FFMA takes negated operands as they are: see bits.quotient) */
+  float q0 = xk * y; volatile float neg = fmaf(q0, sk, -xk);
+  return fmaf(-neg, y, q0);
 }
 int main(int argc, char** argv){
   float lim = argc > 1 ? (float)atof(argv[1]) : 448.0f;

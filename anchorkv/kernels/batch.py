@@ -422,11 +422,13 @@ def batch_layout(items: Sequence, lens: Sequence[int]) -> BatchLayout:
     return BatchLayout(tuple(tuple(g) for g in groups), tuple(starts), tuple(spans), pay, sc, tuple(runs))
 
 
-def grid_check(programs_per_block: int, blocks: int) -> None:
-    if blocks > 65535:
+def grid_check(programs_per_block: int, blocks: int, items: int = 1) -> None:
+    """A clear error unless a launch of `items` items of `blocks` blocks each, `programs_per_block`
+    programs a block, fits a grid (axes 1 and 2 hold at most 65535)."""
+    if blocks > 65535 or items > 65535:
         raise ValueError(
-            f"one launch handles at most 65535 (item, block) pairs, found {blocks}; "
-            "split the batch"
+            f"one launch handles at most 65535 blocks of at most 65535 items, found {blocks} blocks of "
+            f"{items} items; split the batch"
         )
     if programs_per_block >= 2**31:
         raise ValueError(f"a field of {programs_per_block} tiles per block is too large for one launch")
@@ -504,7 +506,8 @@ class TableArray:
     one int64 host array, each table at an even offset (16-byte aligned, as `stage_tables`
     places them): a launch's rows are its members' fixed columns (`heads`), then their block
     ids. A call writes the ids (`write`: one numpy assignment per launch and slot, the members
-    of a launch that read one slot sharing its ids) and stages the array (`stage`)."""
+    of a launch that read one slot sharing its ids), stages the array (`stage`), launches, and
+    says so (`release`: on a GPU, the end of the launches that read the staged tables)."""
 
     def __init__(self, launches: Sequence[tuple[Sequence[tuple[int, ...]], Sequence[int], int]],
                  slots: Sequence[int]) -> None:
@@ -529,6 +532,7 @@ class TableArray:
         for (start, length), (heads, _, _) in zip(self.segments, launches, strict=True):
             if heads:
                 self.array[start:start + length].reshape(len(heads), -1)[:, :len(heads[0])] = heads
+        self.ring: TableRing | None = None  # made at the first stage on a GPU
 
     def write(self, ids: Sequence[Sequence[int]]) -> None:
         """Put each item's block ids `ids[i]` in its rows."""
@@ -537,11 +541,101 @@ class TableArray:
 
     def stage(self, device: torch.device) -> list[torch.Tensor]:
         """The launches' tables on `device`: on a GPU one `non_blocking` copy from page-locked
-        memory (a copy of the array: the next call rewrites it); elsewhere the array itself
-        (the Triton interpreter runs each launch before the call returns)."""
-        host = torch.from_numpy(self.array)
-        table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
-        return [table[start:start + length] for start, length in self.segments]
+        memory of this set's own (`TableRing`: no allocation, nothing for the next call to
+        overwrite); elsewhere the array itself (the Triton interpreter runs each launch before
+        the call returns). Call `release` once the launches that read them are issued."""
+        if device.type != "cuda":
+            host = torch.from_numpy(self.array)
+            return [host[start:start + length] for start, length in self.segments]
+        if self.ring is None:
+            self.ring = TableRing(self.array.size, self.segments, device)
+        return self.ring.stage(self.array)
+
+    def release(self) -> None:
+        """The launches that read the last staged tables are issued (on the current stream)."""
+        if self.ring is not None:
+            self.ring.release()
+
+
+class TableRing:
+    """Reused page-locked and device buffers for a `TableArray`'s staged copies: `SLOTS` of
+    each, and one CUDA event per slot.
+
+    `stage` copies the array into the next slot's page-locked buffer and from there, with one
+    `non_blocking` copy on the current stream, into the slot's device buffer, whose per-launch
+    views were made once; `release` records the slot's event on the current stream, after the
+    launches that read it. A slot is written again only once its event has completed (a
+    query, never a wait), so neither the host copy nor a kernel of an earlier call can still be
+    reading it, whatever stream that call ran on. A busy slot (a call `SLOTS` calls back still
+    running), or one staged but never released, is skipped: the call takes torch's page-locked
+    and device allocators instead (`stage_tables`' path), so a call never waits for the GPU.
+
+    What this saves per call, against that path: a page-locked allocation from torch's caching
+    host allocator (its lock, its event bookkeeping) and a device allocation, and the views.
+    `alloc` (bytes -> (page-locked host tensor, device tensor), int64) and `event` (-> an object
+    with `record(stream)` and `query()`) are the CUDA ones unless a test passes stand-ins.
+    """
+
+    SLOTS = 4
+
+    def __init__(self, size: int, segments: Sequence[tuple[int, int]], device: torch.device, *,
+                 alloc: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 event: Callable[[], object] | None = None, stream: Callable[[], object] | None = None) -> None:
+        self.device = device
+        self.segments = list(segments)
+        alloc = alloc or functools.partial(_cuda_table_buffers, device)
+        event = event or torch.cuda.Event
+        self.stream = stream or functools.partial(torch.cuda.current_stream, device)
+        self.hosts: list[np.ndarray] = []
+        self.host_tensors: list[torch.Tensor] = []
+        self.devices: list[torch.Tensor] = []
+        self.views: list[list[torch.Tensor]] = []
+        self.events: list = []
+        for _ in range(self.SLOTS):
+            host, dev = alloc(size)
+            self.host_tensors.append(host)
+            self.hosts.append(host.numpy())
+            self.devices.append(dev)
+            self.views.append([dev[start:start + length] for start, length in self.segments])
+            self.events.append(event())
+        #: per slot: staged and not yet released (its event then says nothing of this use)
+        self.staged: list[bool] = [False] * self.SLOTS
+        self.next = 0
+        self.current: int | None = None  # the slot of the last stage, until its release
+        self.fallbacks = 0  # calls that found their slot busy (tests, profiles)
+
+    def stage(self, array: np.ndarray) -> list[torch.Tensor]:
+        k = self.next
+        if self.staged[k] or not self.events[k].query():
+            self.fallbacks += 1
+            self.current = None
+            return _stage_copy(array, self.device, self.segments)
+        self.next = (k + 1) % self.SLOTS
+        np.copyto(self.hosts[k], array)
+        self.devices[k].copy_(self.host_tensors[k], non_blocking=True)
+        self.staged[k] = True
+        self.current = k
+        return self.views[k]
+
+    def release(self) -> None:
+        k = self.current
+        if k is None:
+            return
+        self.events[k].record(self.stream())
+        self.staged[k] = False
+        self.current = None
+
+
+def _cuda_table_buffers(device: torch.device, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    host = torch.empty(size, dtype=torch.int64, pin_memory=True)
+    return host, torch.empty(size, dtype=torch.int64, device=device)
+
+
+def _stage_copy(array: np.ndarray, device: torch.device, segments: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+    """A set's array on `device` through torch's allocators: a page-locked copy (the next call
+    rewrites the array) and one `non_blocking` copy from it."""
+    table = torch.from_numpy(array).pin_memory().to(device, non_blocking=True)
+    return [table[start:start + length] for start, length in segments]
 
 
 def stage_tables(segments: Sequence[tuple[torch.device, list[int]]]) -> list[torch.Tensor]:

@@ -51,6 +51,16 @@ def rne(x):
 
 
 @triton.jit
+def rne_bits(x):
+    """The fp32 bits of `x + RNE_MAGIC`, whose low bits are rne(x) in two's complement
+    (|x| < 2**22: the sum lies in [2**23, 2**24), where fp32 steps by 1, and RNE_MAGIC's bits
+    0x4B400000 end in 22 zeros). A code is its low 8 (int8) or 4 (int4) bits: one add and one
+    and a value, where `rne(x).to(tl.int32)` adds, subtracts and converts (a conversion runs at a
+    quarter of the float rate on sm_90)."""
+    return (x + RNE_MAGIC).to(tl.int32, bitcast=True)
+
+
+@triton.jit
 def widen(bits, SRC: tl.constexpr):
     """Integer bits of a bf16, fp16 or fp32 element (SRC) -> its exact fp32 value."""
     if SRC == BF16:
@@ -60,6 +70,42 @@ def widen(bits, SRC: tl.constexpr):
     else:
         x = bits.to(tl.int32).to(tl.float32, bitcast=True)
     return x
+
+
+#: `magnitude_bits` at and above which an element is not finite (all exponent bits set):
+#: +inf's bits for bf16, fp16 and fp32 (a NaN's are larger).
+_NONFINITE_BF16 = tl.constexpr(0x7F80)
+_NONFINITE_FP16 = tl.constexpr(0x7C00)
+_NONFINITE_FP32 = tl.constexpr(0x7F800000)
+
+
+@triton.jit
+def magnitude_bits(bits, SRC: tl.constexpr):
+    """Integer bits of a bf16, fp16 or fp32 element (SRC) -> the bits of its magnitude |x|, as
+    an int32 in the source's width.
+
+    Non-negative floats order as their bit patterns do, so the integer max of a row's
+    magnitude bits is the bits of its largest |x| (`widen` of it gives the value exactly), and
+    the row holds a non-finite element iff that max is >= `nonfinite_bits(SRC)`. Two integer
+    instructions a value (an and, a max) where a float max must also test every element for
+    inf and NaN, whose float max would drop a NaN."""
+    if SRC == FP32:
+        out = bits.to(tl.int32) & 0x7FFFFFFF
+    else:
+        out = bits.to(tl.int32) & 0x7FFF
+    return out
+
+
+@triton.jit
+def nonfinite_bits(SRC: tl.constexpr):
+    """The least `magnitude_bits` of a non-finite element of SRC (inf's bits)."""
+    if SRC == BF16:
+        out = _NONFINITE_BF16
+    elif SRC == FP16:
+        out = _NONFINITE_FP16
+    else:
+        out = _NONFINITE_FP32
+    return out
 
 
 @triton.jit
@@ -180,7 +226,10 @@ def quotient(x, shift, scale, recip):
     With x and the scale shifted (exact), q = x * recip is within 1.5 ulp of the quotient; the
     residual r = x - q * scale is exact in one fma, and q + r * recip, rounded once, is the
     correctly rounded quotient (Markstein's correction: `recip` correctly rounded, nothing
-    underflows). A zero residual keeps q, so -0.0 stays -0.0. Checked in C against fp32
+    underflows). The residual is computed negated (q * scale - x, then q - that * recip), which
+    keeps a zero quotient's sign with no test: -0.0 gives -0.0 + -(+0.0) * recip = -0.0 and +0.0
+    gives +0.0 + -(+0.0) * recip = +0.0 (the plain form gives +0.0 for both, and needed a compare
+    and a select a value). Checked in C against fp32
     division (`scripts/quotient_*.c`; in numpy in CI: `tests/kernels/test_quotient.py`): every fp32 x in
     [-448 s, 448 s] for 7 scales s (significands 1, 1 + 2**-23, 2 - 2**-23, ...), and 2.8e8
     random (x, s) with s from 2**-149 to 2**120 for each bound |x| <= 448 s, 127 s and 15 s
@@ -189,5 +238,5 @@ def quotient(x, shift, scale, recip):
     xs = x * shift[:, None]
     r = recip[:, None]
     q = xs * r
-    res = tl.fma(-q, scale[:, None], xs)
-    return tl.where(res == 0.0, q, tl.fma(res, r, q))
+    neg = tl.fma(q, scale[:, None], -xs)  # the residual, negated
+    return tl.fma(-neg, r, q)

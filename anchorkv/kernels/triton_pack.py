@@ -26,10 +26,12 @@ from anchorkv.kernels.bits import (
     FMT_INT4,
     FMT_RAW,
     fp8_encode,
+    magnitude_bits,
     narrow,
+    nonfinite_bits,
     quotient,
     reciprocals,
-    rne,
+    rne_bits,
     row_max,
     row_min,
     widen,
@@ -134,10 +136,9 @@ def _pack_kernel(
     #                       per value (the same bits; `RECIPROCAL`, for profile_kernels' A/B)
 ):
     i_t = tl.program_id(0)
-    pid_b = tl.program_id(1)  # item * N + block (32-bit: divided by N in 32 bits)
-    i_b = pid_b.to(tl.int64)
-    i_item = (pid_b // N).to(tl.int64)
-    i_n = (pid_b % N).to(tl.int64)
+    i_n = tl.program_id(1).to(tl.int64)  # the block (of the item's N)
+    i_item = tl.program_id(2).to(tl.int64)
+    i_b = i_item * N + i_n  # the (item, block) pair's place in the launch's outputs
     p_tab = tab + i_item * TAB_W
     b_base = tl.load(p_tab)
     b_bstride = tl.load(p_tab + 1)
@@ -150,35 +151,32 @@ def _pack_kernel(
     o_scale = i_b * GROUPS + o_grp  # its scale row in the launch's scales
 
     if FMT == FMT_INT4:
-        x = widen(tl.load(p_src, mask=m, other=0), SRC)
-        ok = tl.abs(x) < float("inf")
-        # one max and one min per group: a non-finite element makes the max +inf (the group is
-        # then poisoned, and lo/hi are not used); padding columns and rows stay out
-        hi = row_max(tl.where(m, tl.where(ok, x, float("inf")), -float("inf")))
-        bad = hi == float("inf")
+        b_x = tl.load(p_src, mask=m, other=0)
+        # a non-finite element poisons the group (one integer max: see the fp8/int8 branch);
+        # its elements are zeroed, so its codes, lo and min come out 0 (its scale is replaced)
+        bad = row_max(magnitude_bits(b_x, SRC)) >= nonfinite_bits(SRC)
+        x = widen(tl.where(bad[:, None], 0, b_x), SRC)
+        # one max and one min per group; padding columns and rows stay out
+        hi = row_max(tl.where(m, x, -float("inf")))
         lo = row_min(tl.where(m, x, float("inf")))
         # rows past the end: keep inf out of the arithmetic; a zero min is +0.0 (the reference)
-        lo = tl.where(m_grp & (lo != 0.0) & ~bad, lo, 0.0)
-        hi = tl.where(m_grp & ~bad, hi, 0.0)
+        lo = tl.where(m_grp & (lo != 0.0), lo, 0.0)
+        hi = tl.where(m_grp, hi, 0.0)
         scale = tl.math.div_rn(hi - lo, _INT4_LEVELS)
         scale = tl.where(scale == 0.0, 1.0, scale)
-        clean = tl.where(ok, x, 0.0)
         # split each group into its even and odd elements in registers: two codes a byte
-        c_even, c_odd = tl.split(tl.reshape(clean, (BLOCK_R, BLOCK_G // 2, 2)))
+        c_even, c_odd = tl.split(tl.reshape(x, (BLOCK_R, BLOCK_G // 2, 2)))
         o_half = tl.arange(0, BLOCK_G // 2).to(tl.int64)
         m = m_grp[:, None] & (o_half < G // 2)[None, :]
-        v_even = divide(c_even - lo[:, None], scale, RECIP)
-        v_odd = divide(c_odd - lo[:, None], scale, RECIP)
-        v_even = tl.where(v_even > _INT4_LEVELS, _INT4_LEVELS, tl.where(v_even < 0.0, 0.0, v_even))
-        v_odd = tl.where(v_odd > _INT4_LEVELS, _INT4_LEVELS, tl.where(v_odd < 0.0, 0.0, v_odd))
-        q = rne(v_even).to(tl.int32) | (rne(v_odd).to(tl.int32) << 4)
-        q = tl.where(bad[:, None], 0, q)
+        # (x >= lo: a quotient is >= +0.0, and only the upper clamp can bind)
+        v_even = tl.minimum(divide(c_even - lo[:, None], scale, RECIP), _INT4_LEVELS)
+        v_odd = tl.minimum(divide(c_odd - lo[:, None], scale, RECIP), _INT4_LEVELS)
+        q = (rne_bits(v_even) & 0xF) | ((rne_bits(v_odd) & 0xF) << 4)
         o_pay = tl.multiple_of(PAY0 + o_out // 2, OUT_ALIGN)  # two codes a byte
         tl.store(payload + o_pay[:, None] + o_half[None, :], q.to(tl.uint8), mask=m)
         s_bits = tl.where(bad, _POISON, scale.to(tl.int32, bitcast=True))
-        lo_bits = tl.where(bad, 0, lo.to(tl.int32, bitcast=True))
         tl.store(scales + SC0 + 2 * o_scale, s_bits, mask=m_grp)
-        tl.store(scales + SC0 + 2 * o_scale + 1, lo_bits, mask=m_grp)
+        tl.store(scales + SC0 + 2 * o_scale + 1, lo.to(tl.int32, bitcast=True), mask=m_grp)
     else:
         b_x = tl.load(p_src, mask=m, other=0)
         p_out = payload + tl.multiple_of(PAY0 + o_out, OUT_ALIGN)[:, None] + o_col[None, :]
@@ -187,14 +185,13 @@ def _pack_kernel(
         elif FMT == FMT_BF16:  # bf16 bits of each value, RNE, NaN canonical (as `narrow`)
             tl.store(p_out, narrow(widen(b_x, SRC), 0, HW_FP8), mask=m)
         else:
-            x = widen(b_x, SRC)
-            ok = tl.abs(x) < float("inf")
-            # one reduction per group: a non-finite element makes amax +inf and poisons the
-            # group (its scale and codes are then replaced; masked elements were loaded as 0)
-            amax = row_max(tl.where(ok, tl.abs(x), float("inf")))
-            bad = amax == float("inf")
-            amax = tl.where(bad, 0.0, amax)
-            clean = tl.where(ok, x, 0.0)
+            # one integer reduction per group: its largest magnitude's bits (`magnitude_bits`;
+            # masked elements were loaded as 0). A non-finite element poisons the group: its
+            # elements' bits are zeroed, so its codes come out 0 (its scale is replaced below)
+            top = row_max(magnitude_bits(b_x, SRC))
+            bad = top >= nonfinite_bits(SRC)
+            amax = widen(tl.where(bad, 0, top), SRC)
+            clean = widen(tl.where(bad[:, None], 0, b_x), SRC)
             if FMT == FMT_FP8:
                 scale = tl.math.div_rn(amax, _FP8_MAX)
                 scale = tl.where(scale == 0.0, 1.0, scale)
@@ -203,15 +200,13 @@ def _pack_kernel(
                     #         |v| past 448 gives 448, as the clamp below
                     q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
                 else:  # the interpreter's cast rounds wrongly on exponent carries
-                    v = tl.where(v > _FP8_MAX, _FP8_MAX, tl.where(v < -_FP8_MAX, -_FP8_MAX, v))
-                    q = fp8_encode(v)
+                    q = fp8_encode(tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX))
             else:
                 scale = tl.math.div_rn(amax, _INT8_MAX)
                 scale = tl.where(scale == 0.0, 1.0, scale)
-                v = divide(clean, scale, RECIP)
-                v = tl.where(v > _INT8_MAX, _INT8_MAX, tl.where(v < -_INT8_MAX, -_INT8_MAX, v))
-                q = rne(v).to(tl.int32) & 0xFF
-            q = tl.where(bad[:, None], 0, q)
+                # (a subnormal scale can leave |v| past 127: the clamp binds then)
+                v = tl.minimum(tl.maximum(divide(clean, scale, RECIP), -_INT8_MAX), _INT8_MAX)
+                q = rne_bits(v) & 0xFF
             tl.store(p_out, q.to(tl.uint8), mask=m)
             s_bits = tl.where(bad, _POISON, scale.to(tl.int32, bitcast=True))
             tl.store(scales + SC0 + o_scale, s_bits, mask=m_grp)
@@ -235,15 +230,17 @@ def block_g(cut: batch.FieldCut) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def launch_config(cut: batch.FieldCut, count: int, n: int) -> tuple[tuple[int, int], dict]:
+def launch_config(cut: batch.FieldCut, count: int, n: int) -> tuple[tuple[int, int, int], dict]:
     """(grid, keyword arguments) that the pack and unpack kernels share for `count` items of
-    `n` blocks each: the field cut, the format, the tile sizes, the launch options.
+    `n` blocks each: the field cut, the format, the tile sizes, the launch options. The grid is
+    (tiles of a block, block, item): a program reads its block and item from its ids, with no
+    division (a GPU has no integer divider: `pid // N` cost ~35 instructions a thread).
     Cached (the caller must not change the dict): a connector launches the same shapes every
     step."""
     bg = block_g(cut)
     br = batch.tile_rows(cut, bg)
-    grid = (triton.cdiv(cut.groups, br), count * n)
-    batch.grid_check(grid[0], grid[1])
+    grid = (triton.cdiv(cut.groups, br), n, count)
+    batch.grid_check(grid[0], n, count)
     return grid, dict(
         N=n,
         GROUPS=cut.groups,
@@ -351,6 +348,7 @@ class _Plan:
         whole tensors and their parts' offsets: no per-call slicing)."""
         payload = torch.empty(self.payload_bytes, dtype=torch.uint8, device=self.device)
         scales = torch.empty(self.scale_values, dtype=torch.float32, device=self.device)
+        scale_bits = scales.view(torch.int32)
         if self.tables is not None:
             self.tables.write(ids)
             tables = self.tables.stage(self.device)
@@ -363,16 +361,19 @@ class _Plan:
                     rows += (origin, stride, *ids[m])
                 rows_of.append((self.device, rows))
             tables = batch.stage_tables(rows_of)
-        scale_bits = scales.view(torch.int32)
         views: dict[torch.dtype, torch.Tensor] = {}
-        for k, table in zip(self.order, tables, strict=True):
-            launch = self.launches[k]
-            dtype = batch.payload_dtype(launch.cut)
-            pay = views.get(dtype)
-            if pay is None:
-                pay = views[dtype] = payload.view(dtype)
-            assert launch.launcher is not None  # (made for every launch that runs)
-            launch.launcher(_pack_kernel, tab=table, payload=pay, scales=scale_bits)
+        try:
+            for k, table in zip(self.order, tables, strict=True):
+                launch = self.launches[k]
+                dtype = batch.payload_dtype(launch.cut)
+                pay = views.get(dtype)
+                if pay is None:
+                    pay = views[dtype] = payload.view(dtype)
+                assert launch.launcher is not None  # (made for every launch that runs)
+                launch.launcher(_pack_kernel, tab=table, payload=pay, scales=scale_bits)
+        finally:  # (after whatever was issued: the tables' buffers are free once it has run)
+            if self.tables is not None:
+                self.tables.release()
         return payload, scales
 
     def run(self, ids: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:

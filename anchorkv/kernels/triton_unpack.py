@@ -57,9 +57,8 @@ def _unpack_kernel(
     HW_FP8: tl.constexpr,  # the GPU's own converts (sm_89+): fp8 decode and bf16 rounding
 ):
     i_t = tl.program_id(0)
-    pid_b = tl.program_id(1)  # item * N + block (32-bit: divided by N in 32 bits)
-    i_item = (pid_b // N).to(tl.int64)
-    i_n = (pid_b % N).to(tl.int64)
+    i_n = tl.program_id(1).to(tl.int64)  # the block (of the item's N)
+    i_item = tl.program_id(2).to(tl.int64)
     p_tab = tab + i_item * TAB_W
     b_base = tl.load(p_tab)
     b_bstride = tl.load(p_tab + 1)
@@ -225,17 +224,20 @@ class _SetPlan:
     def launch(self, packed, ids: Sequence[Sequence[int]]) -> None:
         """Decode `packed` (checked by the caller against `layout`, 16-byte aligned) into the
         targets' blocks `ids`."""
+        scales = packed.scales.view(torch.int32) if packed.scales.numel() else self.no_scales
         self.tables.write(ids)
         tables = self.tables.stage(self.device)
-        scales = packed.scales.view(torch.int32) if packed.scales.numel() else self.no_scales
         payloads: dict[torch.dtype, torch.Tensor] = {}
-        for (launch, align), table in zip(self.launches, tables, strict=True):
-            dtype = batch.payload_dtype(launch.cut)
-            payload = payloads.get(dtype)
-            if payload is None:
-                payload = payloads[dtype] = packed.payload.view(dtype)
-            assert launch.launcher is not None  # (made for every launch that runs)
-            launch.launcher(_unpack_kernel, tab=table, payload=payload, scales=scales, IN_ALIGN=align)
+        try:
+            for (launch, align), table in zip(self.launches, tables, strict=True):
+                dtype = batch.payload_dtype(launch.cut)
+                payload = payloads.get(dtype)
+                if payload is None:
+                    payload = payloads[dtype] = packed.payload.view(dtype)
+                assert launch.launcher is not None  # (made for every launch that runs)
+                launch.launcher(_unpack_kernel, tab=table, payload=payload, scales=scales, IN_ALIGN=align)
+        finally:  # (after whatever was issued: the tables' buffers are free once it has run)
+            self.tables.release()
 
 
 def _build(items: Sequence[UnpackItem], ids: list[tuple[int, ...]]) -> list[_Launch]:

@@ -44,9 +44,12 @@ _MEM = re.compile(r"\b(ld|st)\.global((?:\.[A-Za-z0-9_:]+)*?)(?:\.v(\d))?\.([bfs
 #: PTX instructions counted per specialization (`ops`): 64-bit integer division and remainder (a
 #: called routine of dozens of instructions on a GPU, which has no integer divider) and the
 #: hardware converts the kernels use on sm_89+ (fp8 encode and decode, fp32 -> bf16), fp32
-#: divisions (one per row and scale, not per value: `bits.quotient`).
+#: divisions (one per row and scale, not per value: `bits.quotient`), and what a quantizing
+#: pack no longer does per value: float-to-integer converts (`bits.rne_bits`), float absolute
+#: values and compares (`bits.magnitude_bits`, the quotient's signed zero), counted as
+#: `setp.f32` whatever the comparison.
 _OPS = re.compile(r"\b(?:(?:div|rem)\.[su]64|cvt\.rn\.satfinite\.e4m3x2\.f32|cvt\.rn\.f16x2\.e4m3x2"
-                  r"|cvt\.rn\.bf16(?:x2)?\.f32|div\.rn\.f32)\b")
+                  r"|cvt\.rn\.bf16(?:x2)?\.f32|div\.rn\.f32|cvt\.rzi\.s32\.f32|abs\.f32|setp\.[a-z]+\.f32)\b")
 
 
 def _layouts():
@@ -232,7 +235,7 @@ def _compile(args) -> dict:
     for m in _MEM.finditer(ptx):
         kind, _, vec, _, bits = m.groups()
         accesses[f"{kind}.v{vec}.b{bits}" if vec else f"{kind}.b{bits}"] += 1
-    ops = Counter(m.group(0) for m in _OPS.finditer(ptx))
+    ops = Counter(re.sub(r"^setp\.[a-z]+", "setp", m.group(0)) for m in _OPS.finditer(ptx))
     return dict(accesses), dict(ops)
 
 

@@ -86,7 +86,7 @@ def test_pack_many_uses_one_launch_per_signature(monkeypatch):
     class Counting:  # the kernel, recording how many items each launch covers
         def __getitem__(self, grid):
             def launch(**kwargs):
-                calls.append(grid[1] // kwargs["N"])
+                calls.append(grid[2])
                 return real[grid](**kwargs)
             return launch
 
@@ -104,7 +104,7 @@ def _recording(real, calls, region):
     class Recording:
         def __getitem__(self, grid):
             def launch(**kwargs):
-                calls.append(grid[1] * kwargs["NUMEL"] * kwargs[region].element_size())
+                calls.append(grid[1] * grid[2] * kwargs["NUMEL"] * kwargs[region].element_size())
                 return real[grid](**kwargs)
             return launch
 

@@ -61,33 +61,131 @@ def test_item_tables_cross_in_one_pinned_non_blocking_copy(monkeypatch):
     assert [t.storage_offset() % 2 for t in tables] == [0, 0, 0]
 
 
-def test_a_sets_tables_cross_in_one_pinned_non_blocking_copy(monkeypatch):
-    """`batch.TableArray` (the tables of a PackSet's or UnpackSet's plan): the fixed columns are
-    laid out once, a call writes each slot's ids into its members' rows, and on CUDA the array
-    crosses in one non_blocking copy of a page-locked copy; every table starts 16-byte aligned."""
-    calls = []
+class _Event:
+    """Stands for a `torch.cuda.Event`: `record` marks it pending until the test completes it."""
 
-    def fake_pin(self):
-        calls.append(("pin", self.numel()))
-        return self.clone()  # (a copy, as pin_memory makes: the next call rewrites the array)
+    def __init__(self, log):
+        self.log, self.done = log, True
 
-    def fake_to(self, *args, **kwargs):
-        calls.append(("to", args, kwargs))
-        return self
+    def record(self, stream):
+        self.log.append(("record", self, stream))
+        self.done = False
 
+    def query(self):
+        return self.done
+
+
+def _ring_tables(monkeypatch):
+    """A set's `TableArray` (two launches; items 0 and 2 read slot 0, 1 and 3 slot 1) with a
+    `TableRing` of CPU stand-ins for its page-locked and device buffers, events and stream;
+    `log` records allocations, copies (with their keywords) and event records."""
+    log: list = []
     tables = batch.TableArray([([(10, 11), (12, 13), (14, 15)], [0, 1, 2], 1), ([(20, 21, 22)], [3], 1)],
                               slots=[0, 1, 0, 1])
-    tables.write([(1,), (3,), (1,), (5,)])
-    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
-    monkeypatch.setattr(torch.Tensor, "to", fake_to)
     cuda = torch.device("cuda", 0)
+
+    def alloc(size):
+        log.append(("alloc", size))
+        return torch.full((size,), -1, dtype=torch.int64), torch.full((size,), -1, dtype=torch.int64)
+
+    tables.ring = batch.TableRing(tables.array.size, tables.segments, cuda, alloc=alloc,
+                                  event=lambda: _Event(log), stream=lambda: "side stream")
+    real_copy = torch.Tensor.copy_
+
+    def copy_(self, src, **kwargs):
+        log.append(("copy", kwargs))
+        return real_copy(self, src, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pytest.fail("a pinned allocation"))
+    return tables, cuda, log
+
+
+def test_a_sets_tables_cross_from_its_own_page_locked_buffers(monkeypatch):
+    """`batch.TableArray` (the tables of a PackSet's or UnpackSet's plan): the fixed columns are
+    laid out once, a call writes each slot's ids into its members' rows, and on CUDA the array
+    crosses in one non_blocking copy from a page-locked buffer of the set's `TableRing` into
+    the slot's device buffer: no allocation per call; every table starts 16-byte aligned; the
+    slot's event is recorded on the current stream when the launches are issued."""
+    tables, cuda, log = _ring_tables(monkeypatch)
+    ring = tables.ring
+    assert log.count(("alloc", 14)) == batch.TableRing.SLOTS  # 9 + 1 padding + 4, made once
+    log.clear()
+    tables.write([(1,), (3,), (1,), (5,)])
     first, second = tables.stage(cuda)
-    assert calls == [("pin", 14), ("to", (cuda,), {"non_blocking": True})]  # 9 + 1 padding + 4
+    assert log == [("copy", {"non_blocking": True})]
     assert first.tolist() == [10, 11, 1, 12, 13, 3, 14, 15, 1] and second.tolist() == [20, 21, 22, 5]
     assert [t.storage_offset() % 2 for t in (first, second)] == [0, 0]
-    tables.write([(0,), (2,), (0,), (3,)])  # the next call: only the ids change
+    assert first.data_ptr() == ring.devices[0].data_ptr()  # the slot's own device buffer
+    tables.release()
+    assert log[-1] == ("record", ring.events[0], "side stream")
+    tables.write([(0,), (2,), (0,), (3,)])  # the next call: only the ids change, in the next slot
     assert tables.array.tolist()[:9] == [10, 11, 0, 12, 13, 2, 14, 15, 0]
-    assert first.tolist()[2] == 1  # what the earlier call staged is a copy
+    again, _ = tables.stage(cuda)
+    assert again.tolist() == [10, 11, 0, 12, 13, 2, 14, 15, 0]
+    assert first.tolist()[2] == 1  # what the earlier call staged is not overwritten
+    assert again.data_ptr() == ring.devices[1].data_ptr() and ring.fallbacks == 0
+
+
+def test_a_busy_slot_is_never_written_the_call_takes_torchs_allocators(monkeypatch):
+    """A slot is written again only once the event of its last use has completed; a call that
+    finds it pending (or staged and never released) does not wait: it stages through torch's
+    page-locked and device allocators, and the busy slot keeps its bytes."""
+    tables, cuda, log = _ring_tables(monkeypatch)
+    ring = tables.ring
+    staged = []
+    for k in range(batch.TableRing.SLOTS):
+        tables.write([(k,), (k,), (k,), (k,)])
+        staged.append(tables.stage(cuda)[0])
+        if k != 1:
+            tables.release()  # slot 1: staged, never released (its launches raised)
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self.clone())
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **kw: calls.append(("to", a, kw)) or self)
+    tables.write([(7,), (7,), (7,), (7,)])
+    fallback, _ = tables.stage(cuda)  # slot 0's event is still pending
+    assert calls == ["pin", ("to", (cuda,), {"non_blocking": True})] and ring.fallbacks == 1
+    assert fallback.tolist()[2] == 7 and staged[0].tolist()[2] == 0  # slot 0 untouched
+    tables.release()  # (nothing of the ring's to record)
+    ring.events[0].done = True
+    tables.write([(8,), (8,), (8,), (8,)])
+    assert tables.stage(cuda)[0].data_ptr() == ring.devices[0].data_ptr()  # complete: reused
+    tables.release()
+    tables.write([(9,), (9,), (9,), (9,)])
+    tables.stage(cuda)  # slot 1: staged and never released, skipped
+    assert ring.fallbacks == 2 and staged[1].tolist()[2] == 1
+
+
+@pytest.mark.parametrize("op", ["pack", "unpack"])
+def test_a_plans_tables_are_released_even_when_a_launch_raises(monkeypatch, op):
+    """Each set call releases its staged tables after its launches, also when one raises (the
+    slot is then free once what was issued has run)."""
+    from anchorkv.kernels import triton_pack, triton_unpack
+    from tests.kernels.test_batched import BLOCKS, _page, _regions
+
+    monkeypatch.setenv("ANCHORKV_BACKEND", "triton")
+    conv, recurrent, _ = _page()
+    regions = _regions(2, seed=3)
+    targets = [PackTarget(b, f, BLOCKS, CodecSpec.parse("int8:16")) for b in regions for f in (conv, recurrent)]
+    slots = [0, 0, 0, 0]
+    packed = PackSet(targets, slots).pack([(1,)])
+    released = []
+    monkeypatch.setattr(batch.TableArray, "release", lambda self: released.append(self))
+
+    class Failing:
+        def __getitem__(self, grid):
+            def launch(**kwargs):
+                raise RuntimeError("launch failed")
+            return launch
+
+    module = triton_pack if op == "pack" else triton_unpack
+    monkeypatch.setattr(module, f"_{op}_kernel", Failing())
+    with pytest.raises(RuntimeError, match="launch failed"):
+        if op == "pack":
+            PackSet(targets, slots).pack([(2,)])
+        else:
+            UnpackSet(targets, slots).unpack(packed, [(2,)])
+    assert len(released) == 1
 
 
 def test_cpu_tables_are_not_copied(monkeypatch):

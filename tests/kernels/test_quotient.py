@@ -47,8 +47,8 @@ def quotient(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
     recip = (F32(1) / shifted).astype(F32)
     xs = (x * shift).astype(F32)
     q = (xs * recip).astype(F32)
-    res = fma32(-q, shifted, xs)
-    return np.where(res == 0, q, fma32(res, recip, q)).astype(F32)
+    neg = fma32(q, shifted, -xs)  # the residual, negated
+    return fma32(-neg, recip, q)
 
 
 def _mismatches(x: np.ndarray, scale: np.ndarray) -> np.ndarray:

@@ -88,6 +88,25 @@ def test_quantizing_packs_divide_once_a_row_not_once_a_value(compiled):
             assert divs <= 2 * values, (s["labels"][0], divs, values)
 
 
+def test_quantizing_packs_test_and_convert_rows_not_values(compiled):
+    """What a quantizing pack does per value, besides its arithmetic, is gone: a group's
+    largest magnitude and whether it is finite come from an integer max of the values'
+    magnitude bits (`bits.magnitude_bits`: no float abs, no compare against inf per value),
+    int8 and int4 codes are the low bits of the rounding add (`bits.rne_bits`: no
+    float-to-integer convert), and the quotient keeps a zero's sign without a test. So no
+    `abs.f32` nor `cvt.rzi.s32.f32`, and float compares per row: at most one a value (fp8 and
+    int8: 3 for 16 values), int4's at most four for each of a thread's rows, which a strided last
+    axis (the DS conv layout) makes one a value. Before: 2.25 compares a value (fp8), 4.25
+    (int8), 6.5 to 12 (int4)."""
+    _, specs = compiled
+    quant = [s for s in specs if s["op"] == "pack" and s["fmt"] in ("fp8", "int8", "int4")]
+    for s in quant:
+        ops, label, values = s["ops"], s["labels"][0], s["values_per_thread"]
+        assert not ops.get("abs.f32") and not ops.get("cvt.rzi.s32.f32"), (label, ops)
+        bound = 4 * values if s["fmt"] == "int4" and not s["contig"] else values
+        assert ops.get("setp.f32", 0) <= bound, (label, ops.get("setp.f32"), values)
+
+
 def test_direct_launches_pass_the_jit_argument_list(compiled):
     """For every specialization, a `kernels.launch.Launcher` names every kernel parameter, and
     its list (`arg_names` order) is the one triton's binder makes for `JITFunction.run`; only
