@@ -257,9 +257,11 @@ class WorkerSide:
         t0 = time.perf_counter()
         packed = packing.packed
         try:
+            # the parts' views first: they read no byte, so they are cut while the copies run
+            # (~0.15 ms of the writer's time for a Kimi-Linear request, after the copies before)
+            host = self._host_parts(spec, packed)
             if packing.ready is not None:
                 packing.ready.synchronize()  # the pinned host copies are complete
-            host = self._host_parts(spec, packed)
             # one reduction over the batch; a count per (trimmed) part only if it finds a NaN
             poisoned = sum(p.poisoned_groups() for p in host.values()) if packed.may_hold_nan() else 0
             if poisoned:

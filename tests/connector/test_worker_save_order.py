@@ -173,3 +173,26 @@ def test_saves_reuse_one_host_buffer_and_store_its_bytes(recorded):
         assert torch.equal(got.payload, want.payload) and torch.equal(got.scales, want.scales), (name, fname)
     before = _stored(w, store, specs[2], layer, "latent")
     assert not torch.equal(before.payload, _stored(w, store, _spec(tokens, "r3", salt=3000), layer, "latent").payload)
+
+
+def test_the_writer_cuts_the_parts_before_waiting_for_the_copies(recorded, monkeypatch):
+    """The writer's views of a save (`_host_parts`: no byte read) are made while the host copies
+    run; only the NaN check and the store wait for them."""
+    w, log, store, tokens = recorded
+    host_parts = w._host_parts
+    monkeypatch.setattr(w, "_host_parts", lambda *a: (log.append(("writer", "cuts the parts")), host_parts(*a))[1])
+    synchronize = _Event.synchronize
+    monkeypatch.setattr(_Event, "synchronize", lambda self: (log.append(("writer", "waits for", self.name)),
+                                                             synchronize(self))[1])
+    _Event.gate.clear()
+    w.save(Metadata(saves=[_spec(tokens)]))
+    _, ready = _Event.made
+    for _ in range(200):  # the writer thread: cut, then wait (held at the gate)
+        if ("writer", "waits for", ready.name) in log:
+            break
+        threading.Event().wait(0.01)
+    writer = [e for e in log if e[0] == "writer"]
+    assert writer == [("writer", "cuts the parts"), ("writer", "waits for", ready.name)], writer
+    _Event.gate.set()
+    w.flush()
+    assert len(list(store.store.list())) == 1 and w.stats.take().get("saves") == 1
