@@ -134,3 +134,20 @@ def test_save_stages_are_measured_parsed_and_reported(capsys):
                             "save + flush", "d2h copy"]
         assert all(v > 0 for v in ms.values())
         assert ms["_pack returns"] <= ms["cache read"] <= ms["host copies done"]
+
+
+def test_a_stream_rows_time_is_per_call():
+    """`bench_kernels`' `stream` provider times ten `set` calls a round: its row takes the
+    per-call median the benchmark recorded, and is held to the targets like `set`."""
+    base = {"op": "pack", "tp": 1, "backend": "triton", "source_bytes": 10**8, "packed_bytes": 4 * 10**7,
+            "copy_gbps": 2000.0}
+    steps = {"kernels": {"benchmarks": [
+        {"name": "set", "median_s": 2e-4, "extra_info": base | {"provider": "set", "median_s": 2e-4,
+                                                               "gbps": 700.0, "ratio_vs_copy": 0.35}},
+        {"name": "stream", "median_s": 1e-3, "extra_info": base | {"provider": "stream", "median_s": 1e-4,
+                                                                  "gbps": 1400.0, "ratio_vs_copy": 0.7}},
+    ]}}
+    rows = {r["provider"]: r for r in gpu_validate.results(steps)}
+    assert rows["stream"]["median_s"] == 1e-4 and rows["set"]["median_s"] == 2e-4
+    met = {t["target"]: t["met"] for t in gpu_validate.targets(list(rows.values()), on_gpu=True)}
+    assert met == {"pack tp=1: set >= 0.85 x device copy": False, "pack tp=1: stream >= 0.85 x device copy": False}
