@@ -247,7 +247,7 @@ class Unpacker:
 @dataclass(frozen=True)
 class PackedParts:
     """The result of one `Packer.pack`: the built-in codecs' parts in one `kernels.PackedBatch`
-    (two allocations), the custom codecs' as `Packed`; `packed()` lists every part in order."""
+    (one allocation), the custom codecs' as `Packed`; `packed()` lists every part in order."""
 
     metas: tuple[_PartMeta, ...]
     slot_lens: tuple[int, ...]  # blocks packed, per slot
@@ -261,7 +261,7 @@ class PackedParts:
 
     def to_host(self, *, pin: bool = True, host: torch.Tensor | None = None) -> PackedParts:
         """The parts in host memory, copied asynchronously on the current stream (into
-        page-locked memory with `pin`): two copies for all the built-in codecs' parts, two per
+        page-locked memory with `pin`): one copy for all the built-in codecs' parts, two per
         custom part. Itself when everything is on the host already. With `host` (a uint8
         buffer of at least `host_bytes`, page-locked: see `HostPool`) the built-in codecs'
         parts are copied into it (`kernels.PackedBatch.copy_into`) instead of new tensors."""

@@ -200,7 +200,7 @@ class WorkerSide:
 
     def _pack(self, spec: SaveSpec) -> _Packing:
         """Pack every (layer, field) of the request in a few launches; on CUDA, on the side
-        stream after the forward pass, then copy the packed bytes there too, in two copies, into
+        stream after the forward pass, then copy the packed bytes there too, in one copy, into
         a page-locked buffer of the worker's `HostPool` (reused save after save: no pinned
         allocation per save). Returns the packed parts, the buffer, and two events (None on a
         CPU): `read`, the cache blocks are read (the step's stream waits for it, and a finished

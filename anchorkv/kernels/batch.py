@@ -375,7 +375,7 @@ def group_items(keys: Sequence[tuple]) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """Where the parts of a batch of items lie in its two allocations (a `PackedBatch`): the
+    """Where the parts of a batch of items lie in its two tensors (a `PackedBatch`): the
     items grouped by signature (`group_items`: one launch each), each group's payload starting
     16-byte aligned and its scales at a multiple of 4 values, its items in order within it.
     It depends only on the items' fields, codecs and block counts, never on the backend, so a
@@ -499,6 +499,16 @@ def payload_dtype(cut: FieldCut) -> torch.dtype:
     if cut.fmt is Quant.BF16:
         return torch.int16
     return torch.uint8
+
+
+def batch_tensors(payload_bytes: int, scale_values: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(whole, payload, scales) of a new batch: one allocation of `host_bytes`, the payload
+    (uint8) at its start and the scales (fp32) at the next 16-byte boundary. One allocation
+    per call instead of two, and one copy to the host instead of two."""
+    scales_at = -(-payload_bytes // VECTOR_BYTES) * VECTOR_BYTES
+    whole = torch.empty(scales_at + 4 * scale_values, dtype=torch.uint8, device=device)
+    return (whole, whole.narrow(0, 0, payload_bytes),
+            whole.narrow(0, scales_at, 4 * scale_values).view(torch.float32))
 
 
 class TableArray:

@@ -54,7 +54,7 @@ class UnpackItem:
 
 @dataclass(frozen=True)
 class Span:
-    """Where one item's outputs lie in a call's two allocations: its payload bytes
+    """Where one item's outputs lie in a call's two output tensors: its payload bytes
     `[payload_at, payload_at + payload_bytes)` of the uint8 payload, and its `scale_rows` x
     `columns` scales from fp32 element `scales_at` (`columns` 0: no scales, raw and bf16)."""
 

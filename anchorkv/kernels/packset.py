@@ -4,10 +4,10 @@ A connector packs the same (layer, field) pairs of its cache at every step that 
 changes is which blocks. `pack_many` re-derives everything from its items on every call (keys,
 plan lookup, one output view per item); a `PackSet` fixes its targets once, so a call is: check
 the ids (once per slot), find the plan by the slots' lengths, stage the item tables, launch. Its
-result, a `PackedBatch`, is the call's two allocations (every payload in one uint8 tensor,
-every scale in one fp32 tensor) and where each target's part lies: it crosses to the host in two
-copies, and per-target views are made only when someone asks for them (on a writer thread, off
-the step's critical path).
+result, a `PackedBatch`, is the call's one allocation (every payload in one uint8 view of it,
+every scale in one fp32 view after them) and where each target's part lies: it crosses to the
+host in one copy, and per-target views are made only when someone asks for them (on a writer
+thread, off the step's critical path).
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ class PackedBatch:
     #: (start, length) runs of `scales` that hold the parts' scales; between them, alignment
     #: padding no kernel writes
     scale_runs: tuple[tuple[int, int], ...] = ()
+    #: the one allocation (uint8, `host_bytes` long) that `payload` and `scales` are views of,
+    #: the payload at its start and the scales at the next 16-byte boundary (`batch.batch_tensors`),
+    #: or None when they are two tensors; with it, a batch crosses to the host in one copy
+    whole: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.spans)
@@ -78,9 +82,18 @@ class PackedBatch:
         return self.copy_into(host) if host is not None else self.copy_to_host(pin=pin)
 
     def copy_to_host(self, *, pin: bool) -> PackedBatch:
-        """`to_host` without the shortcut: always two new host tensors."""
+        """`to_host` without the shortcut: always new host memory (one copy of `whole`, or two
+        new tensors)."""
+        if self.whole is not None:
+            return self._in(host_copy(self.whole, pin=pin))
         return PackedBatch(host_copy(self.payload, pin=pin), host_copy(self.scales, pin=pin), self.spans,
                            self.scale_runs)
+
+    def _in(self, whole: torch.Tensor) -> PackedBatch:
+        """The batch laid out in `whole` (uint8, `host_bytes` long, as `batch.batch_tensors` lays it)."""
+        payload = whole.narrow(0, 0, self.payload.numel())
+        scales = whole.narrow(0, self._scales_at(), self.scales.nbytes).view(torch.float32)
+        return PackedBatch(payload, scales, self.spans, self.scale_runs, whole)
 
     @property
     def host_bytes(self) -> int:
@@ -93,22 +106,26 @@ class PackedBatch:
 
     def copy_into(self, host: torch.Tensor) -> PackedBatch:
         """The batch in `host` (uint8, 1-D, contiguous, at least `host_bytes`, on the CPU):
-        the payload at its start and the scales at the next 16-byte boundary, two asynchronous
-        copies on the current stream (page-locked `host`: a copy into pageable memory blocks the
-        CPU until the stream drains). A caller that reuses its buffers save after save skips
-        torch's pinned allocations; the bytes are there once the stream has passed this point."""
+        the payload at its start and the scales at the next 16-byte boundary: one asynchronous
+        copy on the current stream when the batch is one allocation (`whole`), else two
+        (page-locked `host`: a copy into pageable memory blocks the CPU until the stream
+        drains). A caller that reuses its buffers save after save skips torch's pinned
+        allocations; the bytes are there once the stream has passed this point."""
         need = self.host_bytes
         if (host.dtype != torch.uint8 or host.dim() != 1 or not host.is_contiguous() or host.device.type != "cpu"
                 or host.numel() < need):
             raise ValueError(f"copy_into needs a contiguous 1-D uint8 CPU tensor of at least {need} bytes, found "
                              f"{host.dtype} {list(host.shape)} on {host.device}")
-        payload = host.narrow(0, 0, self.payload.numel())
-        scales = host.narrow(0, self._scales_at(), self.scales.nbytes).view(torch.float32)
-        if payload.numel():
-            payload.copy_(self.payload, non_blocking=True)
-        if scales.numel():
-            scales.copy_(self.scales, non_blocking=True)
-        return PackedBatch(payload, scales, self.spans, self.scale_runs)
+        out = self._in(host.narrow(0, 0, need))
+        if self.whole is not None:  # one allocation: one copy (the padding between rides along)
+            if need:
+                out.whole.copy_(self.whole, non_blocking=True)  # type: ignore[union-attr]
+            return out
+        if out.payload.numel():
+            out.payload.copy_(self.payload, non_blocking=True)
+        if out.scales.numel():
+            out.scales.copy_(self.scales, non_blocking=True)
+        return out
 
 
 @dataclass(frozen=True)
@@ -238,7 +255,7 @@ class PackSet(_TargetSet):
     kernels run (one plan per distinct
     tuple of slot lengths, kept while the set lives: regions stay aliased by the plan, so their
     addresses are never reused); elsewhere the reference packs each target and the parts are
-    gathered into the batch's two allocations. Either way, part i equals
+    gathered into the batch's tensors. Either way, part i equals
     `kernels.pack(PackItem(target.buffer, target.field, ids, target.num_blocks, target.spec))`,
     and the parts lie where `batch.batch_layout` says (an `UnpackSet` of the same targets takes
     the batch as it is).
@@ -254,19 +271,18 @@ class PackSet(_TargetSet):
 
         # keyed by the slots' lengths: the targets' lengths follow from them
         plan = self._plans.find(lens, lambda: _Plan(self.targets, self._lens(lens), self.slots))
-        payload, scales = plan.launch(ids)
-        return PackedBatch(payload, scales, plan.spans, plan.scale_runs)
+        whole, payload, scales = plan.launch(ids)
+        return PackedBatch(payload, scales, plan.spans, plan.scale_runs, whole)
 
     def _reference(self, lens: tuple[int, ...], ids: list[tuple[int, ...]]) -> PackedBatch:
         layout = self._plans.find(lens, lambda: batch.batch_layout(self.targets, self._lens(lens)))
-        payload = torch.empty(layout.payload_bytes, dtype=torch.uint8, device=self.device)
-        scales = torch.empty(layout.scale_values, dtype=torch.float32, device=self.device)
+        whole, payload, scales = batch.batch_tensors(layout.payload_bytes, layout.scale_values, self.device)
         for t, i, span in zip(self.targets, ids, layout.spans, strict=True):
             p, s = reference.pack(PackItem(t.buffer, t.field, i, t.num_blocks, t.spec))
             payload.narrow(0, span.payload_at, span.payload_bytes).copy_(p.reshape(-1))
             if span.columns:
                 scales.narrow(0, span.scales_at, span.scale_rows * span.columns).copy_(s.reshape(-1))
-        return PackedBatch(payload, scales, layout.spans, layout.scale_runs)
+        return PackedBatch(payload, scales, layout.spans, layout.scale_runs, whole)
 
 
 class UnpackSet(_TargetSet):

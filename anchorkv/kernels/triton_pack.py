@@ -342,12 +342,12 @@ class _Plan:
         self.tables = None if slots is None else batch.TableArray(
             [(launch.static, launch.members, launch.n) for launch in (self.launches[k] for k in self.order)], slots)
 
-    def launch(self, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pack the items' blocks `ids` (checked by the caller): the call's payload (uint8) and
-        scales (fp32) allocations, each item's part where `spans` says (the launches take the
-        whole tensors and their parts' offsets: no per-call slicing)."""
-        payload = torch.empty(self.payload_bytes, dtype=torch.uint8, device=self.device)
-        scales = torch.empty(self.scale_values, dtype=torch.float32, device=self.device)
+    def launch(self, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pack the items' blocks `ids` (checked by the caller): the call's one allocation and
+        its payload (uint8) and scales (fp32) views (`batch.batch_tensors`), each item's part
+        where `spans` says (the launches take the whole tensors and their parts' offsets: no
+        per-call slicing)."""
+        whole, payload, scales = batch.batch_tensors(self.payload_bytes, self.scale_values, self.device)
         scale_bits = scales.view(torch.int32)
         if self.tables is not None:
             self.tables.write(ids)
@@ -374,11 +374,11 @@ class _Plan:
         finally:  # (after whatever was issued: the tables' buffers are free once it has run)
             if self.tables is not None:
                 self.tables.release()
-        return payload, scales
+        return whole, payload, scales
 
     def run(self, ids: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`launch`, then one (payload, scales) view per item, in item order."""
-        payload, scales = self.launch(ids)
+        _, payload, scales = self.launch(ids)
         out: list = [None] * self.count
         for launch in self.launches:
             pay = payload.narrow(0, launch.pay_at, launch.payload_bytes)

@@ -100,23 +100,38 @@ def test_a_plan_per_length_tuple_is_reused_and_the_oldest_evicted(monkeypatch):
     assert ps._plans.keys() == [(1, 1), (1, 2)]  # keyed by the slots' lengths
 
 
-def test_batch_buffers_and_views():
-    """Parts are views of the batch's two allocations, at 16-byte aligned launch starts."""
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_batch_buffers_and_views(monkeypatch, backend):
+    """A batch is one allocation (`whole`, `host_bytes` long): the payload at its start, the
+    scales at the next 16-byte boundary; parts are views of it, at 16-byte aligned launch starts."""
+    monkeypatch.setenv("ANCHORKV_BACKEND", backend)
     targets, slots = _set(_regions(2, seed=4), CODEC_SETS[0])
     batch = PackSet(targets, slots).pack([(1,), (3, 4)])
     assert batch.payload.dim() == 1 and batch.payload.dtype == torch.uint8
     assert batch.scales.dim() == 1 and batch.scales.dtype == torch.float32
+    whole = batch.whole
+    assert whole is not None and whole.dtype == torch.uint8 and whole.numel() == batch.host_bytes
+    assert batch.payload.data_ptr() == whole.data_ptr()
+    assert batch.scales.data_ptr() == whole.data_ptr() + -(-batch.payload.nbytes // 16) * 16
     for k in range(len(batch)):
         payload, scales = batch.part(k)
-        assert payload.untyped_storage().data_ptr() == batch.payload.untyped_storage().data_ptr()
+        assert payload.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
         if scales.numel():
-            assert scales.untyped_storage().data_ptr() == batch.scales.untyped_storage().data_ptr()
+            assert scales.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
     assert [p for p, _ in batch.parts()][0].numel() == batch.spans[0].payload_bytes
 
 
-def test_copy_to_host_is_two_copies_of_exact_bytes(monkeypatch):
+def _two_tensors(batch: PackedBatch) -> PackedBatch:
+    """The same batch in two allocations (as a restore fills one, or an older caller made it)."""
+    return PackedBatch(batch.payload.clone(), batch.scales.clone(), batch.spans, batch.scale_runs)
+
+
+@pytest.mark.parametrize("alloc", ["whole", "two"])
+def test_copy_to_host_is_one_copy_a_allocation_of_exact_bytes(monkeypatch, alloc):
     targets, slots = _set(_regions(2, seed=5), CODEC_SETS[0])
     batch = PackSet(targets, slots).pack([(2,), (5, 4)])
+    if alloc == "two":
+        batch = _two_tensors(batch)
     copies = []
     real_copy = torch.Tensor.copy_
 
@@ -126,7 +141,8 @@ def test_copy_to_host_is_two_copies_of_exact_bytes(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "copy_", counting)
     host = batch.copy_to_host(pin=False)
-    assert copies == [True, True], "one non_blocking copy per allocation"
+    want = [True] if alloc == "whole" else [True, True]
+    assert copies == want, "one non_blocking copy per allocation"
     assert host.payload.data_ptr() != batch.payload.data_ptr()
     assert host.payload.device.type == "cpu" and host.scales.device.type == "cpu"
     assert torch.equal(host.payload, batch.payload.cpu()) and torch.equal(host.scales.view(torch.int32),
@@ -166,12 +182,16 @@ def test_cuts_refuse_overlapping_or_overflowing_parts():
         packset._cuts([(0, 12)], 10)
 
 
-def test_copy_into_fills_one_buffer_payload_then_aligned_scales(monkeypatch):
-    """`copy_into` (the worker's reused pinned buffers): two non_blocking copies into views of
-    the given buffer, the payload at 0 and the scales at the next 16-byte boundary, every part
-    byte-equal; bytes past `host_bytes` untouched; a buffer that cannot hold it is refused."""
+@pytest.mark.parametrize("alloc", ["whole", "two"])
+def test_copy_into_fills_one_buffer_payload_then_aligned_scales(monkeypatch, alloc):
+    """`copy_into` (the worker's reused pinned buffers): the payload at 0 and the scales at the
+    next 16-byte boundary of the given buffer, in one non_blocking copy of a one-allocation
+    batch (two for two tensors), every part byte-equal; bytes past `host_bytes` untouched; a
+    buffer that cannot hold it is refused."""
     targets, slots = _set(_regions(2, seed=6), CODEC_SETS[0])
     batch = PackSet(targets, slots).pack([(1,), (2, 5)])
+    if alloc == "two":
+        batch = _two_tensors(batch)
     need = batch.host_bytes
     assert need == -(-batch.payload.nbytes // 16) * 16 + batch.scales.nbytes
     host = torch.full((need + 64,), 0xAB, dtype=torch.uint8)
@@ -181,7 +201,8 @@ def test_copy_into_fills_one_buffer_payload_then_aligned_scales(monkeypatch):
         copies.append(non_blocking), real_copy(self, src, non_blocking=non_blocking))[1])
     out = batch.copy_into(host)
     monkeypatch.undo()
-    assert copies == [True, True]
+    assert copies == ([True] if alloc == "whole" else [True, True])
+    assert out.whole is not None and out.whole.data_ptr() == host.data_ptr() and out.whole.numel() == need
     assert out.payload.data_ptr() == host.data_ptr() and out.scales.data_ptr() == host.data_ptr() + need - \
         batch.scales.nbytes and out.scales.data_ptr() % 16 == 0
     for (p, s), (hp, hs) in zip(batch.parts(), out.parts(), strict=True):
