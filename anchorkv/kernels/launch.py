@@ -66,6 +66,28 @@ def triton_passes_every_argument() -> bool:
     return "*bound_args.values())" in run and "launch_exit_hook, *args)" in runner
 
 
+@functools.cache
+def runner_takes_stream() -> bool:
+    """Whether `CompiledKernel[grid]`'s runner takes the stream to launch on (`stream=None`:
+    triton 3.6 and 3.9; without it the runner asks torch for the current device and its
+    current stream at every launch). Read from the installed sources, like
+    `triton_passes_every_argument`."""
+    try:
+        from triton.compiler.compiler import CompiledKernel
+
+        return "def runner(*args, stream=None)" in inspect.getsource(CompiledKernel.__getitem__)
+    except Exception:
+        return False
+
+
+def launch_site() -> tuple[int, int]:
+    """(the current CUDA device, the raw handle of its current stream): what a direct launch
+    would ask torch for, asked once for all the launches of a call (`launcher(kernel, _at=launch_site(), ...)`).
+    The handle is the one triton's own runner takes (`torch._C._cuda_getCurrentRawStream`)."""
+    device = torch.cuda.current_device()
+    return device, torch._C._cuda_getCurrentRawStream(device)
+
+
 _disabled = False  # set when a direct launch failed: the JIT takes every launch after it
 
 
@@ -76,7 +98,8 @@ class Launcher:
     `launcher(kernel, **changing)` equals `kernel[grid](**fixed, **changing)`; `changing` must
     name the same arguments at every call (tensors and/or plain values). Only a real
     `triton.jit` function is launched directly: a stand-in (a test's counting wrapper, a
-    benchmark's no-op) is called every time.
+    benchmark's no-op) is called every time. `_at` (`launch_site()`, the same for a call's
+    launches: the current device and its current stream) saves a direct launch asking for them.
     """
 
     __slots__ = ("grid", "fixed", "kernel", "compiled", "device", "template", "at")
@@ -96,15 +119,22 @@ class Launcher:
         self.template: list[Any] = []
         self.at: dict[str, int] = {}
 
-    def __call__(self, kernel: Any, **changing: Any) -> None:
+    def __call__(self, kernel: Any, _at: tuple[int, int] | None = None, **changing: Any) -> None:
         key = None
         if kernel is self.kernel and not _disabled:  # (no key to compute for other kernels)
             key = tuple([_spec_of(v) for v in changing.values()])
             runner = self.compiled.get(key)
             args = self._args(changing) if runner is not None else None
-            if runner is not None and args is not None and torch.cuda.current_device() == self.device:
+            site: tuple[int, int | None] | None = None
+            if runner is not None and args is not None:
+                site = _at if _at is not None else (torch.cuda.current_device(), None)
+            if site is not None and site[0] == self.device:
+                assert runner is not None and args is not None  # (for mypy: site says so)
                 try:
-                    runner(*args)
+                    if site[1] is not None and runner_takes_stream():
+                        runner(*args, stream=site[1])
+                    else:
+                        runner(*args)
                 except Exception as e:  # never twice: the JIT launches from now on
                     _turn_off(e)
                 else:

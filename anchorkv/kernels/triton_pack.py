@@ -37,7 +37,7 @@ from anchorkv.kernels.bits import (
     widen,
 )
 from anchorkv.kernels.items import PackItem, PackTarget, Span
-from anchorkv.kernels.launch import Launcher
+from anchorkv.kernels.launch import Launcher, launch_site
 from anchorkv.kernels.quant import FP8_MAX, INT4_LEVELS, INT8_MAX, POISON_SCALE_BITS
 
 # Globals a @triton.jit function reads must be constexprs (a GPU compile refuses plain floats).
@@ -362,6 +362,7 @@ class _Plan:
                 rows_of.append((self.device, rows))
             tables = batch.stage_tables(rows_of)
         views: dict[torch.dtype, torch.Tensor] = {}
+        site = launch_site() if self.device.type == "cuda" else None  # (once for the launches)
         try:
             for k, table in zip(self.order, tables, strict=True):
                 launch = self.launches[k]
@@ -370,7 +371,7 @@ class _Plan:
                 if pay is None:
                     pay = views[dtype] = payload.view(dtype)
                 assert launch.launcher is not None  # (made for every launch that runs)
-                launch.launcher(_pack_kernel, tab=table, payload=pay, scales=scale_bits)
+                launch.launcher(_pack_kernel, _at=site, tab=table, payload=pay, scales=scale_bits)
         finally:  # (after whatever was issued: the tables' buffers are free once it has run)
             if self.tables is not None:
                 self.tables.release()

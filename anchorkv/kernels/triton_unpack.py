@@ -23,7 +23,7 @@ import triton.language as tl
 from anchorkv.kernels import batch
 from anchorkv.kernels.bits import FMT_BF16, FMT_FP8, FMT_INT4, FMT_RAW, fp8_decode, narrow, widen
 from anchorkv.kernels.items import UnpackItem
-from anchorkv.kernels.launch import Launcher
+from anchorkv.kernels.launch import Launcher, launch_site
 from anchorkv.kernels.triton_pack import PLAN_CACHE_SIZE, field_tile, largest_first, launch_config
 
 
@@ -228,6 +228,7 @@ class _SetPlan:
         self.tables.write(ids)
         tables = self.tables.stage(self.device)
         payloads: dict[torch.dtype, torch.Tensor] = {}
+        site = launch_site() if self.device.type == "cuda" else None  # (once for the launches)
         try:
             for (launch, align), table in zip(self.launches, tables, strict=True):
                 dtype = batch.payload_dtype(launch.cut)
@@ -235,7 +236,8 @@ class _SetPlan:
                 if payload is None:
                     payload = payloads[dtype] = packed.payload.view(dtype)
                 assert launch.launcher is not None  # (made for every launch that runs)
-                launch.launcher(_unpack_kernel, tab=table, payload=payload, scales=scales, IN_ALIGN=align)
+                launch.launcher(_unpack_kernel, _at=site, tab=table, payload=payload, scales=scales,
+                                IN_ALIGN=align)
         finally:  # (after whatever was issued: the tables' buffers are free once it has run)
             self.tables.release()
 

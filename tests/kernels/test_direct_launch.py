@@ -26,14 +26,16 @@ class FakeCompiled:
     triton's (3.6 and 3.9), its runner reads grid[0], grid[1] and grid[2] as they are: the JIT
     pads a grid to three axes before launching, a direct launch must too."""
 
-    def __init__(self, log, fail=False):
+    def __init__(self, log, fail=False, streams=None):
         self.log, self.fail = log, fail
+        self.streams = [] if streams is None else streams  # the stream each direct launch was given
 
     def __getitem__(self, grid):
-        def runner(*args):
+        def runner(*args, stream=None):
             if self.fail:
                 raise TypeError("function takes exactly 9 arguments (7 given)")
             self.log.append(("direct", (grid[0], grid[1], grid[2]), args))
+            self.streams.append(stream)
         return runner
 
 
@@ -44,12 +46,13 @@ class FakeJIT:
 
     def __init__(self, fail=False):
         self.log: list = []
+        self.streams: list = []
         self.fail = fail
 
     def __getitem__(self, grid):
         def jit(**kwargs):
             self.log.append(("jit", grid, kwargs))
-            return FakeCompiled(self.log, self.fail)
+            return FakeCompiled(self.log, self.fail, self.streams)
         return jit
 
 
@@ -176,3 +179,33 @@ def test_installed_triton_passes_every_argument():
     assert launch.triton_passes_every_argument(), (
         "JITFunction.run no longer passes *bound_args.values() to the launcher, or "
         "CompiledKernel.__getitem__ changed: re-check kernels/launch.py against this triton")
+
+
+@pytest.mark.parametrize("takes_stream", [True, False])
+def test_a_calls_launch_site_is_asked_once_not_per_launch(fake, monkeypatch, takes_stream):
+    """`_at` (`launch.launch_site()`: the current device and its stream's handle, asked once for
+    a call's launches): a direct launch asks torch for neither and hands the runner that stream
+    where the installed triton's runner takes one; another device than the launcher's goes
+    through the JIT, as a current device would."""
+    kernel, device = fake
+    monkeypatch.setattr(launch, "runner_takes_stream", lambda: takes_stream)
+    launcher = launch.Launcher((1,), {"a": 0, "b": 0, "BLOCK": 8})
+    launcher(kernel, tab=_tab())  # the JIT's (asks for the device itself)
+    asked = torch.cuda.current_device
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("asked for the device"))
+    launcher(kernel, _at=(0, 0xABC), tab=_tab(2))
+    monkeypatch.setattr(torch.cuda, "current_device", asked)
+    launcher(kernel, _at=(1, 0xDEF), tab=_tab(2))  # another device: the JIT
+    assert [k for k, *_ in kernel.log] == ["jit", "direct", "jit"]
+    assert "_at" not in kernel.log[2][2]  # (never handed to the kernel)
+    assert kernel.streams == [0xABC if takes_stream else None]
+
+
+def test_the_installed_triton_takes_the_stream_and_launch_site_names_it():
+    """The installed triton's runner takes `stream` (else every direct launch asks torch for it,
+    as before); `launch_site` without CUDA is never called by the launch path (CPU plans pass
+    no site), so only its source is checked here: the raw handle triton's own runner asks for."""
+    import inspect
+
+    assert launch.runner_takes_stream()
+    assert "_cuda_getCurrentRawStream" in inspect.getsource(launch.launch_site)
