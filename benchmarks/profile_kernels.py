@@ -118,6 +118,8 @@ def main(argv=None) -> int:
             _per_launch(name, req, prof, args.iters)
         if name == "pack":
             _host_breakdown(req)
+        if name == "set":
+            _set_breakdown(req)
         if name != "copy":
             pr = cProfile.Profile()
             pr.enable()
@@ -194,6 +196,63 @@ def _host_breakdown(req, iters: int = 200) -> None:
         lambda: [launch.launcher(real, tab=kw["tab"], payload=kw["payload"], scales=kw["scales"])
                  for launch, (_, kw) in zip(order, last, strict=True)])
     print("   host time per pack_many call, by step:")
+    for k, us in host.items():
+        print(f"     {k:40s} {us:8.1f} us")
+
+
+def set_steps(pack_set, slot_ids) -> dict[str, object]:
+    """Each step of one `PackSet.pack` call, as a callable of its own (timed one by one on a
+    GPU by `_set_breakdown`): the ids' check, the plan's lookup, the batch's allocation, the
+    item tables' write and staging (a `TableRing` slot, released at once: the copy is not
+    waited for), the launch site, the launches alone (direct once compiled), and the call. The
+    launches are the plan's own, in the order it issues them."""
+    from anchorkv.kernels import batch, launch
+    from anchorkv.kernels import triton_pack as tp
+
+    lens, ids = pack_set._ids(slot_ids, distinct=False)
+    pack_set.pack(slot_ids)  # (the plan exists)
+    plan = pack_set._plans.find(lens, lambda: None)
+    device = plan.device
+    cuda = device.type == "cuda"
+    whole, payload, scales = batch.batch_tensors(plan.payload_bytes, plan.scale_values, device)
+    plan.tables.write(ids)
+    tables = plan.tables.stage(device)
+    plan.tables.release()
+    order = [plan.launches[k] for k in plan.order]
+
+    def stage() -> None:
+        plan.tables.write(ids)
+        plan.tables.stage(device)
+        plan.tables.release()
+
+    def launches() -> None:
+        site = launch.launch_site() if cuda else None
+        for run, table in zip(order, tables, strict=True):
+            run.launcher(tp._pack_kernel, _at=site, tab=table, payload=payload.view(batch.payload_dtype(run.cut)),
+                         scales=scales.view(torch.int32))
+
+    return {"check the ids (PackSet._ids)": lambda: pack_set._ids(slot_ids, distinct=False),
+            "find the plan": lambda: pack_set._plans.find(lens, lambda: None),
+            "the batch's one allocation": lambda: batch.batch_tensors(plan.payload_bytes, plan.scale_values, device),
+            "write + stage the item tables (TableRing)": stage,
+            "launch_site()": (lambda: launch.launch_site()) if cuda else (lambda: None),
+            f"the {len(order)} launches alone": launches,
+            "PackSet.pack (all of it)": lambda: pack_set.pack(slot_ids)}
+
+
+def _set_breakdown(req, iters: int = 200) -> None:
+    """Host microseconds of each step of one `PackSet.pack` call (`set_steps`), on a GPU."""
+    host = {}
+    for name, fn in set_steps(req.pack_set, req.slot_ids).items():
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        host[name] = (time.perf_counter() - t) / iters * 1e6
+        torch.cuda.synchronize()
+    print("   host time per PackSet.pack call, by step:")
     for k, us in host.items():
         print(f"     {k:40s} {us:8.1f} us")
 

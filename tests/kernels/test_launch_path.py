@@ -365,3 +365,38 @@ def test_direct_launches_give_the_jit_bytes(monkeypatch, codecs):
     # 3 rounds after the first: 3 launches each of pack_many, PackSet, unpack_many and UnpackSet,
     # direct
     assert launch.counts["direct"] - before["direct"] >= 3 * 3 * 4, (before, launch.counts)
+
+
+def test_profile_kernels_times_the_set_calls_own_steps(monkeypatch):
+    """`benchmarks.profile_kernels.set_steps` (the GPU profile's host breakdown of a
+    `PackSet.pack` call) runs each step of the call on the plan's own objects: its launches
+    are the plan's, in its order, on the tables the ring stages, with the batch's views."""
+    from anchorkv.kernels import triton_pack
+    from benchmarks.profile_kernels import set_steps
+    from tests.kernels.test_batched import BLOCKS, _page, _regions
+
+    monkeypatch.setenv("ANCHORKV_BACKEND", "triton")
+    conv, recurrent, latent = _page()
+    regions = _regions(2, seed=8)
+    targets = [PackTarget(b, f, BLOCKS, CodecSpec.parse(c)) for b in regions
+               for f, c in ((conv, "int8:16"), (recurrent, "raw"), (latent, "fp8:64"))]
+    ps = PackSet(targets, [0, 0, 1] * 2)
+    launched = []
+
+    class Recording:
+        def __getitem__(self, grid):
+            return lambda **kw: launched.append((grid, kw))
+
+    steps = set_steps(ps, [(1,), (3, 4)])
+    monkeypatch.setattr(triton_pack, "_pack_kernel", Recording())
+    for step in steps.values():
+        step()
+    plan = ps._plans.find((1, 2), lambda: None)
+    want = [plan.launches[k] for k in plan.order]
+    assert list(steps) == ["check the ids (PackSet._ids)", "find the plan", "the batch's one allocation",
+                           "write + stage the item tables (TableRing)", "launch_site()",
+                           f"the {len(want)} launches alone", "PackSet.pack (all of it)"]
+    alone, call = launched[:len(want)], launched[len(want):]
+    assert [g for g, _ in alone] == [g for g, _ in call] == [run.grid for run in want]
+    for (_, a), (_, c) in zip(alone, call, strict=True):
+        assert torch.equal(a["tab"], c["tab"]) and a["payload"].dtype == c["payload"].dtype
