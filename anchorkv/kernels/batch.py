@@ -584,6 +584,8 @@ class TableRing:
     host allocator (its lock, its event bookkeeping) and a device allocation, and the views.
     `alloc` (bytes -> (page-locked host tensor, device tensor), int64) and `event` (-> an object
     with `record(stream)` and `query()`) are the CUDA ones unless a test passes stand-ins.
+    One thread at a time, as the set that owns it (the connector packs on the step's thread
+    and unpacks on its one load thread).
     """
 
     SLOTS = 4
