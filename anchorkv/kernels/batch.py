@@ -578,7 +578,8 @@ class TableRing:
     query, never a wait), so neither the host copy nor a kernel of an earlier call can still be
     reading it, whatever stream that call ran on. A busy slot (a call `SLOTS` calls back still
     running), or one staged but never released, is skipped: the call takes torch's page-locked
-    and device allocators instead (`stage_tables`' path), so a call never waits for the GPU.
+    and device allocators instead (`_stage_copy`, the path before the ring), so a call never
+    waits for the GPU.
 
     What this saves per call, against that path: a page-locked allocation from torch's caching
     host allocator (its lock, its event bookkeeping) and a device allocation, and the views.
