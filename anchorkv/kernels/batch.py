@@ -501,10 +501,18 @@ def payload_dtype(cut: FieldCut) -> torch.dtype:
     return torch.uint8
 
 
-def batch_tensors(payload_bytes: int, scale_values: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(whole, payload, scales) of a new batch: one allocation of `host_bytes`, the payload
-    (uint8) at its start and the scales (fp32) at the next 16-byte boundary. One allocation
-    per call instead of two, and one copy to the host instead of two."""
+def batch_tensors(payload_bytes: int, scale_values: int, device: torch.device, *,
+                  one: bool | None = None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(whole, payload, scales) of a new batch. With `one` (the default on a GPU) one
+    allocation of `host_bytes`, the payload (uint8) at its start and the scales (fp32) at the
+    next 16-byte boundary: one allocation per call instead of two, and one copy to the host
+    instead of two. Else two tensors and no `whole`: the default on a CPU, where the batch is
+    on the host already, and a payload past glibc's mmap threshold (32 MB) is new pages at
+    every call, so scales inside it would fault in too (+0.65 ms a Kimi-Linear save in
+    `benchmarks.host_path` here)."""
+    if not (device.type == "cuda" if one is None else one):
+        return (None, torch.empty(payload_bytes, dtype=torch.uint8, device=device),
+                torch.empty(scale_values, dtype=torch.float32, device=device))
     scales_at = -(-payload_bytes // VECTOR_BYTES) * VECTOR_BYTES
     whole = torch.empty(scales_at + 4 * scale_values, dtype=torch.uint8, device=device)
     # (one split for both views: ~1.5 us less than two narrows on a CPU core)

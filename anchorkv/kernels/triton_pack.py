@@ -342,9 +342,9 @@ class _Plan:
         self.tables = None if slots is None else batch.TableArray(
             [(launch.static, launch.members, launch.n) for launch in (self.launches[k] for k in self.order)], slots)
 
-    def launch(self, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Pack the items' blocks `ids` (checked by the caller): the call's one allocation and
-        its payload (uint8) and scales (fp32) views (`batch.batch_tensors`), each item's part
+    def launch(self, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Pack the items' blocks `ids` (checked by the caller): the call's one allocation (on a
+        GPU; else None) and its payload (uint8) and scales (fp32) (`batch.batch_tensors`), each item's part
         where `spans` says (the launches take the whole tensors and their parts' offsets: no
         per-call slicing)."""
         whole, payload, scales = batch.batch_tensors(self.payload_bytes, self.scale_values, self.device)

@@ -100,38 +100,51 @@ def test_a_plan_per_length_tuple_is_reused_and_the_oldest_evicted(monkeypatch):
     assert ps._plans.keys() == [(1, 1), (1, 2)]  # keyed by the slots' lengths
 
 
+def _one_allocation(monkeypatch) -> None:
+    """Batches made as on a GPU: one allocation (`batch.batch_tensors(one=True)`), here on a CPU."""
+    from anchorkv.kernels import batch as batch_module
+
+    make = batch_module.batch_tensors
+    monkeypatch.setattr(batch_module, "batch_tensors", lambda *a, **kw: make(*a, **kw, one=True))
+
+
+@pytest.mark.parametrize("alloc", ["whole", "two"])
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_batch_buffers_and_views(monkeypatch, backend):
-    """A batch is one allocation (`whole`, `host_bytes` long): the payload at its start, the
-    scales at the next 16-byte boundary; parts are views of it, at 16-byte aligned launch starts."""
+def test_batch_buffers_and_views(monkeypatch, backend, alloc):
+    """A batch on a GPU is one allocation (`whole`, `host_bytes` long): the payload at its
+    start, the scales at the next 16-byte boundary; on a CPU two (`whole` None). Parts are views
+    of them, at 16-byte aligned launch starts, and equal the reference either way."""
     monkeypatch.setenv("ANCHORKV_BACKEND", backend)
+    if alloc == "whole":
+        _one_allocation(monkeypatch)
     targets, slots = _set(_regions(2, seed=4), CODEC_SETS[0])
     batch = PackSet(targets, slots).pack([(1,), (3, 4)])
     assert batch.payload.dim() == 1 and batch.payload.dtype == torch.uint8
     assert batch.scales.dim() == 1 and batch.scales.dtype == torch.float32
     whole = batch.whole
-    assert whole is not None and whole.dtype == torch.uint8 and whole.numel() == batch.host_bytes
-    assert batch.payload.data_ptr() == whole.data_ptr()
-    assert batch.scales.data_ptr() == whole.data_ptr() + -(-batch.payload.nbytes // 16) * 16
+    if alloc == "two":
+        assert whole is None
+        whole = batch.payload
+    else:
+        assert whole is not None and whole.dtype == torch.uint8 and whole.numel() == batch.host_bytes
+        assert batch.payload.data_ptr() == whole.data_ptr()
+        assert batch.scales.data_ptr() == whole.data_ptr() + -(-batch.payload.nbytes // 16) * 16
     for k in range(len(batch)):
         payload, scales = batch.part(k)
         assert payload.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
         if scales.numel():
-            assert scales.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+            assert (scales.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()) == (alloc == "whole")
     assert [p for p, _ in batch.parts()][0].numel() == batch.spans[0].payload_bytes
-
-
-def _two_tensors(batch: PackedBatch) -> PackedBatch:
-    """The same batch in two allocations (as a restore fills one, or an older caller made it)."""
-    return PackedBatch(batch.payload.clone(), batch.scales.clone(), batch.spans, batch.scale_runs)
+    _assert_parts_equal_reference(batch, targets, slots, [(1,), (3, 4)])
 
 
 @pytest.mark.parametrize("alloc", ["whole", "two"])
 def test_copy_to_host_is_one_copy_a_allocation_of_exact_bytes(monkeypatch, alloc):
+    if alloc == "whole":
+        _one_allocation(monkeypatch)
     targets, slots = _set(_regions(2, seed=5), CODEC_SETS[0])
     batch = PackSet(targets, slots).pack([(2,), (5, 4)])
-    if alloc == "two":
-        batch = _two_tensors(batch)
+    assert (batch.whole is not None) == (alloc == "whole")
     copies = []
     real_copy = torch.Tensor.copy_
 
@@ -188,10 +201,11 @@ def test_copy_into_fills_one_buffer_payload_then_aligned_scales(monkeypatch, all
     next 16-byte boundary of the given buffer, in one non_blocking copy of a one-allocation
     batch (two for two tensors), every part byte-equal; bytes past `host_bytes` untouched; a
     buffer that cannot hold it is refused."""
+    if alloc == "whole":
+        _one_allocation(monkeypatch)
     targets, slots = _set(_regions(2, seed=6), CODEC_SETS[0])
     batch = PackSet(targets, slots).pack([(1,), (2, 5)])
-    if alloc == "two":
-        batch = _two_tensors(batch)
+    assert (batch.whole is not None) == (alloc == "whole")
     need = batch.host_bytes
     assert need == -(-batch.payload.nbytes // 16) * 16 + batch.scales.nbytes
     host = torch.full((need + 64,), 0xAB, dtype=torch.uint8)
