@@ -149,15 +149,7 @@ def _host_breakdown(req, iters: int = 200) -> None:
     items = req.items
 
     def per_call(fn) -> float:
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        host = (time.perf_counter() - t) / iters * 1e6
-        torch.cuda.synchronize()
-        return host
+        return _host_us(fn, iters)
 
     ids = batch.check_all_ids(items)
     plan = tp._plan_for(items, ids)
@@ -195,7 +187,25 @@ def _host_breakdown(req, iters: int = 200) -> None:
     host[f"the {len(last)} Triton launches alone, direct"] = per_call(
         lambda: [launch.launcher(real, tab=kw["tab"], payload=kw["payload"], scales=kw["scales"])
                  for launch, (_, kw) in zip(order, last, strict=True)])
-    print("   host time per pack_many call, by step:")
+    _print_steps("pack_many", host)
+
+
+def _host_us(fn, iters: int) -> float:
+    """Host microseconds per call of `fn` over `iters` calls (after 10 warm-up calls), the GPU
+    left to run behind and drained before and after."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host = (time.perf_counter() - t) / iters * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def _print_steps(call: str, host: dict[str, float]) -> None:
+    print(f"   host time per {call} call, by step:")
     for k, us in host.items():
         print(f"     {k:40s} {us:8.1f} us")
 
@@ -242,19 +252,8 @@ def set_steps(pack_set, slot_ids) -> dict[str, object]:
 
 def _set_breakdown(req, iters: int = 200) -> None:
     """Host microseconds of each step of one `PackSet.pack` call (`set_steps`), on a GPU."""
-    host = {}
-    for name, fn in set_steps(req.pack_set, req.slot_ids).items():
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        host[name] = (time.perf_counter() - t) / iters * 1e6
-        torch.cuda.synchronize()
-    print("   host time per PackSet.pack call, by step:")
-    for k, us in host.items():
-        print(f"     {k:40s} {us:8.1f} us")
+    _print_steps("PackSet.pack", {name: _host_us(fn, iters)
+                                  for name, fn in set_steps(req.pack_set, req.slot_ids).items()})
 
 
 def _into_pool(req, pool) -> None:

@@ -513,11 +513,23 @@ def batch_tensors(payload_bytes: int, scale_values: int, device: torch.device, *
     if not (device.type == "cuda" if one is None else one):
         return (None, torch.empty(payload_bytes, dtype=torch.uint8, device=device),
                 torch.empty(scale_values, dtype=torch.float32, device=device))
-    scales_at = -(-payload_bytes // VECTOR_BYTES) * VECTOR_BYTES
-    whole = torch.empty(scales_at + 4 * scale_values, dtype=torch.uint8, device=device)
-    # (one split for both views: ~1.5 us less than two narrows on a CPU core)
-    payload, _, scales = whole.split_with_sizes([payload_bytes, scales_at - payload_bytes, 4 * scale_values])
-    return whole, payload, scales.view(torch.float32)
+    whole = torch.empty(scales_start(payload_bytes) + 4 * scale_values, dtype=torch.uint8, device=device)
+    return (whole, *batch_views(whole, payload_bytes, scale_values))
+
+
+def scales_start(payload_bytes: int) -> int:
+    """Where a batch's scales start in its one allocation (or a host buffer laid out alike):
+    the first 16-byte boundary at or after its payload."""
+    return -(-payload_bytes // VECTOR_BYTES) * VECTOR_BYTES
+
+
+def batch_views(whole: torch.Tensor, payload_bytes: int, scale_values: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(payload uint8, scales fp32) of a batch laid out in `whole` (uint8, exactly
+    `scales_start(payload_bytes) + 4 * scale_values` bytes): one `split_with_sizes` for both
+    (~1.5 us less than two narrows on a CPU core)."""
+    at = scales_start(payload_bytes)
+    payload, _, scales = whole.split_with_sizes([payload_bytes, at - payload_bytes, 4 * scale_values])
+    return payload, scales.view(torch.float32)
 
 
 class TableArray:

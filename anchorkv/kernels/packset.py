@@ -91,18 +91,14 @@ class PackedBatch:
 
     def _in(self, whole: torch.Tensor) -> PackedBatch:
         """The batch laid out in `whole` (uint8, `host_bytes` long, as `batch.batch_tensors` lays it)."""
-        payload = whole.narrow(0, 0, self.payload.numel())
-        scales = whole.narrow(0, self._scales_at(), self.scales.nbytes).view(torch.float32)
+        payload, scales = batch.batch_views(whole, self.payload.numel(), self.scales.numel())
         return PackedBatch(payload, scales, self.spans, self.scale_runs, whole)
 
     @property
     def host_bytes(self) -> int:
         """The bytes of a host buffer that `copy_into` fills: the payload, then the scales at
         the next 16-byte boundary."""
-        return self._scales_at() + self.scales.nbytes
-
-    def _scales_at(self) -> int:
-        return -(-self.payload.nbytes // batch.VECTOR_BYTES) * batch.VECTOR_BYTES
+        return batch.scales_start(self.payload.nbytes) + self.scales.nbytes
 
     def copy_into(self, host: torch.Tensor) -> PackedBatch:
         """The batch in `host` (uint8, 1-D, contiguous, at least `host_bytes`, on the CPU):

@@ -340,3 +340,25 @@ def test_each_pack_launch_claims_an_alignment_every_group_start_has(monkeypatch,
     assert len(claims) == 3 and max(claims) > 1, claims
     parts.sort()
     assert all(a + size <= b for (a, size), (b, _) in zip(parts, parts[1:], strict=False)), parts  # no overlap
+
+
+@pytest.mark.parametrize("payload_bytes", [0, 37, 48])
+def test_one_allocation_puts_the_scales_at_the_next_16_byte_boundary(payload_bytes):
+    """`batch.batch_tensors(one=True)` for payloads that do and do not end on a 16-byte
+    boundary: the scales start at the next one, the allocation ends with them, and a batch laid
+    out there crosses into a host buffer in one copy with every byte where it was."""
+    from anchorkv.kernels import batch as batch_module
+
+    whole, payload, scales = batch_module.batch_tensors(payload_bytes, 5, torch.device("cpu"), one=True)
+    at = -(-payload_bytes // 16) * 16
+    assert whole is not None and whole.numel() == at + 20 and payload.numel() == payload_bytes
+    assert payload_bytes == 0 or payload.data_ptr() == whole.data_ptr()  # (an empty view has no address)
+    assert scales.data_ptr() == whole.data_ptr() + at
+    assert scales.dtype == torch.float32 and scales.numel() == 5
+    payload.copy_(torch.arange(payload_bytes, dtype=torch.uint8))
+    scales.copy_(torch.arange(5, dtype=torch.float32) + 0.5)
+    b = PackedBatch(payload, scales, (), (), whole)
+    assert b.host_bytes == whole.numel()
+    out = b.copy_into(torch.zeros(b.host_bytes + 16, dtype=torch.uint8))
+    assert torch.equal(out.payload, payload) and torch.equal(out.scales, scales)
+    assert out.scales.data_ptr() == out.whole.data_ptr() + at
