@@ -46,7 +46,8 @@ class _ZeroScales:
 
     def __getitem__(self, grid):
         def launch(**kwargs):
-            # every launch gets the call's whole scales (its part from SC0 on): zero them once
+            # every launch gets the call's whole scales (its part from SC0 on; a set kernel's
+            # one launch, all of them): zero them once
             if kwargs.get("SC0", 0) == 0:
                 kwargs["scales"].zero_()
         return launch
@@ -67,15 +68,32 @@ def per_call_us(fn, iters: int, repeats: int = 5) -> float:
 def measure(tp: int, iters: int, tokens: int | None = None) -> dict[str, float]:
     """Host microseconds per call of each step, the kernels stubbed for the duration (the
     caller sets TRITON_INTERPRET=1 and ANCHORKV_BACKEND=triton before triton is imported)."""
-    from anchorkv.kernels import triton_pack, triton_unpack
 
-    kernels = triton_pack._pack_kernel, triton_unpack._unpack_kernel
-    triton_pack._pack_kernel = _NoKernel()  # type: ignore[assignment]
-    triton_unpack._unpack_kernel = _NoKernel()  # type: ignore[assignment]
+    kernels = {(m, name): getattr(m, name) for m, name in _kernels()}
+    for m, name in kernels:
+        setattr(m, name, _NoKernel())
     try:
         return _measure(tp, iters, tokens)
     finally:
-        triton_pack._pack_kernel, triton_unpack._unpack_kernel = kernels
+        for (m, name), kernel in kernels.items():
+            setattr(m, name, kernel)
+
+
+def _kernels():
+    """(module, name) of every Triton kernel the launch path calls."""
+    from anchorkv.kernels import triton_pack, triton_unpack
+
+    return ((triton_pack, "_pack_kernel"), (triton_pack, "_pack_set_kernel"), (triton_unpack, "_unpack_kernel"),
+            (triton_unpack, "_unpack_set_kernel"))
+
+
+def zero_scale_packs() -> None:
+    """Stub the pack kernels (per signature and set) with `_ZeroScales` (the caller restores them
+    or leaves the process)."""
+    from anchorkv.kernels import triton_pack
+
+    triton_pack._pack_kernel = _ZeroScales()  # type: ignore[assignment]
+    triton_pack._pack_set_kernel = _ZeroScales()  # type: ignore[assignment]
 
 
 def _measure(tp: int, iters: int, tokens: int | None) -> dict[str, float]:
@@ -112,7 +130,7 @@ def _measure(tp: int, iters: int, tokens: int | None) -> dict[str, float]:
                 worker.save(Metadata(saves=[spec]))
                 worker.flush()
 
-            triton_pack._pack_kernel = _ZeroScales()  # type: ignore[assignment]
+            zero_scale_packs()
             out["WorkerSide.save + flush (quant codecs, a store that keeps nothing)"] = per_call_us(
                 save_and_flush, max(1, iters // 4))
             if (worker.stats.take() or {}).get("save_failed"):
@@ -154,10 +172,9 @@ def _restore_rows(iters: int, tokens: int | None) -> dict[str, float]:
     from anchorkv.codec import HostArena
     from anchorkv.codec.api import stage_to_device
     from anchorkv.connector.plan import LoadSpec, Metadata
-    from anchorkv.kernels import triton_pack
     from benchmarks.bench_save_path import TOKENS, Request, request_layout
 
-    triton_pack._pack_kernel = _ZeroScales()  # type: ignore[assignment]
+    zero_scale_packs()
     root = Path(tempfile.mkdtemp(prefix="anchorkv-host-path-"))
     req = Request(request_layout(False), tokens or TOKENS, "raw", root)
     try:

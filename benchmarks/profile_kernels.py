@@ -6,7 +6,9 @@ Prints, for `pack_many`, `PackSet.pack` and `unpack_many` of the request `bench_
 times: the wall and host time per call with direct launches of the compiled kernels
 (`kernels.launch`, the default) against every launch through the JIT, alternated; the wall time
 per call (host + device, synchronized), the CUDA kernel time from torch.profiler (`set_div`: the
-same set with the pack kernels dividing once per value, as before `bits.quotient`), the launches
+same set with the pack kernels dividing once per value, as before `bits.quotient`; `set_unfused`
+and `unpack set unfused`: the same sets launching once per signature, as before the set
+kernels), the launches
 per call, and the host-side hot spots (cProfile, top 15); at tp=1, the save path's stages
 (`benchmarks.profile_save`, raw and quant codecs). A diagnostic, not a gate.
 """
@@ -27,7 +29,7 @@ def _direct_vs_jit(ops, iters: int, launch) -> None:
     """Wall and host time per call with direct launches of the compiled kernels (the default,
     `kernels.launch`) and with every launch through the JIT, alternated in this process."""
     print(f"direct launches available: {launch.enabled()}")
-    for name in ("pack", "set", "unpack", "unpack set"):
+    for name in ("pack", "set", "set_unfused", "unpack", "unpack set", "unpack set unfused"):
         fn = ops[name]
         for _ in range(3):
             fn()
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
     req = request(args.tp)
     # the same set whose plans divide once per value (`triton_pack.RECIPROCAL` off): the pack
     # kernels before `bits.quotient`, timed against it in this process (`set_div` vs `set`)
-    from anchorkv.kernels import PackSet, triton_pack
+    from anchorkv.kernels import PackSet, UnpackSet, triton_pack
 
     triton_pack.RECIPROCAL = False
     try:
@@ -76,12 +78,26 @@ def main(argv=None) -> int:
         div_set.pack(req.slot_ids)  # (its plan is made now)
     finally:
         triton_pack.RECIPROCAL = True
+    # the same sets launching once per signature (`triton_pack.FUSED` off), against their set
+    # kernels' one launch a call (`set` vs `set_unfused`, `unpack set` vs `unpack set unfused`)
+    triton_pack.FUSED = False
+    try:
+        unfused_set = PackSet(req.pack_set.targets, req.pack_set.slots)
+        unfused_set.pack(req.slot_ids)
+        unfused_unpack = UnpackSet(req.unpack_set.targets, req.unpack_set.slots)
+        unfused_unpack.unpack(req.packed_batch, req.slot_ids)
+    finally:
+        triton_pack.FUSED = True
+    print(f"set kernels: pack {req.pack_set._plans.newest().fused is not None}, "
+          f"unpack {req.unpack_set._plans.newest().fused is not None}")
     ops = {
         "pack": lambda: kernels.pack_many(req.items),
         "set": lambda: req.pack_set.pack(req.slot_ids),
+        "set_unfused": lambda: unfused_set.pack(req.slot_ids),
         "set_div": lambda: div_set.pack(req.slot_ids),
         "unpack": lambda: kernels.unpack_many(req.unpack_items),
         "unpack set": lambda: req.unpack_set.unpack(req.packed_batch, req.slot_ids),
+        "unpack set unfused": lambda: unfused_unpack.unpack(req.packed_batch, req.slot_ids),
         "copy": lambda: req.copy_dst.copy_(req.copy_src),
     }
     _direct_vs_jit(ops, args.iters, launch)
@@ -119,7 +135,9 @@ def main(argv=None) -> int:
         if name == "pack":
             _host_breakdown(req)
         if name == "set":
-            _set_breakdown(req)
+            _set_breakdown(req.pack_set, req.slot_ids)
+        if name == "set_unfused":
+            _set_breakdown(unfused_set, req.slot_ids)
         if name != "copy":
             pr = cProfile.Profile()
             pr.enable()
@@ -214,8 +232,9 @@ def set_steps(pack_set, slot_ids) -> dict[str, object]:
     """Each step of one `PackSet.pack` call, as a callable of its own (timed one by one on a
     GPU by `_set_breakdown`): the ids' check, the plan's lookup, the batch's allocation, the
     item tables' write and staging (a `TableRing` slot, released at once: the copy is not
-    waited for), the launch site, the launches alone (direct once compiled), and the call. The
-    launches are the plan's own, in the order it issues them."""
+    waited for), the launch site, the launches alone (direct once compiled; the set kernel's one,
+    `triton_pack.FUSED`), and the call. The launches are the plan's own, in the order it issues
+    them."""
     from anchorkv.kernels import batch, launch
     from anchorkv.kernels import triton_pack as tp
 
@@ -237,23 +256,28 @@ def set_steps(pack_set, slot_ids) -> dict[str, object]:
 
     def launches() -> None:
         site = launch.launch_site() if cuda else None
+        if plan.fused is not None:  # the set kernel: one launch (`triton_pack.FUSED`)
+            plan.fused(tp._pack_set_kernel, _at=site, tab=tables[0], payload=payload, scales=scales.view(torch.int32))
+            return
         for run, table in zip(order, tables, strict=True):
             run.launcher(tp._pack_kernel, _at=site, tab=table, payload=payload.view(batch.payload_dtype(run.cut)),
                          scales=scales.view(torch.int32))
+
+    alone = (f"the set kernel's launch alone (for {len(order)} launches)" if plan.fused is not None
+             else f"the {len(order)} launches alone")
 
     return {"check the ids (PackSet._ids)": lambda: pack_set._ids(slot_ids, distinct=False),
             "find the plan": lambda: pack_set._plans.find(lens, lambda: None),
             "the batch's one allocation": lambda: batch.batch_tensors(plan.payload_bytes, plan.scale_values, device),
             "write + stage the item tables (TableRing)": stage,
             "launch_site()": (lambda: launch.launch_site()) if cuda else (lambda: None),
-            f"the {len(order)} launches alone": launches,
+            alone: launches,
             "PackSet.pack (all of it)": lambda: pack_set.pack(slot_ids)}
 
 
-def _set_breakdown(req, iters: int = 200) -> None:
+def _set_breakdown(pack_set, slot_ids, iters: int = 200) -> None:
     """Host microseconds of each step of one `PackSet.pack` call (`set_steps`), on a GPU."""
-    _print_steps("PackSet.pack", {name: _host_us(fn, iters)
-                                  for name, fn in set_steps(req.pack_set, req.slot_ids).items()})
+    _print_steps("PackSet.pack", {name: _host_us(fn, iters) for name, fn in set_steps(pack_set, slot_ids).items()})
 
 
 def _into_pool(req, pool) -> None:

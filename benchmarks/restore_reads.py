@@ -28,11 +28,10 @@ def run(store: str, rounds: int, tokens: int) -> dict[int, list[float]]:
     from anchorkv.connector.plan import LoadSpec, Metadata
     from anchorkv.connector.storage_zarr import ZarrEntryStore
     from anchorkv.connector.worker import READ_THREADS, WorkerSide
-    from anchorkv.kernels import triton_pack
     from benchmarks.bench_save_path import CODEC_SETS, Request, request_layout
-    from benchmarks.host_path import _ZeroScales
+    from benchmarks.host_path import zero_scale_packs
 
-    triton_pack._pack_kernel = _ZeroScales()  # type: ignore[assignment]
+    zero_scale_packs()
     proc = None
     req = Request(request_layout(False), tokens, "raw", Path(tempfile.mkdtemp(prefix="anchorkv-reads-")))
     entries = req.entries

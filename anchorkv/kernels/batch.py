@@ -179,9 +179,10 @@ def tile_elements(cut: FieldCut) -> int:
     return max(1024, TILE_BYTES // cut.itemsize)
 
 
-def tile_rows(cut: FieldCut, block_g: int) -> int:
-    """BLOCK_R: groups per program, a power of two of about `tile_elements` elements."""
-    want = max(1, tile_elements(cut) // block_g)
+def tile_rows(cut: FieldCut, block_g: int, elements: int | None = None) -> int:
+    """BLOCK_R: groups per program, a power of two of about `elements` elements (default
+    `tile_elements`), no more rows than the field has groups."""
+    want = max(1, (tile_elements(cut) if elements is None else elements) // block_g)
     return min(want, max(1, 1 << (cut.groups - 1).bit_length()))
 
 
@@ -538,7 +539,8 @@ class TableArray:
     places them): a launch's rows are its members' fixed columns (`heads`), then their block
     ids. A call writes the ids (`write`: one numpy assignment per launch and slot, the members
     of a launch that read one slot sharing its ids), stages the array (`stage`), launches, and
-    says so (`release`: on a GPU, the end of the launches that read the staged tables)."""
+    says so (`release`: on a GPU, the end of the launches that read the staged tables). With
+    `whole`, the array is staged as one table (a set kernel's)."""
 
     def __init__(self, launches: Sequence[tuple[Sequence[tuple[int, ...]], Sequence[int], int]],
                  slots: Sequence[int]) -> None:
@@ -564,6 +566,9 @@ class TableArray:
             if heads:
                 self.array[start:start + length].reshape(len(heads), -1)[:, :len(heads[0])] = heads
         self.ring: TableRing | None = None  # made at the first stage on a GPU
+        #: stage the array as one table (a set kernel's, which finds each launch's at its
+        #: segment's start) instead of one per launch; set before the first stage
+        self.whole = False
 
     def write(self, ids: Sequence[Sequence[int]]) -> None:
         """Put each item's block ids `ids[i]` in its rows."""
@@ -575,11 +580,12 @@ class TableArray:
         memory of this set's own (`TableRing`: no allocation, nothing for the next call to
         overwrite); elsewhere the array itself (the Triton interpreter runs each launch before
         the call returns). Call `release` once the launches that read them are issued."""
+        segments = [(0, self.array.size)] if self.whole else self.segments
         if device.type != "cuda":
             host = torch.from_numpy(self.array)
-            return [host[start:start + length] for start, length in self.segments]
+            return [host] if self.whole else [host[start:start + length] for start, length in segments]
         if self.ring is None:
-            self.ring = TableRing(self.array.size, self.segments, device)
+            self.ring = TableRing(self.array.size, segments, device)
         return self.ring.stage(self.array)
 
     def release(self) -> None:

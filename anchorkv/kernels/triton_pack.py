@@ -4,10 +4,14 @@ Axis letters (see `anchorkv.kernels.strided`): N selected blocks, F the field's 
 last axis, G the group size. The output is byte-identical to `anchorkv.kernels.reference.pack`
 (its module docstring states the rules) on a GPU and in the Triton interpreter.
 
-Ladder: `_pack_kernel` (one program = BLOCK_R groups of one block of one item) ->
-`_Launch` (one batch of same-signature items: its static table columns and launch
-configuration) -> `_Plan` (all launches of one item list, cached; per call: allocate, stage
-the tables, launch) -> `pack_many` (the public function; `kernels.pack` is one item of it).
+Ladder: `pack_program` (one program = BLOCK_R groups of one block of one item), run by
+`_pack_kernel` (one launch: items of one signature, the grid's ids) -> `_Launch` (one batch of
+same-signature items: its static table columns and launch configuration) -> `_Plan` (all
+launches of one item list, cached; per call: allocate, stage the tables, launch) -> `pack_many`
+(the public function; `kernels.pack` is one item of it). A `PackSet`'s plan of several
+launches runs them all in one launch of `_pack_set_kernel` (`FUSED`, `set_config`): each of its
+programs runs `pack_program` for the launch its id falls in, so a call costs the host one
+Triton launch.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -135,9 +140,19 @@ def _pack_kernel(
     RECIP: tl.constexpr,  # divide by each row's reciprocal (`bits.quotient`); False: a division
     #                       per value (the same bits; `RECIPROCAL`, for profile_kernels' A/B)
 ):
-    i_t = tl.program_id(0)
-    i_n = tl.program_id(1).to(tl.int64)  # the block (of the item's N)
-    i_item = tl.program_id(2).to(tl.int64)
+    pack_program(src, tab, payload, scales, tl.program_id(0), tl.program_id(1).to(tl.int64),
+                 tl.program_id(2).to(tl.int64), PAY0, SC0, N, GROUPS, GPR, S1, S2, T0, T1, T2, TD, NUMEL,
+                 TAB_W, FMT, SRC, G, BLOCK_R, BLOCK_G, CONTIG, ALIGN, FLAT, HW_FP8, OUT_ALIGN, RECIP)
+
+
+@triton.jit
+def pack_program(src, tab, payload, scales, i_t, i_n, i_item, PAY0, SC0, N, GROUPS, GPR, S1, S2, T0, T1, T2,
+                 TD, NUMEL, TAB_W, FMT: tl.constexpr, SRC: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_G: tl.constexpr, CONTIG: tl.constexpr, ALIGN: tl.constexpr, FLAT: tl.constexpr,
+                 HW_FP8: tl.constexpr, OUT_ALIGN: tl.constexpr, RECIP: tl.constexpr):
+    """One program of a pack: tile `i_t` of block `i_n` (int64) of item `i_item` (int64) of a
+    launch whose item table starts at `tab` (`_pack_kernel`: the grid's ids; `_pack_set_kernel`:
+    one of its launches, ids from its flat program id)."""
     i_b = i_item * N + i_n  # the (item, block) pair's place in the launch's outputs
     p_tab = tab + i_item * TAB_W
     b_base = tl.load(p_tab)
@@ -212,10 +227,160 @@ def _pack_kernel(
             tl.store(scales + SC0 + o_scale, s_bits, mask=m_grp)
 
 
+@triton.jit
+def set_program(at, TILES: tl.constexpr, N, RCP):
+    """(tile, block, item) of program `at` of one launch in a set kernel, whose programs are
+    numbered tile-fastest as `launch_config`'s grid (tiles, N, items) would number them. The
+    item is at // TILES // N: TILES is a constant (a multiply and a shift), N changes per plan,
+    so j // N is taken in fp32 by the host's RN(1/N) (`RCP`): exact while j < 2**22 (the
+    error of (j + 0.5) * RN(1/N) stays under 0.5 / N; `set_config` checks the bound)."""
+    i_t = at % TILES
+    j = at // TILES
+    i_item = ((j.to(tl.float32) + 0.5) * RCP).to(tl.int32)  # (truncation: a floor, both >= 0)
+    i_n = j - i_item * N
+    return i_t, i_n.to(tl.int64), i_item.to(tl.int64)
+
+
+@triton.jit
+def payload_as(payload, PAY_W: tl.constexpr):
+    """The uint8 `payload` pointer as the launch's payload elements (`batch.payload_dtype`)."""
+    if PAY_W == 1:
+        p = payload
+    elif PAY_W == 2:
+        p = payload.to(tl.pointer_type(tl.int16))
+    elif PAY_W == 4:
+        p = payload.to(tl.pointer_type(tl.int32))
+    else:
+        p = payload.to(tl.pointer_type(tl.int64))
+    return p
+
+
+#: The most launches a set kernel runs (`set_config`; a plan of more launches per signature):
+#: Kimi-Linear's sets have 3 (conv, recurrent, latent). Its per-launch values are scalar
+#: parameters of their own (triton specializes a tuple's integers, whatever
+#: `do_not_specialize` says), this many of each.
+SET_LAUNCHES = 4
+
+#: The set kernels' per-launch parameters (`_pack_set_kernel`'s; the unpack's are the first
+#: four) for launch k: `name_k`, never specialized.
+SET_PARAMS = ("START", "N", "RCP", "TAB", "PAY", "SC")
+_SET_UNSPECIALIZED = [f"{p}_{k}" for p in SET_PARAMS for k in range(SET_LAUNCHES)]
+
+
+@triton.jit(do_not_specialize=_SET_UNSPECIALIZED)
+def _pack_set_kernel(
+    srcs,  # per launch: the integer alias of its first item's storage (`_pack_kernel`'s src)
+    tab,  # int64: the set's whole staged table array (`batch.TableArray`)
+    payload,  # uint8: the call's whole payload (16-byte aligned)
+    scales,  # int32 bits of the call's whole fp32 scales
+    # per launch k, what changes with the plan (`set_config`'s VARY), never specialized, so a
+    # new block count compiles nothing: its first program, N, RN(1/N), its table's start in
+    # `tab`, PAY0, SC0 (unused launches: anything)
+    START_0, START_1, START_2, START_3, N_0, N_1, N_2, N_3, RCP_0, RCP_1, RCP_2, RCP_3,
+    TAB_0, TAB_1, TAB_2, TAB_3, PAY_0, PAY_1, PAY_2, PAY_3, SC_0, SC_1, SC_2, SC_3,
+    CFG: tl.constexpr,  # per launch, `set_config`'s constants: (TILES, GROUPS, GPR, S1, S2, T0,
+    #                     T1, T2, TD, NUMEL, FMT, SRC, G, BLOCK_R, BLOCK_G, CONTIG, ALIGN, FLAT,
+    #                     OUT_ALIGN, PAY_W)
+    K: tl.constexpr,  # launches (at most SET_LAUNCHES)
+    HW_FP8: tl.constexpr,
+    RECIP: tl.constexpr,
+):
+    """Every launch of a `PackSet` plan in one: each program runs `pack_program` for the launch
+    its id falls in (launches one after the other on the grid's one axis, largest first), so a
+    call costs one Triton launch instead of one per signature. The bytes are `_pack_kernel`'s."""
+    pid = tl.program_id(0)
+    starts = (START_0, START_1, START_2, START_3)
+    ns, rcps, tabs = (N_0, N_1, N_2, N_3), (RCP_0, RCP_1, RCP_2, RCP_3), (TAB_0, TAB_1, TAB_2, TAB_3)
+    pays, scs = (PAY_0, PAY_1, PAY_2, PAY_3), (SC_0, SC_1, SC_2, SC_3)
+    for k in tl.static_range(K):
+        # (CFG[k][i] inline: a constexpr tuple unpacked into names is no longer constexpr)
+        if in_launch(pid, starts, k, K):
+            n = ns[k]
+            i_t, i_n, i_item = set_program(pid - starts[k], CFG[k][0], n, rcps[k])
+            pack_program(srcs[k], tab + tabs[k], payload_as(payload, CFG[k][19]), scales, i_t, i_n, i_item, pays[k],
+                         scs[k], n, CFG[k][1], CFG[k][2], CFG[k][3], CFG[k][4], CFG[k][5], CFG[k][6], CFG[k][7],
+                         CFG[k][8], CFG[k][9], 2 + n, CFG[k][10], CFG[k][11], CFG[k][12], CFG[k][13], CFG[k][14],
+                         CFG[k][15], CFG[k][16], CFG[k][17], HW_FP8, CFG[k][18], RECIP)
+
+
+@triton.jit
+def in_launch(pid, starts, k: tl.constexpr, K: tl.constexpr):
+    """Whether program `pid` of a set kernel is one of launch k's (launches lie one after the
+    other from `starts[k]`; the last runs to the grid's end)."""
+    if k + 1 < K:
+        inside = (pid >= starts[k]) & (pid < starts[k + 1])
+    else:
+        inside = pid >= starts[k]
+    return inside
+
+
+def set_arguments(vary: Sequence[tuple]) -> dict:
+    """A set kernel's per-launch parameters (`SET_PARAMS`, `name_k`) from `set_config`'s VARY
+    (unused launches: zeros, and N 1)."""
+    out = {}
+    unused = (0, 0, 1, 1.0, 0, 0) + (0,) * (len(vary[0]) - 6)
+    for k in range(SET_LAUNCHES):
+        start, _, n, rcp, tab0, _, *extra = vary[k] if k < len(vary) else unused
+        values = (start, n, rcp, tab0, *extra)
+        out.update({f"{name}_{k}": v for name, v in zip(SET_PARAMS, values, strict=False)})
+    return out
+
+
 #: Whether plans made from now on divide by each row's reciprocal (`bits.quotient`, the
 #: default) or once per value (the kernels before it: the same bytes, more instructions). Read
 #: when a plan is made; `profile_kernels` makes a second set with it off to time both.
 RECIPROCAL = True
+
+#: Whether `PackSet` and `UnpackSet` plans made from now on launch once per call (the set
+#: kernels, `_pack_set_kernel` / `triton_unpack._unpack_set_kernel`: the default) or once per
+#: signature (`_pack_kernel`, the same bytes; for profile_kernels' A/B). Read when a plan is made.
+FUSED = True
+
+#: The most (item, block) pairs one launch of a set kernel may have: `set_program` finds a
+#: pair's item by an fp32 product, exact below 2**22 (twice this).
+SET_PAIRS_LIMIT = 1 << 21
+
+
+def set_config(parts: Sequence[tuple]) -> tuple[tuple[int], list[tuple], list[tuple], int] | None:
+    """(grid, VARY, CFG, num_warps) of a set kernel running the launches `parts` one after the
+    other, or None when it cannot (more than `SET_LAUNCHES` launches, a launch past
+    `SET_PAIRS_LIMIT`, or 2**31 programs in all).
+
+    Each part: (its field cut, its `Launcher`'s grid and fixed arguments, the payload's element
+    width, its table's start and row width in the staged array, the source/target alignment
+    claim, the payload alignment claim, what else the kernel's VARY takes (the pack: PAY0,
+    SC0)). The warps are the most any part's own launch asks for, and each part's tile is
+    re-cut to `batch.ELEMENTS_PER_THREAD` values a thread at that many warps (`set_tile_rows`):
+    a smaller tile would give its threads fewer values (the H100 sweep: 8 values a thread
+    ~19% slower than 16 for the recurrent state's int8 pack, a 4x larger tile ~10%). A part's
+    programs are numbered tile-fastest, as its own grid."""
+    if len(parts) > SET_LAUNCHES:
+        return None
+    warps = max(fixed["num_warps"] for _, _, fixed, *_ in parts)
+    vary: list[tuple] = []
+    cfg: list[tuple] = []
+    start = 0
+    for cut, (_, n, count), fixed, width, tab0, tab_w, align, io_align, extra in parts:
+        if n * count > SET_PAIRS_LIMIT:
+            return None
+        rows = set_tile_rows(cut, warps)
+        tiles = triton.cdiv(cut.groups, rows)
+        end = start + tiles * n * count
+        rcp = float(np.float32(1.0) / np.float32(n))  # RN(1/n): IEEE fp32 division
+        vary.append((start, end, n, rcp, tab0, tab_w, *extra))
+        cfg.append((tiles, fixed["GROUPS"], fixed["GPR"], fixed["S1"], fixed["S2"], fixed["T0"], fixed["T1"],
+                    fixed["T2"], fixed["TD"], fixed["NUMEL"], fixed["FMT"], fixed.get("SRC", fixed.get("DST")),
+                    fixed["G"], rows, fixed["BLOCK_G"], fixed["CONTIG"], align, fixed["FLAT"], io_align, width))
+        start = end
+    if start >= 2**31:
+        return None
+    return (start,), vary, cfg, warps
+
+
+def set_tile_rows(cut: batch.FieldCut, warps: int) -> int:
+    """BLOCK_R of a part of a set kernel of `warps` warps: `batch.ELEMENTS_PER_THREAD` values a
+    thread, as few rows as the field has groups (as `batch.tile_rows`)."""
+    return batch.tile_rows(cut, block_g(cut), warps * 32 * batch.ELEMENTS_PER_THREAD)
 
 
 def block_g(cut: batch.FieldCut) -> int:
@@ -339,8 +504,29 @@ class _Plan:
         #: the order the launches are issued in (`largest_first`); the outputs' layout keeps
         #: the items' order
         self.order = [k for k in largest_first(self.launches) if self.launches[k].runs]
+        ordered = [self.launches[k] for k in self.order]
         self.tables = None if slots is None else batch.TableArray(
-            [(launch.static, launch.members, launch.n) for launch in (self.launches[k] for k in self.order)], slots)
+            [(launch.static, launch.members, launch.n) for launch in ordered], slots)
+        #: the set kernel's launcher (`FUSED`, a set's plan of several launches), else None
+        self.fused: Launcher | None = None
+        config = None
+        if self.tables is not None and FUSED and len(ordered) > 1:
+            parts = []
+            for launch, (tab0, _) in zip(ordered, self.tables.segments, strict=True):
+                assert launch.launcher is not None
+                fixed = launch.launcher.fixed
+                width = batch.payload_dtype(launch.cut).itemsize
+                parts.append((launch.cut, launch.grid, fixed, width, tab0, 2 + launch.n, fixed["ALIGN"],
+                              fixed["OUT_ALIGN"], (fixed["PAY0"], fixed["SC0"])))
+            config = set_config(parts)
+        if config is not None:
+            assert self.tables is not None
+            self.tables.whole = True  # staged as one table: the set kernel's
+            grid, vary, cfg, warps = config
+            self.fused = Launcher(grid, dict(
+                srcs=tuple(launch.src for launch in ordered), **set_arguments(vary), CFG=tuple(cfg), K=len(cfg),
+                HW_FP8=batch.hardware_fp8(self.device), RECIP=RECIPROCAL, num_warps=warps,
+                enable_fp_fusion=False))
 
     def launch(self, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Pack the items' blocks `ids` (checked by the caller): the call's one allocation (on a
@@ -364,6 +550,9 @@ class _Plan:
         views: dict[torch.dtype, torch.Tensor] = {}
         site = launch_site() if self.device.type == "cuda" else None  # (once for the launches)
         try:
+            if self.fused is not None:  # one launch: the staged array is one table
+                self.fused(_pack_set_kernel, _at=site, tab=tables[0], payload=payload, scales=scale_bits)
+                return whole, payload, scales
             for k, table in zip(self.order, tables, strict=True):
                 launch = self.launches[k]
                 dtype = batch.payload_dtype(launch.cut)

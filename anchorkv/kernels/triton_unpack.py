@@ -9,7 +9,9 @@ Ladder: `_unpack_kernel` (one program = BLOCK_R groups of one block of one item)
 validates the payloads and builds the item table) ->
 `unpack_many` (the public function; `kernels.unpack` is one item of it). A
 `kernels.UnpackSet` plans its fixed targets once per tuple of slot lengths (`_SetPlan`): its
-calls skip the per-item checks, the batch being checked as two tensors against the plan's layout.
+calls skip the per-item checks, the batch being checked as two tensors against the plan's
+layout, and a plan of several launches runs them in one launch of `_unpack_set_kernel`
+(`triton_pack.FUSED`). Both kernels run `unpack_program` per program.
 """
 
 from __future__ import annotations
@@ -20,11 +22,23 @@ import torch
 import triton
 import triton.language as tl
 
-from anchorkv.kernels import batch
+from anchorkv.kernels import batch, triton_pack
 from anchorkv.kernels.bits import FMT_BF16, FMT_FP8, FMT_INT4, FMT_RAW, fp8_decode, narrow, widen
 from anchorkv.kernels.items import UnpackItem
 from anchorkv.kernels.launch import Launcher, launch_site
-from anchorkv.kernels.triton_pack import PLAN_CACHE_SIZE, field_tile, largest_first, launch_config
+from anchorkv.kernels.triton_pack import (
+    PLAN_CACHE_SIZE,
+    SET_LAUNCHES,
+    SET_PARAMS,
+    field_tile,
+    in_launch,
+    largest_first,
+    launch_config,
+    payload_as,
+    set_arguments,
+    set_config,
+    set_program,
+)
 
 
 @triton.jit(do_not_specialize=["N", "TAB_W"])
@@ -56,9 +70,19 @@ def _unpack_kernel(
     FLAT: tl.constexpr,  # host-checked: group k of a block starts at its element k * G
     HW_FP8: tl.constexpr,  # the GPU's own converts (sm_89+): fp8 decode and bf16 rounding
 ):
-    i_t = tl.program_id(0)
-    i_n = tl.program_id(1).to(tl.int64)  # the block (of the item's N)
-    i_item = tl.program_id(2).to(tl.int64)
+    unpack_program(dst, tab, payload, scales, tl.program_id(0), tl.program_id(1).to(tl.int64),
+                   tl.program_id(2).to(tl.int64), N, GROUPS, GPR, S1, S2, T0, T1, T2, TD, NUMEL, TAB_W, FMT, DST, G,
+                   BLOCK_R, BLOCK_G, CONTIG, ALIGN, IN_ALIGN, FLAT, HW_FP8)
+
+
+@triton.jit
+def unpack_program(dst, tab, payload, scales, i_t, i_n, i_item, N, GROUPS, GPR, S1, S2, T0, T1, T2, TD, NUMEL,
+                   TAB_W, FMT: tl.constexpr, DST: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_G: tl.constexpr, CONTIG: tl.constexpr, ALIGN: tl.constexpr, IN_ALIGN: tl.constexpr,
+                   FLAT: tl.constexpr, HW_FP8: tl.constexpr):
+    """One program of an unpack: tile `i_t` of block `i_n` (int64) of item `i_item` (int64) of
+    a launch whose item table starts at `tab` (`_unpack_kernel`: the grid's ids;
+    `_unpack_set_kernel`: one of its launches, ids from its flat program id)."""
     p_tab = tab + i_item * TAB_W
     b_base = tl.load(p_tab)
     b_bstride = tl.load(p_tab + 1)
@@ -105,6 +129,36 @@ def _unpack_kernel(
             else:
                 v = b_q.to(tl.int8, bitcast=True).to(tl.float32)
             tl.store(p_dst, narrow(v * scale[:, None], DST, HW_FP8), mask=m)
+
+
+@triton.jit(do_not_specialize=[f"{p}_{k}" for p in SET_PARAMS[:4] for k in range(SET_LAUNCHES)])
+def _unpack_set_kernel(
+    dsts,  # per launch: the integer alias of its first target's storage (`_unpack_kernel`'s dst)
+    tab,  # int64: the set's whole staged table array (`batch.TableArray`)
+    payload,  # uint8: the batch's whole payload (16-byte aligned)
+    scales,  # int32 bits of the batch's whole fp32 scales
+    # per launch k, what changes with the plan, never specialized (`triton_pack._pack_set_kernel`):
+    # its first program, N, RN(1/N), its table's start in `tab`
+    START_0, START_1, START_2, START_3, N_0, N_1, N_2, N_3, RCP_0, RCP_1, RCP_2, RCP_3,
+    TAB_0, TAB_1, TAB_2, TAB_3,
+    CFG: tl.constexpr,  # per launch, `triton_pack.set_config`'s constants (IO_ALIGN: IN_ALIGN)
+    K: tl.constexpr,  # launches (at most `triton_pack.SET_LAUNCHES`)
+    HW_FP8: tl.constexpr,
+):
+    """Every launch of an `UnpackSet` plan in one (as `triton_pack._pack_set_kernel`): one
+    Triton launch a call. The bytes are `_unpack_kernel`'s."""
+    pid = tl.program_id(0)
+    starts = (START_0, START_1, START_2, START_3)
+    ns, rcps, tabs = (N_0, N_1, N_2, N_3), (RCP_0, RCP_1, RCP_2, RCP_3), (TAB_0, TAB_1, TAB_2, TAB_3)
+    for k in tl.static_range(K):
+        # (CFG[k][i] inline: a constexpr tuple unpacked into names is no longer constexpr)
+        if in_launch(pid, starts, k, K):
+            n = ns[k]
+            i_t, i_n, i_item = set_program(pid - starts[k], CFG[k][0], n, rcps[k])
+            unpack_program(dsts[k], tab + tabs[k], payload_as(payload, CFG[k][19]), scales, i_t, i_n, i_item, n,
+                           CFG[k][1], CFG[k][2], CFG[k][3], CFG[k][4], CFG[k][5], CFG[k][6], CFG[k][7], CFG[k][8],
+                           CFG[k][9], 4 + n, CFG[k][10], CFG[k][11], CFG[k][12], CFG[k][13], CFG[k][14], CFG[k][15],
+                           CFG[k][16], CFG[k][18], CFG[k][17], HW_FP8)
 
 
 def _check(item: UnpackItem, cut: batch.FieldCut, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,6 +271,23 @@ class _SetPlan:
         planned = [planned[k] for k in largest_first([entry[0] for entry in planned])]
         self.tables = batch.TableArray([(head, launch.members, launch.n) for launch, head, _ in planned], slots)
         self.launches = [(launch, align) for launch, _, align in planned]
+        #: the set kernel's launcher (`triton_pack.FUSED`, a plan of several launches), else None
+        self.fused: Launcher | None = None
+        config = None
+        if triton_pack.FUSED and len(planned) > 1:
+            parts = []
+            for (launch, _, in_align), (tab0, _) in zip(planned, self.tables.segments, strict=True):
+                assert launch.launcher is not None
+                fixed = launch.launcher.fixed
+                width = batch.payload_dtype(launch.cut).itemsize
+                parts.append((launch.cut, launch.grid, fixed, width, tab0, 4 + launch.n, fixed["ALIGN"], in_align, ()))
+            config = set_config(parts)
+        if config is not None:
+            self.tables.whole = True  # staged as one table: the set kernel's
+            grid, vary, cfg, warps = config
+            self.fused = Launcher(grid, dict(
+                dsts=tuple(launch.dst for launch, _, _ in planned), **set_arguments(vary), CFG=tuple(cfg), K=len(cfg),
+                HW_FP8=batch.hardware_fp8(self.device), num_warps=warps, enable_fp_fusion=False))
         #: the scales argument when the batch has none (never read)
         self.no_scales = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.seen: tuple | None = None  # spans found equal to the layout's (`UnpackSet.unpack`)
@@ -230,6 +301,9 @@ class _SetPlan:
         payloads: dict[torch.dtype, torch.Tensor] = {}
         site = launch_site() if self.device.type == "cuda" else None  # (once for the launches)
         try:
+            if self.fused is not None:  # one launch: the staged array is one table
+                self.fused(_unpack_set_kernel, _at=site, tab=tables[0], payload=packed.payload, scales=scales)
+                return
             for (launch, align), table in zip(self.launches, tables, strict=True):
                 dtype = batch.payload_dtype(launch.cut)
                 payload = payloads.get(dtype)

@@ -146,16 +146,31 @@ def specializations(items=None) -> list[dict]:
             entry["contig"] = bool(kwargs["CONTIG"])
             entry["in_align"] = kwargs.get("IN_ALIGN")
             entry["values_per_thread"] = kwargs["BLOCK_R"] * kwargs["BLOCK_G"] // (32 * kwargs["num_warps"])
-            # what a `kernels.launch.Launcher` passes the compiled kernel (every parameter by
-            # name, in `arg_names` order) is what `JITFunction.run` passes: the binder's list
-            names = kernels[op].arg_names
-            entry["launcher_args"] = {
-                "binder_order": list(bound) == list(names),
-                "same_values": all(bound[n] is kwargs[n] for n in names if n in kwargs),
-                "unnamed": [n for n in names if n not in kwargs],
-                "options": sorted(set(kwargs) - set(names)),
-            }
+            entry["launcher_args"] = launcher_args(kernels[op], bound, kwargs)
     return list(found.values())
+
+
+def launcher_args(kernel, bound, kwargs: dict) -> dict:
+    """What a `kernels.launch.Launcher` passes the compiled kernel (every parameter by name, in
+    `arg_names` order) against what `JITFunction.run` passes (the binder's list `bound`)."""
+    names = kernel.arg_names
+    return {"binder_order": list(bound) == list(names),
+            "same_values": all(bound[n] is kwargs[n] for n in names if n in kwargs),
+            "unnamed": [n for n in names if n not in kwargs],
+            "options": sorted(set(kwargs) - set(names))}
+
+
+def _request_region():
+    """(layout, blocks, region, {field name: (layer kind, strided field)}) of the tp=1
+    Kimi-Linear requests of `request_stream` and `request_sets`: 80 blocks of one region."""
+    layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=1)
+    page = layout.layers[0].page.page_bytes
+    blocks = 80
+    fields = {}
+    for layer in layout.layers:
+        for f in layer.page.fields:
+            fields.setdefault(f.name, (str(layer.kind), f.strided(page)))
+    return layout, blocks, torch.empty(blocks * page, dtype=torch.uint8), fields
 
 
 def request_stream(count: int = 60, seed: int = 0):
@@ -165,14 +180,7 @@ def request_stream(count: int = 60, seed: int = 0):
     import random
 
     rng = random.Random(seed)
-    layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=1)
-    page = layout.layers[0].page.page_bytes
-    blocks = 80
-    buf = torch.empty(blocks * page, dtype=torch.uint8)
-    fields = {}
-    for layer in layout.layers:
-        for f in layer.page.fields:
-            fields.setdefault(f.name, (str(layer.kind), f.strided(page)))
+    layout, blocks, buf, fields = _request_region()
     for r in range(count):
         tokens = rng.randint(1, 131072)
         n = -(-tokens // layout.block_size)
@@ -187,6 +195,109 @@ def request_stream(count: int = 60, seed: int = 0):
                 yield (f"request {r} ({tokens} tokens) {fname} {fmt}",
                        PackItem(buf, field, ids, blocks, spec),
                        UnpackItem(buf, field, ids, blocks, spec, payload, scales))
+
+
+#: Per field, the group a set's codec takes in `set_cases` (the connector's defaults).
+SET_GROUPS = {"conv": 128, "recurrent": 128, "latent": 64}
+
+
+def set_cases():
+    """(label, targets, slots, ids) of a `PackSet` / `UnpackSet` of one target per field of
+    every shipped layout (state fields in slot 0, the latent in slot 1, as the connector's
+    KV-cache groups), for each codec a connector applies to every field (raw, bf16, fp8, int8,
+    int4) and its default lossy set (latent fp8:64, recurrent and conv int8:128)."""
+    from anchorkv.kernels import PackTarget
+
+    for name, layout in _layouts():
+        fields = {}
+        for layer in layout.layers:
+            for f in layer.page.fields:
+                fields.setdefault(f.name, (str(layer.kind), f, layer.page.page_bytes))
+        combos = {q: {f: f"{q}:{SET_GROUPS[f]}" if q in ("fp8", "int8", "int4") else q for f in fields}
+                  for q in ("raw", "bf16", "fp8", "int8", "int4")}
+        combos["default"] = {"latent": "fp8:64", "recurrent": "int8:128", "conv": "int8:128"}
+        for combo, codecs in combos.items():
+            targets, slots = [], []
+            for fname, (kind, f, page) in fields.items():
+                buf = torch.empty(8 * page, dtype=torch.uint8)
+                targets.append(PackTarget(buf, f.strided(page), 8, CodecSpec.parse(codecs[fname])))
+                slots.append(0 if kind == "state" else 1)
+            yield f"{name} set {combo}", targets, slots, [[3], [5, 1, 6, 2]]
+
+
+def set_specializations(cases=None) -> list[dict]:
+    """Every distinct specialization of the set kernels (`_pack_set_kernel`,
+    `_unpack_set_kernel`) that `PackSet.pack` / `UnpackSet.unpack` launch for `cases`
+    (default `set_cases`), with its labels and its launches' formats and alignment claims."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from anchorkv.kernels import PackedBatch, PackSet, UnpackSet, batch, packset, triton_pack, triton_unpack
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    kernels = {"pack_set": triton_pack._pack_set_kernel, "unpack_set": triton_unpack._unpack_set_kernel}
+    binders = {k: create_function_from_signature(fn.signature, fn.params, backend) for k, fn in kernels.items()}
+    found: dict[str, dict] = {}
+    # the launch path on CPU tensors, as it runs for a GPU of the target's capability (a set
+    # picks its backend when made: Triton's, which on a CPU would need the interpreter)
+    hardware_fp8, batch.hardware_fp8 = batch.hardware_fp8, lambda device: True
+    backend_for, packset.backend_for = packset.backend_for, lambda device: "triton"
+    try:
+        for label, targets, slots, ids in (set_cases() if cases is None else cases):
+            for op, module in (("pack_set", triton_pack), ("unpack_set", triton_unpack)):
+                rec = _Recorder()
+                setattr(module, f"_{op}_kernel", rec)
+                try:
+                    if op == "pack_set":
+                        PackSet(targets, slots).pack(ids)
+                    else:
+                        us = UnpackSet(targets, slots)
+                        layout = us.layout([len(i) for i in ids])
+                        us.unpack(PackedBatch(torch.empty(layout.payload_bytes, dtype=torch.uint8),
+                                              torch.empty(layout.scale_values, dtype=torch.float32),
+                                              layout.spans, layout.scale_runs), ids)
+                finally:
+                    setattr(module, f"_{op}_kernel", kernels[op])
+                (kwargs,) = rec.calls
+                bound, spec, options = binders[op](**kwargs)
+                opts, signature, constexprs, attrs = kernels[op]._pack_args(backend, kwargs, bound, spec, options)
+                key = repr((op, sorted(signature.items()), sorted(constexprs.items()), sorted(attrs.items()),
+                            sorted(opts.__dict__.items())))
+                entry = found.setdefault(key, {"op": op, "labels": [], "key": key, "fmt": "set"})
+                entry["labels"].append(label)
+                entry["_compile"] = (signature, constexprs, attrs, opts.__dict__)
+                anchors = kwargs["srcs" if op == "pack_set" else "dsts"]
+                entry["parts"] = [{"fmt": next(k for k, v in batch.FMT_CODE.items() if v == cfg[10]).value,
+                                   "align": cfg[16], "itemsize": t.element_size(), "contig": bool(cfg[15])}
+                                  for cfg, t in zip(kwargs["CFG"], anchors, strict=True)]
+                entry["launcher_args"] = launcher_args(kernels[op], bound, kwargs)
+    finally:
+        batch.hardware_fp8 = hardware_fp8
+        packset.backend_for = backend_for
+    return list(found.values())
+
+
+def request_sets(count: int = 60, seed: int = 0):
+    """(label, targets, slots, ids) of `count` realistic requests at tp=1 (as `request_stream`:
+    1 to 69 MLA blocks, random ids), one set of the three fields per request, raw and the
+    default lossy set."""
+    import random
+
+    from anchorkv.kernels import PackTarget
+
+    rng = random.Random(seed)
+    layout, blocks, buf, fields = _request_region()
+    for r in range(count):
+        n = -(-rng.randint(1, 131072) // layout.block_size)
+        ids = [[rng.randrange(blocks)], rng.sample(range(blocks), n)]
+        for combo in ("raw", "default"):
+            targets = [PackTarget(buf, field, blocks, CodecSpec.parse(
+                "raw" if combo == "raw" else {"latent": "fp8:64"}.get(fname, "int8:128")))
+                for fname, (_, field) in fields.items()]
+            yield (f"request {r} set {combo}", targets, [0 if k == "state" else 1 for k, _ in fields.values()],
+                   ids)
 
 
 def _ptx_only(src, options: dict) -> str:
@@ -224,7 +335,8 @@ def _compile(args) -> dict:
 
     from anchorkv.kernels import triton_pack, triton_unpack
 
-    fn = triton_pack._pack_kernel if op == "pack" else triton_unpack._unpack_kernel
+    fn = {"pack": triton_pack._pack_kernel, "unpack": triton_unpack._unpack_kernel,
+          "pack_set": triton_pack._pack_set_kernel, "unpack_set": triton_unpack._unpack_set_kernel}[op]
     src = ASTSource(fn, signature, constexprs, attrs)
     options = {k: v for k, v in options.items() if k not in ("extern_libs",)}
     try:
@@ -237,6 +349,34 @@ def _compile(args) -> dict:
         accesses[f"{kind}.v{vec}.b{bits}" if vec else f"{kind}.b{bits}"] += 1
     ops = Counter(re.sub(r"^setp\.[a-z]+", "setp", m.group(0)) for m in _OPS.finditer(ptx))
     return dict(accesses), dict(ops)
+
+
+def check_set(entry: dict) -> str | None:
+    """`check` for a set kernel, whose PTX holds every launch's body: where every launch's
+    source is contiguous and claims 16-byte rows, the cache side has 16-byte accesses and the
+    payload side vector ones, and every narrow access is one some launch may make (its item
+    table, its scales, int4's 8-byte payload accesses)."""
+    acc = entry["accesses"]
+    parts = entry["parts"]
+    if not all(p["contig"] and p["align"] * p["itemsize"] >= 16 for p in parts):
+        return None
+    wide = {"ld.v4.b32", "st.v4.b32", "ld.v2.b64", "st.v2.b64"}
+    cache, payload = ("ld", "st") if entry["op"] == "pack_set" else ("st", "ld")
+    allowed = set(wide) | {"ld.b64"}
+    for p in parts:
+        if p["fmt"] == "int4":
+            allowed.add(f"{payload}.v2.b32")
+        if p["fmt"] not in ("raw", "bf16"):
+            allowed.add("ld.b32" if entry["op"] == "unpack_set" else "st.b32")
+    problems = []
+    if not any(k in wide for k in acc if k.startswith(cache)):
+        problems.append(f"no 16-byte {cache} on the cache side")
+    if not any(k in allowed - {"ld.b64", "ld.b32", "st.b32"} for k in acc if k.startswith(payload)):
+        problems.append(f"no vector {payload} on the payload side")
+    bad = {k: v for k, v in acc.items() if k not in allowed}
+    if bad:
+        problems.append(f"narrow data accesses {bad}")
+    return f"{'; '.join(problems)} (all: {acc})" if problems else None
 
 
 def check(entry: dict) -> str | None:
@@ -275,26 +415,33 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--limit", type=int, default=0, help="compile only the first N (debugging)")
     ap.add_argument("--match", default="", help="only specializations whose label contains this")
+    ap.add_argument("--no-sets", action="store_true", help="skip the set kernels")
     ap.add_argument("--variants", action="store_true",
                     help="only count the distinct specializations over a stream of requests")
     args = ap.parse_args(argv)
     if args.variants:
         stream = specializations(request_stream())
         one = specializations(request_stream(count=1))
-        print(json.dumps({"stream": len(stream), "one_request": len(one)}))
+        sets = set_specializations(request_sets())
+        one_set = set_specializations(request_sets(count=1))
+        print(json.dumps({"stream": len(stream), "one_request": len(one), "set_stream": len(sets),
+                          "set_one_request": len(one_set)}))
         return 0
     specs = specializations(x for x in _items() if args.match in x[0])
+    if not args.no_sets:
+        specs += set_specializations(x for x in set_cases() if args.match in x[0])
     if args.limit:
         specs = specs[: args.limit]
     work = [(s["op"], *s.pop("_compile")) for s in specs]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for s, (acc, ops) in zip(specs, pool.map(_compile, work), strict=True):
             s["accesses"], s["ops"] = acc, ops
-            s["problem"] = check(s)
+            s["problem"] = check_set(s) if s["op"].endswith("_set") else check(s)
     failed = [s for s in specs if s["problem"]]
     for s in specs:
+        align = s.get("align", [p["align"] for p in s.get("parts", ())])
         print(f"{'FAIL' if s['problem'] else 'ok  '} {s['op']:6} {s['labels'][0]} "
-              f"(+{len(s['labels']) - 1}) align={s['align']} {s['accesses']}"
+              f"(+{len(s['labels']) - 1}) align={align} {s['accesses']}"
               + (f"\n     {s['problem']}" if s["problem"] else ""))
     print(f"{len(specs)} specializations compiled for sm_90, {len(failed)} failed the vector check")
     if args.json:

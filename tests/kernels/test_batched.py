@@ -15,7 +15,7 @@ from anchorkv.kernels import PackItem, UnpackItem, reference
 from anchorkv.kernels.strided import StridedField, field_view
 from anchorkv.kernels.triton_pack import pack_many
 from anchorkv.kernels.triton_unpack import unpack_many
-from tests.kernels.helpers import DEVICE, touched
+from tests.kernels.helpers import DEVICE, split_set_launch, touched
 
 pytestmark = pytest.mark.interpreter
 
@@ -126,11 +126,27 @@ def test_launches_are_issued_largest_first(monkeypatch):
     for item, (payload, scales) in zip(items, packed, strict=True):
         want_p, want_s = reference.pack(item)
         assert torch.equal(payload, want_p) and torch.equal(scales.view(torch.int32), want_s.view(torch.int32))
-    calls.clear()
     monkeypatch.setenv("ANCHORKV_BACKEND", "triton")  # (a PackSet picks its backend when made)
-    kernels.PackSet([kernels.PackTarget(i.buffer, i.field, i.num_blocks, i.spec) for i in items],
-                    [0] * len(items)).pack([[2]])
-    assert calls == [want[0], want[2], 3 * 5 * 64 * 2]  # one latent block each: now the smallest
+    sets: list = []  # a set kernel's launches, in the order its grid runs them
+
+    class SetRecording:
+        def __getitem__(self, grid):
+            def launch(**kwargs):
+                sets.append([g[1] * g[2] * kw["NUMEL"] * kw["src"].element_size()
+                             for g, kw in split_set_launch(grid, kwargs, "pack")])
+                return real_set[grid](**kwargs)
+            return launch
+
+    real_set = pack_module._pack_set_kernel
+    monkeypatch.setattr(pack_module, "_pack_set_kernel", SetRecording())
+    for fused in (False, True):
+        calls.clear()
+        monkeypatch.setattr(pack_module, "FUSED", fused)
+        kernels.PackSet([kernels.PackTarget(i.buffer, i.field, i.num_blocks, i.spec) for i in items],
+                        [0] * len(items)).pack([[2]])
+        # one latent block each: now the smallest
+        assert (sets.pop() if fused else calls) == [want[0], want[2], 3 * 5 * 64 * 2]
+    assert calls == [] and sets == []
     calls.clear()
     unpack_many([UnpackItem(i.buffer, i.field, i.block_ids, i.num_blocks, i.spec, p, s)
                  for i, (p, s) in zip(items, packed, strict=True)])

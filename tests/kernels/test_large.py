@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, CodecSpec, kimi_linear_layout
-from anchorkv.kernels import PackItem, UnpackItem, reference
+from anchorkv.kernels import PackItem, PackSet, PackTarget, UnpackItem, UnpackSet, reference, triton_pack
 from anchorkv.kernels.strided import field_view
 from anchorkv.kernels.triton_pack import pack_many
 from anchorkv.kernels.triton_unpack import unpack_many
@@ -20,10 +20,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("tp", [1, 4])
-@pytest.mark.parametrize("codecs", [("int8", "int8", "fp8"), ("raw", "raw", "raw"),
-                                    ("fp8", "int4", "int4")])
-def test_kimi_request_round_trip_equals_reference(tp, codecs):
+def _kimi_items(tp: int, codecs) -> tuple[list[torch.Tensor], list[PackItem]]:
+    """4 regions of Kimi-Linear blocks on the GPU, random bytes with random values in the
+    blocks packed, and each region's conv, recurrent and latent items."""
     layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=tp, conv_layout="DS")
     kda = layout.of_kind("state")[0].page
     mla = layout.of_kind("paged")[0].page
@@ -43,15 +42,54 @@ def test_kimi_request_round_trip_equals_reference(tp, codecs):
         field_view(buf, lat, blocks)[6:] = torch.randn((6, *lat.shape), device="cuda",
                                                        generator=g).to(lat.dtype)
         items.append(PackItem(buf, lat, [6, 9, 7, 11], blocks, CodecSpec(codecs[2], 64)))
+    return regions, items
+
+
+def _destination(item: PackItem) -> list[int]:
+    return [3] if len(item.block_ids) == 1 else [8, 10, 6, 7]
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+@pytest.mark.parametrize("codecs", [("int8", "int8", "fp8"), ("raw", "raw", "raw"),
+                                    ("fp8", "int4", "int4")])
+def test_kimi_request_round_trip_equals_reference(tp, codecs):
+    regions, items = _kimi_items(tp, codecs)
     results = pack_many(items)
     moves = []
     for it, (p, s) in zip(items, results, strict=True):
         wp, ws = reference.pack(it)
         assert torch.equal(p, wp) and torch.equal(s.view(torch.int32), ws.view(torch.int32))
-        dst = [3] if len(it.block_ids) == 1 else [8, 10, 6, 7]
-        moves.append(UnpackItem(it.buffer, it.field, dst, blocks, it.spec, p, s))
+        moves.append(UnpackItem(it.buffer, it.field, _destination(it), it.num_blocks, it.spec, p, s))
     want = [r.clone() for r in regions]
     for m in moves:
         reference.unpack(dataclasses.replace(m, buffer=want[[id(r) for r in regions].index(id(m.buffer))]))
     unpack_many(moves)
+    assert all(torch.equal(r, w) for r, w in zip(regions, want, strict=True))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["set-kernel", "per-signature"])
+@pytest.mark.parametrize("tp", [1, 4])
+@pytest.mark.parametrize("codecs", [("int8", "int8", "fp8"), ("raw", "bf16", "int4")])
+def test_kimi_sets_round_trip_equals_reference(monkeypatch, tp, codecs, fused):
+    """A `PackSet` and an `UnpackSet` of the request's targets (a connector's save and
+    restore): one set-kernel launch a call (`triton_pack.FUSED`) or one per signature; every
+    part equals the reference's pack, and the unpack writes what the reference would."""
+    monkeypatch.setattr(triton_pack, "FUSED", fused)
+    regions, items = _kimi_items(tp, codecs)
+    targets = [PackTarget(i.buffer, i.field, i.num_blocks, i.spec) for i in items]
+    slots = [0 if len(i.block_ids) == 1 else 1 for i in items]
+    src_ids, dst_ids = [[2], [6, 9, 7, 11]], [[3], [8, 10, 6, 7]]
+    pack_set = PackSet(targets, slots)
+    packed = pack_set.pack(src_ids)
+    assert (pack_set._plans.newest().fused is not None) == fused
+    want = [r.clone() for r in regions]
+    for k, it in enumerate(items):
+        p, s = packed.part(k)
+        wp, ws = reference.pack(it)
+        assert torch.equal(p, wp) and torch.equal(s.view(torch.int32), ws.view(torch.int32)), (k, it.spec)
+        buf = want[[id(r) for r in regions].index(id(it.buffer))]
+        reference.unpack(UnpackItem(buf, it.field, _destination(it), it.num_blocks, it.spec, p, s))
+    unpack_set = UnpackSet(targets, slots)
+    unpack_set.unpack(packed, dst_ids)
+    assert (unpack_set._plans.newest().fused is not None) == fused
     assert all(torch.equal(r, w) for r, w in zip(regions, want, strict=True))

@@ -180,12 +180,19 @@ def test_a_plans_tables_are_released_even_when_a_launch_raises(monkeypatch, op):
 
     module = triton_pack if op == "pack" else triton_unpack
     monkeypatch.setattr(module, f"_{op}_kernel", Failing())
-    with pytest.raises(RuntimeError, match="launch failed"):
-        if op == "pack":
-            PackSet(targets, slots).pack([(2,)])
-        else:
-            UnpackSet(targets, slots).unpack(packed, [(2,)])
-    assert len(released) == 1
+    monkeypatch.setattr(module, f"_{op}_set_kernel", Failing())
+    for fused in (True, False):  # the set kernel's one launch, or the per-signature ones
+        monkeypatch.setattr(triton_pack, "FUSED", fused)
+        released.clear()
+        with pytest.raises(RuntimeError, match="launch failed"):
+            if op == "pack":
+                set_ = PackSet(targets, slots)
+                set_.pack([(2,)])
+            else:
+                set_ = UnpackSet(targets, slots)
+                set_.unpack(packed, [(2,)])
+        assert (set_._plans.newest().fused is not None) == fused
+        assert len(released) == 1
 
 
 def test_cpu_tables_are_not_copied(monkeypatch):
@@ -370,15 +377,18 @@ def test_direct_launches_give_the_jit_bytes(monkeypatch, codecs):
     assert launch.counts["direct"] - before["direct"] >= 3 * 3 * 4, (before, launch.counts)
 
 
-def test_profile_kernels_times_the_set_calls_own_steps(monkeypatch):
+@pytest.mark.parametrize("fused", [True, False], ids=["set-kernel", "per-signature"])
+def test_profile_kernels_times_the_set_calls_own_steps(monkeypatch, fused):
     """`benchmarks.profile_kernels.set_steps` (the GPU profile's host breakdown of a
     `PackSet.pack` call) runs each step of the call on the plan's own objects: its launches
-    are the plan's, in its order, on the tables the ring stages, with the batch's views."""
+    are the plan's (its set kernel's one, or its per-signature ones in its order), on the
+    tables the ring stages, with the batch's views."""
     from anchorkv.kernels import triton_pack
     from benchmarks.profile_kernels import set_steps
     from tests.kernels.test_batched import BLOCKS, _page, _regions
 
     monkeypatch.setenv("ANCHORKV_BACKEND", "triton")
+    monkeypatch.setattr(triton_pack, "FUSED", fused)
     conv, recurrent, latent = _page()
     regions = _regions(2, seed=8)
     targets = [PackTarget(b, f, BLOCKS, CodecSpec.parse(c)) for b in regions
@@ -392,14 +402,18 @@ def test_profile_kernels_times_the_set_calls_own_steps(monkeypatch):
 
     steps = set_steps(ps, [(1,), (3, 4)])
     monkeypatch.setattr(triton_pack, "_pack_kernel", Recording())
+    monkeypatch.setattr(triton_pack, "_pack_set_kernel", Recording())
     for step in steps.values():
         step()
     plan = ps._plans.find((1, 2), lambda: None)
     want = [plan.launches[k] for k in plan.order]
+    alone_name = (f"the set kernel's launch alone (for {len(want)} launches)" if fused
+                  else f"the {len(want)} launches alone")
     assert list(steps) == ["check the ids (PackSet._ids)", "find the plan", "the batch's one allocation",
-                           "write + stage the item tables (TableRing)", "launch_site()",
-                           f"the {len(want)} launches alone", "PackSet.pack (all of it)"]
-    alone, call = launched[:len(want)], launched[len(want):]
-    assert [g for g, _ in alone] == [g for g, _ in call] == [run.grid for run in want]
+                           "write + stage the item tables (TableRing)", "launch_site()", alone_name,
+                           "PackSet.pack (all of it)"]
+    grids = [plan.fused.grid] if fused else [run.grid for run in want]
+    alone, call = launched[:len(grids)], launched[len(grids):]
+    assert [g for g, _ in alone] == [g for g, _ in call] == grids
     for (_, a), (_, c) in zip(alone, call, strict=True):
         assert torch.equal(a["tab"], c["tab"]) and a["payload"].dtype == c["payload"].dtype

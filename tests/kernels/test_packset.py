@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
 from anchorkv.codec import CodecSpec
 from anchorkv.kernels import PackedBatch, PackItem, PackSet, PackTarget, packset, reference
 from anchorkv.kernels.strided import StridedField
+from tests.kernels.helpers import split_set_launch
 from tests.kernels.test_batched import BLOCKS, _page, _regions
 
 pytestmark = pytest.mark.interpreter
@@ -297,35 +299,52 @@ def test_nan_check_reads_every_part_and_no_padding(monkeypatch, backend):
             scales.view(-1)[-1] = keep
 
 
+class _Recorder:  # stands for a kernel (tests.kernels.sm90's recorder: importing it leaves the interpreter)
+    def __init__(self, calls, op=None):
+        self.calls, self.op = calls, op
+
+    def __getitem__(self, grid):
+        def launch(**kwargs):  # a set kernel's launch: the launches it runs
+            self.calls.extend(split_set_launch(grid, kwargs, self.op) if self.op else [(grid, kwargs)])
+        return launch
+
+
+def _record_launches(monkeypatch, calls: list, op: str = "pack") -> None:
+    """Record the launches of `op` (grid, per-signature kernel arguments) instead of running
+    them, a set kernel's as the launches it runs."""
+    from anchorkv.kernels import triton_pack, triton_unpack
+
+    module = triton_pack if op == "pack" else triton_unpack
+    monkeypatch.setattr(module, f"_{op}_kernel", _Recorder(calls))
+    monkeypatch.setattr(module, f"_{op}_set_kernel", _Recorder(calls, op))
+
+
 @pytest.mark.parametrize("codecs", [("int4:16", "raw", "bf16"), ("fp8:8", "int8:32", "int4:64"),
                                     ("raw", "int4:32", "int4:64")], ids="-".join)
-@pytest.mark.parametrize("entry", ["set", "pack_many"])
+@pytest.mark.parametrize("entry", ["set", "set-unfused", "pack_many"])
 def test_each_pack_launch_claims_an_alignment_every_group_start_has(monkeypatch, codecs, entry):
     """OUT_ALIGN (`tl.multiple_of` on the payload stores: an over-claim faults on a GPU, and the
     interpreter ignores it) divides the address of every group a launch writes into the call's
     whole payload (from PAY0, the launch's part), checked from the recorded launch arguments;
     some launch claims more than 1. The launches' parts tile the payload and scales in the
-    layout's order."""
+    layout's order. A set's launches are those its set kernel runs (`triton_pack.FUSED`), or
+    its per-signature launches."""
     from anchorkv.kernels import batch, triton_pack
     from anchorkv.kernels.triton_pack import pack_many
 
-    calls = []
-
-    class Recorder:  # stands for the kernel (tests.kernels.sm90's recorder: importing it leaves the interpreter)
-        def __getitem__(self, grid):
-            return lambda **kwargs: calls.append(kwargs)
-
+    calls: list = []
     monkeypatch.setenv("ANCHORKV_BACKEND", "triton")
-    monkeypatch.setattr(triton_pack, "_pack_kernel", Recorder())
+    monkeypatch.setattr(triton_pack, "FUSED", entry == "set")
+    _record_launches(monkeypatch, calls)
     targets, slots = _set(_regions(4, seed=17), codecs)
     ids = [(1,), (5, 3)]
-    if entry == "set":
+    if entry.startswith("set"):
         PackSet(targets, slots).pack(ids)
     else:
         pack_many([PackItem(t.buffer, t.field, ids[s], t.num_blocks, t.spec) for t, s in zip(targets, slots,
                                                                                            strict=True)])
     claims, parts = [], []
-    for kw in calls:
+    for _, kw in calls:
         width, n = kw["payload"].element_size(), kw["N"]
         items = kw["tab"].numel() // kw["TAB_W"]
         half = kw["FMT"] == batch.FMT_CODE[batch.Quant.INT4]  # two codes a byte
@@ -362,3 +381,149 @@ def test_one_allocation_puts_the_scales_at_the_next_16_byte_boundary(payload_byt
     out = b.copy_into(torch.zeros(b.host_bytes + 16, dtype=torch.uint8))
     assert torch.equal(out.payload, payload) and torch.equal(out.scales, scales)
     assert out.scales.data_ptr() == out.whole.data_ptr() + at
+
+
+def _same_arguments(a: dict, b: dict) -> bool:
+    """The same launch arguments: tables equal, the regions' anchors the same tensors, the
+    payload and scales the same dtype and size (each call's own batch), the rest equal."""
+    if a.keys() != b.keys():
+        return False
+    for k, v in a.items():
+        w = b[k]
+        if isinstance(v, torch.Tensor):
+            if not isinstance(w, torch.Tensor) or (v.dtype, v.shape) != (w.dtype, w.shape):
+                return False
+            if k == "tab" and not torch.equal(v, w) or k in ("src", "dst") and v.data_ptr() != w.data_ptr():
+                return False
+        elif v != w:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("op", ["pack", "unpack"])
+@pytest.mark.parametrize("codecs", CODEC_SETS, ids="-".join)
+def test_a_set_kernel_runs_the_launches_of_the_per_signature_plan(monkeypatch, op, codecs):
+    """`triton_pack.FUSED`: a set's call is one launch of its set kernel, whose launches (cut
+    from its per-launch values and CFG by `split_set_launch`) have the grids and arguments of the
+    per-signature launches the same set makes with FUSED off: the same tables, payload views,
+    offsets, alignment claims and constants, in the same order, each tile re-cut to 16 values
+    a thread at the set's warps (`set_tile_rows`). With `set_config` unable
+    (past `SET_PAIRS_LIMIT`), the plan launches per signature."""
+    from anchorkv.kernels import UnpackSet, batch, triton_pack
+
+    monkeypatch.setenv("ANCHORKV_BACKEND", "triton")
+    targets, slots = _set(_regions(4, seed=19), codecs)
+    ids = [(2,), (4, 1, 5)]
+    packed = PackSet(targets, slots).pack(ids)
+    runs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(triton_pack, "FUSED", fused)
+        calls: list = []
+        _record_launches(monkeypatch, calls, op)
+        if op == "pack":
+            set_ = PackSet(targets, slots)
+            set_.pack(ids)
+        else:
+            set_ = UnpackSet(targets, slots)
+            set_.unpack(packed, ids)
+        plan = set_._plans.newest()
+        assert (plan.fused is not None) == fused
+        runs[fused] = (calls, plan)
+    (calls, plan), (fused_calls, fused_plan) = runs[False], runs[True]
+    # the set kernel's warps: the most any launch's tile asks for; no fp fusion, as theirs
+    warps = fused_plan.fused.fixed["num_warps"]
+    assert warps == max(kw["num_warps"] for _, kw in calls) and fused_plan.fused.fixed["enable_fp_fusion"] is False
+    assert len(calls) == 3 and [g[1:] for g, _ in fused_calls] == [g[1:] for g, _ in calls]
+    launches = [plan.launches[k] for k in plan.order] if op == "pack" else [run for run, _ in plan.launches]
+    for (grid, a), (fused_grid, b), launch in zip(calls, fused_calls, launches, strict=True):
+        assert a["enable_fp_fusion"] is False
+        # each tile re-cut to 16 values a thread at the set's warps (as few rows as groups)
+        rows = b["BLOCK_R"]
+        assert rows == batch.tile_rows(launch.cut, a["BLOCK_G"], warps * 32 * 16)
+        assert fused_grid[0] == -(-a["GROUPS"] // rows) and grid[0] == -(-a["GROUPS"] // a["BLOCK_R"])
+        assert _same_arguments({k: v for k, v in a.items() if k not in ("num_warps", "enable_fp_fusion", "BLOCK_R")},
+                               {k: v for k, v in b.items() if k != "BLOCK_R"})
+    monkeypatch.setattr(triton_pack, "SET_PAIRS_LIMIT", 2)  # the paged slot's 3 blocks x 2 latents
+    set_ = PackSet(targets, slots) if op == "pack" else UnpackSet(targets, slots)
+    set_.pack(ids) if op == "pack" else set_.unpack(packed, ids)
+    assert set_._plans.newest().fused is None
+
+
+def test_a_kimi_linear_set_kernel_keeps_16_values_a_thread():
+    """`set_config` on the Kimi-Linear tp=1 fields with the connector's lossy codecs: 8 warps
+    (the latent's and conv's own), the recurrent state's tile regrown from 2048 to 4096 values
+    (its own launch: 4 warps), so every part's threads take 16 values; the parts' programs
+    tile the grid in order; the division by N is exact at the bound, and past it no set."""
+    import numpy as np
+
+    from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, kimi_linear_layout
+    from anchorkv.kernels import batch, triton_pack
+
+    layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=1)
+    fields = {f.name: f.strided(layout.layers[0].page.page_bytes) for layer in layout.layers for f in layer.page.fields}
+    codecs = {"latent": "fp8:64", "recurrent": "int8:128", "conv": "int8:128"}
+    parts, own = [], {}
+    for name, count, n in (("latent", 7, 4), ("recurrent", 20, 1), ("conv", 20, 1)):
+        cut = batch.field_cut(fields[name], CodecSpec.parse(codecs[name]))
+        grid, fixed = triton_pack.launch_config(cut, count, n)
+        own[name] = fixed["num_warps"]
+        parts.append((cut, grid, fixed, 1, 0, 2 + n, 8, 16, (0, 0)))
+    assert own == {"latent": 8, "recurrent": 4, "conv": 8}
+    (programs,), vary, cfg, warps = triton_pack.set_config(parts)
+    assert warps == 8
+    at = 0
+    for (cut, (_, n, count), *_), v, c in zip(parts, vary, cfg, strict=True):
+        tiles, rows, block_g = c[0], c[13], c[14]
+        assert rows * block_g == 8 * 32 * 16 and tiles == -(-cut.groups // rows)
+        assert v[:3] == (at, at + tiles * n * count, n)
+        at = v[1]
+    assert programs == at
+    # set_program's fp32 floor((j + 0.5) * RN(1/n)) is j // n for every pair below the bound
+    for n in (1, 3, 7, 69, 1000, 4097):
+        j = np.arange(min(triton_pack.SET_PAIRS_LIMIT, 4 << 20), dtype=np.int64)
+        rcp = np.float32(1.0) / np.float32(n)
+        got = ((j.astype(np.float32) + np.float32(0.5)) * rcp).astype(np.int32)
+        assert np.array_equal(got, j // n), n
+    big = [(cut, (tiles, triton_pack.SET_PAIRS_LIMIT + 1, 1), *rest) for cut, (tiles, _, _), *rest in parts]
+    assert triton_pack.set_config(big) is None
+
+
+@pytest.mark.parametrize("codecs", [("int8:16", "raw", "fp8:64"), ("bf16", "int4:32", "int8:64")], ids="-".join)
+def test_a_set_kernel_finds_the_item_of_every_block_of_a_long_slot(monkeypatch, codecs):
+    """A paged slot of 41 and 47 blocks read by two latent targets: the first counts where the
+    plain fp32 product j * RN(1/N) truncates below the item (41 * RN(1/41) < 1 in fp32), which
+    `set_program`'s + 0.5 keeps exact. The set kernel's pack and unpack match the reference
+    on every block of both items."""
+    from anchorkv.kernels import UnpackSet
+    from anchorkv.kernels.strided import field_view
+    from tests.kernels.test_unpackset import _expected, _same_bytes
+
+    monkeypatch.setenv("ANCHORKV_BACKEND", "triton")
+    conv, recurrent, latent = _page()
+    blocks = 50
+    g = torch.Generator().manual_seed(23)
+    regions = []
+    for _ in range(2):
+        buf = torch.randint(0, 256, (blocks * conv.block_stride,), dtype=torch.uint8, generator=g)
+        for f in (conv, recurrent, latent):
+            v = field_view(buf, f, blocks)
+            v.copy_(torch.randn(v.shape, generator=g).to(f.dtype))
+        regions.append(buf)
+    targets = [PackTarget(b, f, blocks, CodecSpec.parse(c)) for b in regions
+               for f, c in ((conv, codecs[0]), (recurrent, codecs[1]), (latent, codecs[2]))]
+    slots = [0, 0, 1] * 2
+    for n in (41, 47):
+        assert int(np.float32(n) * (np.float32(1) / np.float32(n))) == 0  # the plain product's floor: wrong
+        # (the state block 7 is no latent's block: the unpack's targets must not overlap)
+        ids = [(7,), tuple(b for b in torch.randperm(blocks, generator=g).tolist() if b != 7)[:n]]
+        ps = PackSet(targets, slots)
+        packed = ps.pack(ids)
+        assert ps._plans.newest().fused is not None
+        _assert_parts_equal_reference(packed, targets, slots, ids)
+        dst = [tuple(reversed(i)) for i in ids]
+        before = [r.clone() for r in regions]
+        want = _expected(regions, targets, slots, packed, dst)
+        UnpackSet(targets, slots).unpack(packed, dst)
+        assert _same_bytes(regions, want)
+        for r, b in zip(regions, before, strict=True):
+            r.copy_(b)

@@ -33,10 +33,27 @@ def compiled(tmp_path_factory) -> tuple[subprocess.CompletedProcess, list[dict]]
 
 def test_every_specialization_compiles_for_sm90(compiled):
     proc, specs = compiled
-    assert {s["op"] for s in specs} == {"pack", "unpack"}
-    # every codec of every field reached the compiler at least once
-    fmts = {(s["op"], s["fmt"]) for s in specs}
+    assert {s["op"] for s in specs} == {"pack", "unpack", "pack_set", "unpack_set"}
+    # every codec of every field reached the compiler at least once, alone and in a set kernel
+    fmts = {(s["op"], s["fmt"]) for s in specs if not s["op"].endswith("_set")}
     assert fmts == {(op, f) for op in ("pack", "unpack") for f in ("raw", "bf16", "fp8", "int8", "int4")}
+    in_sets = {(s["op"], p["fmt"]) for s in specs if s["op"].endswith("_set") for p in s["parts"]}
+    assert in_sets == {(op, f) for op in ("pack_set", "unpack_set") for f in ("raw", "bf16", "fp8", "int8", "int4")}
+
+
+def test_set_kernels_find_their_launch_without_an_integer_division(compiled):
+    """A set kernel (`triton_pack._pack_set_kernel`, `triton_unpack._unpack_set_kernel`: a
+    `PackSet` / `UnpackSet` call in one launch) finds a program's launch by compares, its tile
+    by a constant's division, and its item by one fp32 product (`set_program`): one float-to-int
+    convert a launch, no 64-bit division; every shipped layout's three fields in one kernel."""
+    _, specs = compiled
+    sets = [s for s in specs if s["op"].endswith("_set")]
+    assert len(sets) >= 2 * 32 * 3, len(sets)  # (32 layouts, each with several codec sets)
+    for s in sets:
+        label, ops = s["labels"][0], s["ops"]
+        assert len(s["parts"]) == 3, label
+        assert ops.get("cvt.rzi.s32.f32", 0) <= len(s["parts"]), (label, ops)
+        assert not any(k.startswith(("div.", "rem.")) and k.endswith("64") for k in ops), (label, ops)
 
 
 def test_bulk_path_uses_16_byte_vector_accesses(compiled):
@@ -45,8 +62,12 @@ def test_bulk_path_uses_16_byte_vector_accesses(compiled):
     assert not failed, "\n".join(failed)
     assert proc.returncode == 0, proc.stdout[-2000:]
     # the check did apply: the contiguous, aligned fields of the shipped layouts claim 16 bytes
-    claimed = [s for s in specs if s["contig"] and s["align"] * s["itemsize"] >= 16]
-    assert len(claimed) >= len(specs) // 2, [(s["labels"][0], s["align"]) for s in specs]
+    alone = [s for s in specs if not s["op"].endswith("_set")]
+    claimed = [s for s in alone if s["contig"] and s["align"] * s["itemsize"] >= 16]
+    assert len(claimed) >= len(alone) // 2, [(s["labels"][0], s["align"]) for s in alone]
+    sets = [s for s in specs if s["op"].endswith("_set")]
+    claimed = [s for s in sets if all(p["contig"] and p["align"] * p["itemsize"] >= 16 for p in s["parts"])]
+    assert len(claimed) >= len(sets) // 4, [(s["labels"][0], s["parts"]) for s in sets]
 
 
 def test_no_64_bit_division_and_the_hardware_converts(compiled):
@@ -58,7 +79,8 @@ def test_no_64_bit_division_and_the_hardware_converts(compiled):
     div64 = [(s["op"], s["labels"][0], s["ops"]) for s in specs
              if any(k.startswith(("div.", "rem.")) and k.endswith("64") for k in s["ops"])]
     assert not div64, div64
-    assert any(s["flat"] for s in specs) and not all(s["flat"] for s in specs)
+    alone = [s for s in specs if not s["op"].endswith("_set")]
+    assert any(s["flat"] for s in alone) and not all(s["flat"] for s in alone)
     for s in specs:
         ops, label = s["ops"], (s["op"], s["labels"][0])
         if s["op"] == "pack" and s["fmt"] == "fp8":
@@ -120,9 +142,12 @@ def test_direct_launches_pass_the_jit_argument_list(compiled):
 
 def test_compiled_variants_do_not_grow_with_requests():
     """60 requests of 1 to 131072 tokens (1 to 69 MLA blocks, random block ids) compile no more
-    variants than one request: block counts and table widths are not specialized."""
+    variants than one request: block counts and table widths are not specialized, nor a set
+    kernel's per-plan values (its per-launch START_k, N_k, RCP_k, TAB_k, PAY_k, SC_k)."""
     proc = _run("--variants", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     assert counts["stream"] == counts["one_request"], counts
     assert counts["one_request"] <= 12, counts  # 3 fields x 2 codecs x (pack, unpack)
+    assert counts["set_stream"] == counts["set_one_request"], counts
+    assert counts["set_one_request"] <= 4, counts  # 2 codec sets x (pack, unpack)

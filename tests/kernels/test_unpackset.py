@@ -82,27 +82,26 @@ def test_a_launch_whose_members_read_different_slots(monkeypatch, backend):
         assert _same_bytes(regions, want), ids
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["set-kernel", "per-signature"])
 @pytest.mark.parametrize("codecs", [("int4:16", "raw", "bf16"), ("fp8:8", "int8:32", "int4:64")], ids="-".join)
-def test_each_launch_claims_an_alignment_every_group_start_has(monkeypatch, codecs):
+def test_each_launch_claims_an_alignment_every_group_start_has(monkeypatch, codecs, fused):
     """IN_ALIGN (`tl.multiple_of` on the payload loads: an over-claim faults on a GPU, and the
     interpreter ignores it) divides the address of every group the launch reads, checked from
-    the recorded launch arguments; some launch claims more than 1."""
-    from anchorkv.kernels import triton_unpack
+    the recorded launch arguments; some launch claims more than 1. With the set kernel
+    (`triton_pack.FUSED`), its launches as `split_set_launch` cuts them."""
+    from anchorkv.kernels import triton_pack
+    from tests.kernels.test_packset import _record_launches
 
-    calls = []
-
-    class Recorder:  # stands for the kernel (tests.kernels.sm90's recorder: importing it leaves the interpreter)
-        def __getitem__(self, grid):
-            return lambda **kwargs: calls.append(kwargs)
-
+    calls: list = []
     monkeypatch.setenv("ANCHORKV_BACKEND", "triton")
+    monkeypatch.setattr(triton_pack, "FUSED", fused)
     src_targets, slots = _set(_regions(4, seed=15), codecs)
     packed = PackSet(src_targets, slots).pack([(1,), (5, 3)])
     targets, _ = _set(_regions(4, seed=16), codecs)
-    monkeypatch.setattr(triton_unpack, "_unpack_kernel", Recorder())
+    _record_launches(monkeypatch, calls, "unpack")
     UnpackSet(targets, slots).unpack(packed, [(2,), (4, 3)])
     claims = []
-    for kw in calls:
+    for _, kw in calls:
         width, w = kw["payload"].element_size(), 4 + kw["N"]
         rows = kw["tab"].view(-1, w)
         half = kw["FMT"] == batch.FMT_CODE[batch.Quant.INT4]  # two codes a byte
