@@ -200,7 +200,8 @@ def run_bench(name: str, args, limit: float, log: Path, env: dict, tmp: Path) ->
     return res
 
 
-_PROFILE_LINE = re.compile(r"== (\w+) tp=(\d+): wall ([\d.]+) ms/call, host-only ([\d.]+) ms, "
+#: `profile_kernels`' line per op (names with spaces: "unpack set", "unpack set unfused")
+_PROFILE_LINE = re.compile(r"== (\w[\w ]*?) tp=(\d+): wall ([\d.]+) ms/call, host-only ([\d.]+) ms, "
                            r"kernels ([\d.]+) ms/call")
 
 

@@ -1,6 +1,7 @@
 """SASS instruction counts of the pack and unpack kernels for sm_90, compiled on this machine.
 
     env -u TRITON_INTERPRET .venv/bin/python scripts/sass_counts.py [field:codec[:group] ...]
+    env -u TRITON_INTERPRET .venv/bin/python scripts/sass_counts.py sets [default raw ...]
 
 For each Kimi-Linear tp=1 field and codec given (default: the connector's default lossy set,
 latent:fp8:64 recurrent:int8:128 conv:int8:128, and latent:int4:64), the launch path's own
@@ -9,6 +10,9 @@ triton wheel and disassembled with its `cuobjdump -sass`. Printed per kernel: ev
 the main body (up to the last EXIT, before the division's slow-path routine) and the values a
 thread handles. Kernels this short are issue-bound on an H200 (ncu, stop 26), so the count is
 the figure to compare between trees on a machine without a GPU (run it in a worktree of each).
+`sets`: the set kernels (`_pack_set_kernel`, `_unpack_set_kernel`) of the Kimi-Linear tp=1
+connector sets named (`tests.kernels.sm90.set_cases`' codec sets), all their launches' bodies
+in one kernel: the instruction count and where each body's EXIT falls.
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ def items(want: str):
 
 def sass(op: str, entry: dict) -> str:
     signature, constexprs, attrs, options = entry["_compile"]
-    fn = triton_pack._pack_kernel if op == "pack" else triton_unpack._unpack_kernel
+    fn = {"pack": triton_pack._pack_kernel, "unpack": triton_unpack._unpack_kernel,
+          "pack_set": triton_pack._pack_set_kernel, "unpack_set": triton_unpack._unpack_set_kernel}[op]
     options = {k: v for k, v in options.items() if k != "extern_libs"}
     kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                             options=options)
@@ -71,6 +76,14 @@ def sass(op: str, entry: dict) -> str:
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["sets"]:  # the set kernels of Kimi-Linear tp=1's connector sets
+        for combo in argv[1:] or ("default", "raw"):
+            label = f"kimi-linear tp=1 conv=SD bfloat16/float32 set {combo}"
+            for entry in sm90.set_specializations(c for c in sm90.set_cases() if c[0] == label):
+                text = _INSTR.findall(sass(entry["op"], entry))
+                exits = [i + 1 for i, t in enumerate(text) if "EXIT" in t]
+                print(f"{entry['op']:10} {combo:8} instructions {len(text):5}  EXITs after {exits}")
+        return
     for want in argv or DEFAULT:
         for entry in sm90.specializations(items(want)):
             text = _INSTR.findall(sass(entry["op"], entry))

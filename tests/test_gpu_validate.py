@@ -151,3 +151,15 @@ def test_a_stream_rows_time_is_per_call():
     assert rows["stream"]["median_s"] == 1e-4 and rows["set"]["median_s"] == 2e-4
     met = {t["target"]: t["met"] for t in gpu_validate.targets(list(rows.values()), on_gpu=True)}
     assert met == {"pack tp=1: set >= 0.85 x device copy": False, "pack tp=1: stream >= 0.85 x device copy": False}
+
+
+def test_profile_lines_are_read_for_every_op():
+    """Every op `profile_kernels` prints, names with spaces included ("unpack set unfused": the
+    A/B of the set kernels), reaches the report's profile rows."""
+    from benchmarks import gpu_validate
+
+    ops = ("pack", "set", "set_unfused", "set_div", "unpack", "unpack set", "unpack set unfused", "copy")
+    text = "\n".join(f"== {op} tp=1: wall 0.{k}12 ms/call, host-only 0.100 ms, kernels 0.050 ms/call, source 105.3 MB"
+                     for k, op in enumerate(ops))
+    rows = [m.groups() for m in gpu_validate._PROFILE_LINE.finditer(text)]
+    assert [r[0] for r in rows] == list(ops) and rows[6][2] == "0.612"
