@@ -51,6 +51,7 @@ from anchorkv.connector.counters import Counters, Miss, load_miss_of
 from anchorkv.connector.plan import GroupInfo, GroupKind, LoadSpec, Metadata, SaveSpec
 from anchorkv.connector.storage import EntryStore
 from anchorkv.kernels import BatchLayout, PackedBatch
+from anchorkv.kernels.dispatch import backend_for
 
 log = logging.getLogger("anchorkv.connector")
 
@@ -137,6 +138,13 @@ class WorkerSide:
         with self._arena_lock:
             self._arena = HostArena(pin=device.type == "cuda")
         self._save_host = HostPool(pin=device.type == "cuda")
+        try:
+            backend = backend_for(device)
+        except (ImportError, RuntimeError, ValueError) as e:  # every save and restore will say so too
+            log.warning("anchorkv: worker rank %d cannot pack or unpack on %s: %s", self.tp_rank, device, e)
+        else:
+            log.info("anchorkv: worker rank %d packs and unpacks on %s with %s", self.tp_rank, device,
+                     "the Triton kernels" if backend == "triton" else "the torch reference")
 
     # -------------------------------------------------------------------- what a spec touches
 

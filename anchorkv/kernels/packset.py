@@ -12,6 +12,7 @@ thread, off the step's critical path).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ import torch
 from anchorkv.kernels import batch, reference
 from anchorkv.kernels.dispatch import backend_for
 from anchorkv.kernels.items import PackItem, PackTarget, Span, UnpackItem
+
+log = logging.getLogger(__name__)
 
 #: Plans a `PackSet` keeps (one per distinct tuple of slot lengths; paged slots grow with the
 #: request, so a server sees a few dozen lengths, each plan a few kB).
@@ -225,6 +228,7 @@ class _TargetSet:
                                for s, t in zip(self.slots, self.targets, strict=True))
         self._checks = tuple(checks)
         self._plans: batch.PlanCache = batch.PlanCache(PLANS_PER_SET)
+        self._told = False  # (`_made`)
 
     def _ids(self, ids_by_slot: Sequence, *, distinct: bool) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
         """(each slot's length, each target's checked ids)."""
@@ -239,6 +243,20 @@ class _TargetSet:
 
     def _lens(self, lens_by_slot: Sequence[int]) -> list[int]:
         return [lens_by_slot[s] for s in self.slots]
+
+    def _made(self, plan):
+        """A new Triton plan, said once per set at INFO: how many launches its calls make (a
+        connector's log shows whether its saves and restores run as one set-kernel launch)."""
+        launches = len(plan.order) if hasattr(plan, "order") else len(plan.launches)
+        if not self._told:
+            self._told = True
+            kind = "packs" if isinstance(self, PackSet) else "unpacks"
+            how = ("one set-kernel launch" if plan.fused is not None
+                   else f"{launches} launch{'es' if launches != 1 else ''}, one per signature")
+            name = type(self).__name__
+            log.info("anchorkv: %s %s of %d parts %s them in %s (%d signatures)", "an" if name[0] in "AEIOU" else "a",
+                     name, len(self.targets), kind, how, launches)
+        return plan
 
 
 class PackSet(_TargetSet):
@@ -266,7 +284,7 @@ class PackSet(_TargetSet):
         from anchorkv.kernels.triton_pack import _Plan
 
         # keyed by the slots' lengths: the targets' lengths follow from them
-        plan = self._plans.find(lens, lambda: _Plan(self.targets, self._lens(lens), self.slots))
+        plan = self._plans.find(lens, lambda: self._made(_Plan(self.targets, self._lens(lens), self.slots)))
         whole, payload, scales = plan.launch(ids)
         return PackedBatch(payload, scales, plan.spans, plan.scale_runs, whole)
 
@@ -303,7 +321,7 @@ class UnpackSet(_TargetSet):
             return self._plans.find(lens, lambda: _ReferencePlan(batch.batch_layout(self.targets, self._lens(lens))))
         from anchorkv.kernels.triton_unpack import _SetPlan
 
-        return self._plans.find(lens, lambda: _SetPlan(self.targets, self._lens(lens), self.slots))
+        return self._plans.find(lens, lambda: self._made(_SetPlan(self.targets, self._lens(lens), self.slots)))
 
     def unpack(self, packed: PackedBatch, ids_by_slot: Sequence) -> None:
         """Write every part of `packed` into its target's blocks `ids_by_slot[slot]`. Everything

@@ -256,10 +256,11 @@ def payload_as(payload, PAY_W: tl.constexpr):
 
 
 #: The most launches a set kernel runs (`set_config`; a plan of more launches per signature):
-#: Kimi-Linear's sets have 3 (conv, recurrent, latent). Its per-launch values are scalar
+#: Kimi-Linear's sets have 3 (conv, recurrent, latent), Qwen3-Next's 5 (its conv state is
+#: three fields of two shapes, its SSM state, K and V). Its per-launch values are scalar
 #: parameters of their own (triton specializes a tuple's integers, whatever
 #: `do_not_specialize` says), this many of each.
-SET_LAUNCHES = 4
+SET_LAUNCHES = 8
 
 #: The set kernels' per-launch parameters (`_pack_set_kernel`'s; the unpack's are the first
 #: four) for launch k: `name_k`, never specialized.
@@ -276,8 +277,12 @@ def _pack_set_kernel(
     # per launch k, what changes with the plan (`set_config`'s VARY), never specialized, so a
     # new block count compiles nothing: its first program, N, RN(1/N), its table's start in
     # `tab`, PAY0, SC0 (unused launches: anything)
-    START_0, START_1, START_2, START_3, N_0, N_1, N_2, N_3, RCP_0, RCP_1, RCP_2, RCP_3,
-    TAB_0, TAB_1, TAB_2, TAB_3, PAY_0, PAY_1, PAY_2, PAY_3, SC_0, SC_1, SC_2, SC_3,
+    START_0, START_1, START_2, START_3, START_4, START_5, START_6, START_7,
+    N_0, N_1, N_2, N_3, N_4, N_5, N_6, N_7,
+    RCP_0, RCP_1, RCP_2, RCP_3, RCP_4, RCP_5, RCP_6, RCP_7,
+    TAB_0, TAB_1, TAB_2, TAB_3, TAB_4, TAB_5, TAB_6, TAB_7,
+    PAY_0, PAY_1, PAY_2, PAY_3, PAY_4, PAY_5, PAY_6, PAY_7,
+    SC_0, SC_1, SC_2, SC_3, SC_4, SC_5, SC_6, SC_7,
     CFG: tl.constexpr,  # per launch, `set_config`'s constants: (TILES, GROUPS, GPR, S1, S2, T0,
     #                     T1, T2, TD, NUMEL, FMT, SRC, G, BLOCK_R, BLOCK_G, CONTIG, ALIGN, FLAT,
     #                     OUT_ALIGN, PAY_W)
@@ -289,9 +294,12 @@ def _pack_set_kernel(
     its id falls in (launches one after the other on the grid's one axis, largest first), so a
     call costs one Triton launch instead of one per signature. The bytes are `_pack_kernel`'s."""
     pid = tl.program_id(0)
-    starts = (START_0, START_1, START_2, START_3)
-    ns, rcps, tabs = (N_0, N_1, N_2, N_3), (RCP_0, RCP_1, RCP_2, RCP_3), (TAB_0, TAB_1, TAB_2, TAB_3)
-    pays, scs = (PAY_0, PAY_1, PAY_2, PAY_3), (SC_0, SC_1, SC_2, SC_3)
+    starts = (START_0, START_1, START_2, START_3, START_4, START_5, START_6, START_7)
+    ns = (N_0, N_1, N_2, N_3, N_4, N_5, N_6, N_7)
+    rcps = (RCP_0, RCP_1, RCP_2, RCP_3, RCP_4, RCP_5, RCP_6, RCP_7)
+    tabs = (TAB_0, TAB_1, TAB_2, TAB_3, TAB_4, TAB_5, TAB_6, TAB_7)
+    pays = (PAY_0, PAY_1, PAY_2, PAY_3, PAY_4, PAY_5, PAY_6, PAY_7)
+    scs = (SC_0, SC_1, SC_2, SC_3, SC_4, SC_5, SC_6, SC_7)
     for k in tl.static_range(K):
         # (CFG[k][i] inline: a constexpr tuple unpacked into names is no longer constexpr)
         if in_launch(pid, starts, k, K):

@@ -139,8 +139,10 @@ def _unpack_set_kernel(
     scales,  # int32 bits of the batch's whole fp32 scales
     # per launch k, what changes with the plan, never specialized (`triton_pack._pack_set_kernel`):
     # its first program, N, RN(1/N), its table's start in `tab`
-    START_0, START_1, START_2, START_3, N_0, N_1, N_2, N_3, RCP_0, RCP_1, RCP_2, RCP_3,
-    TAB_0, TAB_1, TAB_2, TAB_3,
+    START_0, START_1, START_2, START_3, START_4, START_5, START_6, START_7,
+    N_0, N_1, N_2, N_3, N_4, N_5, N_6, N_7,
+    RCP_0, RCP_1, RCP_2, RCP_3, RCP_4, RCP_5, RCP_6, RCP_7,
+    TAB_0, TAB_1, TAB_2, TAB_3, TAB_4, TAB_5, TAB_6, TAB_7,
     CFG: tl.constexpr,  # per launch, `triton_pack.set_config`'s constants (IO_ALIGN: IN_ALIGN)
     K: tl.constexpr,  # launches (at most `triton_pack.SET_LAUNCHES`)
     HW_FP8: tl.constexpr,
@@ -148,8 +150,10 @@ def _unpack_set_kernel(
     """Every launch of an `UnpackSet` plan in one (as `triton_pack._pack_set_kernel`): one
     Triton launch a call. The bytes are `_unpack_kernel`'s."""
     pid = tl.program_id(0)
-    starts = (START_0, START_1, START_2, START_3)
-    ns, rcps, tabs = (N_0, N_1, N_2, N_3), (RCP_0, RCP_1, RCP_2, RCP_3), (TAB_0, TAB_1, TAB_2, TAB_3)
+    starts = (START_0, START_1, START_2, START_3, START_4, START_5, START_6, START_7)
+    ns = (N_0, N_1, N_2, N_3, N_4, N_5, N_6, N_7)
+    rcps = (RCP_0, RCP_1, RCP_2, RCP_3, RCP_4, RCP_5, RCP_6, RCP_7)
+    tabs = (TAB_0, TAB_1, TAB_2, TAB_3, TAB_4, TAB_5, TAB_6, TAB_7)
     for k in tl.static_range(K):
         # (CFG[k][i] inline: a constexpr tuple unpacked into names is no longer constexpr)
         if in_launch(pid, starts, k, K):

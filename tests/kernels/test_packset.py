@@ -527,3 +527,26 @@ def test_a_set_kernel_finds_the_item_of_every_block_of_a_long_slot(monkeypatch, 
         assert _same_bytes(regions, want)
         for r, b in zip(regions, before, strict=True):
             r.copy_(b)
+
+
+def test_a_set_says_once_how_many_launches_its_calls_make(monkeypatch, caplog):
+    """At its first Triton plan a set logs (INFO) whether its calls are one set-kernel launch
+    or one launch per signature; later plans say nothing."""
+    import logging
+
+    from anchorkv.kernels import UnpackSet, triton_pack
+
+    monkeypatch.setenv("ANCHORKV_BACKEND", "triton")
+    targets, slots = _set(_regions(2, seed=29), CODEC_SETS[0])
+    for fused, want in ((True, "in one set-kernel launch (3 signatures)"),
+                        (False, "in 3 launches, one per signature (3 signatures)")):
+        monkeypatch.setattr(triton_pack, "FUSED", fused)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="anchorkv"):
+            ps = PackSet(targets, slots)
+            packed = ps.pack([(1,), (3,)])
+            ps.pack([(2,), (4, 5)])  # a second plan: nothing more said
+            UnpackSet(targets, slots).unpack(packed, [(2,), (4,)])
+        lines = [r.getMessage() for r in caplog.records]
+        assert lines == [f"anchorkv: a PackSet of 5 parts packs them {want}",
+                         f"anchorkv: an UnpackSet of 5 parts unpacks them {want}"], lines
