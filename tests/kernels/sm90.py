@@ -205,7 +205,8 @@ def set_cases():
     """(label, targets, slots, ids) of a `PackSet` / `UnpackSet` of one target per field of
     every shipped layout (state fields in slot 0, the latent in slot 1, as the connector's
     KV-cache groups), for each codec a connector applies to every field (raw, bf16, fp8, int8,
-    int4) and its default lossy set (latent fp8:64, recurrent and conv int8:128)."""
+    int4) and its default lossy set (latent fp8:64, recurrent and conv int8:128); at tp=1 also a
+    set of two codecs a field (6 launches in one set kernel)."""
     from anchorkv.kernels import PackTarget
 
     for name, layout in _layouts():
@@ -216,12 +217,16 @@ def set_cases():
         combos = {q: {f: f"{q}:{SET_GROUPS[f]}" if q in ("fp8", "int8", "int4") else q for f in fields}
                   for q in ("raw", "bf16", "fp8", "int8", "int4")}
         combos["default"] = {"latent": "fp8:64", "recurrent": "int8:128", "conv": "int8:128"}
+        if "tp=1 " in name:  # two codecs a field (layers configured apart): 6 launches in one kernel
+            combos["mixed"] = {"latent": ("fp8:64", "int4:64"), "recurrent": ("int8:128", "raw"),
+                               "conv": ("bf16", "int8:128")}
         for combo, codecs in combos.items():
             targets, slots = [], []
             for fname, (kind, f, page) in fields.items():
                 buf = torch.empty(8 * page, dtype=torch.uint8)
-                targets.append(PackTarget(buf, f.strided(page), 8, CodecSpec.parse(codecs[fname])))
-                slots.append(0 if kind == "state" else 1)
+                for codec in (codecs[fname],) if isinstance(codecs[fname], str) else codecs[fname]:
+                    targets.append(PackTarget(buf, f.strided(page), 8, CodecSpec.parse(codec)))
+                    slots.append(0 if kind == "state" else 1)
             yield f"{name} set {combo}", targets, slots, [[3], [5, 1, 6, 2]]
 
 

@@ -550,3 +550,34 @@ def test_a_set_says_once_how_many_launches_its_calls_make(monkeypatch, caplog):
         lines = [r.getMessage() for r in caplog.records]
         assert lines == [f"anchorkv: a PackSet of 5 parts packs them {want}",
                          f"anchorkv: an UnpackSet of 5 parts unpacks them {want}"], lines
+
+
+def test_a_set_kernel_of_six_launches_packs_and_unpacks_the_references_bytes(monkeypatch):
+    """Two codecs a field (layers configured apart, or a model with more field shapes, as
+    Qwen3-Next's 5): 6 signatures, one set-kernel launch a call, every part and every
+    restored byte the reference's."""
+    from anchorkv.kernels import UnpackSet
+    from tests.kernels.test_unpackset import _expected, _same_bytes
+
+    monkeypatch.setenv("ANCHORKV_BACKEND", "triton")
+    conv, recurrent, latent = _page()
+    regions = _regions(4, seed=31)
+    targets, slots = [], []
+    for i, buf in enumerate(regions):
+        first = i < 2
+        targets += [PackTarget(buf, conv, BLOCKS, CodecSpec.parse("int8:16" if first else "bf16")),
+                    PackTarget(buf, recurrent, BLOCKS, CodecSpec.parse("raw" if first else "int4:32")),
+                    PackTarget(buf, latent, BLOCKS, CodecSpec.parse("fp8:64" if first else "int8:32"))]
+        slots += [0, 0, 1]
+    ids = [(1,), (4, 3)]
+    ps = PackSet(targets, slots)
+    packed = ps.pack(ids)
+    plan = ps._plans.newest()
+    assert plan.fused is not None and len(plan.order) == 6
+    _assert_parts_equal_reference(packed, targets, slots, ids)
+    dst = [(2,), (5, 3)]
+    want = _expected(regions, targets, slots, packed, dst)
+    us = UnpackSet(targets, slots)
+    us.unpack(packed, dst)
+    assert us._plans.newest().fused is not None
+    assert _same_bytes(regions, want)
