@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -125,6 +126,41 @@ def test_a_sets_tables_cross_from_its_own_page_locked_buffers(monkeypatch):
     assert again.tolist() == [10, 11, 0, 12, 13, 2, 14, 15, 0]
     assert first.tolist()[2] == 1  # what the earlier call staged is not overwritten
     assert again.data_ptr() == ring.devices[1].data_ptr() and ring.fallbacks == 0
+
+
+def test_a_set_kernels_tables_cross_as_one_table(monkeypatch):
+    """A plan whose launches run in one set kernel stages its array as one table
+    (`TableArray.whole`): on CUDA the ring, made at the first stage, copies it into its slot's
+    device buffer once and hands out that whole buffer (each launch's table at its segment's
+    start, where the set kernel's TAB_k points); on the CPU the array itself."""
+    log: list = []
+    tables = batch.TableArray([([(10, 11), (12, 13), (14, 15)], [0, 1, 2], 1), ([(20, 21, 22)], [3], 1)],
+                              slots=[0, 1, 0, 1])
+    tables.whole = True
+    tables.write([(1,), (3,), (1,), (5,)])
+    (host,) = tables.stage(torch.device("cpu"))
+    assert host.tolist() == tables.array.tolist() and np.shares_memory(host.numpy(), tables.array)
+
+    def alloc(device, size):
+        log.append(("alloc", size))
+        return torch.full((size,), -1, dtype=torch.int64), torch.full((size,), -1, dtype=torch.int64)
+
+    monkeypatch.setattr(batch, "_cuda_table_buffers", alloc)
+    monkeypatch.setattr(torch.cuda, "Event", lambda: _Event(log))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "side stream")
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_",
+                        lambda self, src, **kw: log.append(("copy", kw)) or real_copy(self, src, **kw))
+    cuda = torch.device("cuda", 0)
+    (staged,) = tables.stage(cuda)
+    ring = tables.ring
+    assert ring is not None and ring.segments == [(0, tables.array.size)]
+    assert staged.data_ptr() == ring.devices[0].data_ptr() and staged.numel() == tables.array.size
+    assert staged.tolist() == [10, 11, 1, 12, 13, 3, 14, 15, 1, 0, 20, 21, 22, 5]
+    assert [start for start, _ in tables.segments] == [0, 10]  # the set kernel's TAB_0, TAB_1
+    assert log.count(("copy", {"non_blocking": True})) == 1
+    tables.release()
+    assert log[-1] == ("record", ring.events[0], "side stream")
 
 
 def test_a_busy_slot_is_never_written_the_call_takes_torchs_allocators(monkeypatch):
