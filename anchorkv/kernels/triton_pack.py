@@ -385,6 +385,29 @@ def set_config(parts: Sequence[tuple]) -> tuple[tuple[int], list[tuple], list[tu
     return (start,), vary, cfg, warps
 
 
+def set_launcher(ordered: Sequence, tables: batch.TableArray, head: int, io_aligns: Sequence[int],
+                 extras: Sequence[tuple], fixed: dict, device: torch.device) -> Launcher | None:
+    """The `Launcher` of the set kernel that runs a set plan's launches `ordered` (`_Launch`es of
+    the pack or the unpack, in issue order; each with `head` fixed columns a table row, its
+    payload alignment claim and its extra VARY values), with the kernel's other arguments
+    `fixed` (the anchors, ...); or None: `FUSED` off, a single launch, or `set_config` unable.
+    Given a launcher, `tables` is staged as one table from now on."""
+    if not FUSED or len(ordered) < 2:
+        return None
+    parts = []
+    for launch, (tab0, _), io_align, extra in zip(ordered, tables.segments, io_aligns, extras, strict=True):
+        own = launch.launcher.fixed
+        parts.append((launch.cut, launch.grid, own, batch.payload_dtype(launch.cut).itemsize, tab0, head + launch.n,
+                      own["ALIGN"], io_align, extra))
+    config = set_config(parts)
+    if config is None:
+        return None
+    tables.whole = True  # staged as one table: the set kernel's
+    grid, vary, cfg, warps = config
+    return Launcher(grid, dict(fixed, **set_arguments(vary), CFG=tuple(cfg), K=len(cfg),
+                               HW_FP8=batch.hardware_fp8(device), num_warps=warps, enable_fp_fusion=False))
+
+
 def set_tile_rows(cut: batch.FieldCut, warps: int) -> int:
     """BLOCK_R of a part of a set kernel of `warps` warps: `batch.ELEMENTS_PER_THREAD` values a
     thread, as few rows as the field has groups (as `batch.tile_rows`)."""
@@ -515,26 +538,11 @@ class _Plan:
         ordered = [self.launches[k] for k in self.order]
         self.tables = None if slots is None else batch.TableArray(
             [(launch.static, launch.members, launch.n) for launch in ordered], slots)
+        own = [launch.launcher.fixed for launch in ordered if launch.launcher is not None]  # (every one runs)
         #: the set kernel's launcher (`FUSED`, a set's plan of several launches), else None
-        self.fused: Launcher | None = None
-        config = None
-        if self.tables is not None and FUSED and len(ordered) > 1:
-            parts = []
-            for launch, (tab0, _) in zip(ordered, self.tables.segments, strict=True):
-                assert launch.launcher is not None
-                fixed = launch.launcher.fixed
-                width = batch.payload_dtype(launch.cut).itemsize
-                parts.append((launch.cut, launch.grid, fixed, width, tab0, 2 + launch.n, fixed["ALIGN"],
-                              fixed["OUT_ALIGN"], (fixed["PAY0"], fixed["SC0"])))
-            config = set_config(parts)
-        if config is not None:
-            assert self.tables is not None
-            self.tables.whole = True  # staged as one table: the set kernel's
-            grid, vary, cfg, warps = config
-            self.fused = Launcher(grid, dict(
-                srcs=tuple(launch.src for launch in ordered), **set_arguments(vary), CFG=tuple(cfg), K=len(cfg),
-                HW_FP8=batch.hardware_fp8(self.device), RECIP=RECIPROCAL, num_warps=warps,
-                enable_fp_fusion=False))
+        self.fused: Launcher | None = None if self.tables is None else set_launcher(
+            ordered, self.tables, 2, [f["OUT_ALIGN"] for f in own], [(f["PAY0"], f["SC0"]) for f in own],
+            {"srcs": tuple(launch.src for launch in ordered), "RECIP": RECIPROCAL}, self.device)
 
     def launch(self, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Pack the items' blocks `ids` (checked by the caller): the call's one allocation (on a

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from anchorkv.kernels import batch, triton_pack
+from anchorkv.kernels import batch
 from anchorkv.kernels.bits import FMT_BF16, FMT_FP8, FMT_INT4, FMT_RAW, fp8_decode, narrow, widen
 from anchorkv.kernels.items import UnpackItem
 from anchorkv.kernels.launch import Launcher, launch_site
@@ -35,8 +35,7 @@ from anchorkv.kernels.triton_pack import (
     largest_first,
     launch_config,
     payload_as,
-    set_arguments,
-    set_config,
+    set_launcher,
     set_program,
 )
 
@@ -276,22 +275,9 @@ class _SetPlan:
         self.tables = batch.TableArray([(head, launch.members, launch.n) for launch, head, _ in planned], slots)
         self.launches = [(launch, align) for launch, _, align in planned]
         #: the set kernel's launcher (`triton_pack.FUSED`, a plan of several launches), else None
-        self.fused: Launcher | None = None
-        config = None
-        if triton_pack.FUSED and len(planned) > 1:
-            parts = []
-            for (launch, _, in_align), (tab0, _) in zip(planned, self.tables.segments, strict=True):
-                assert launch.launcher is not None
-                fixed = launch.launcher.fixed
-                width = batch.payload_dtype(launch.cut).itemsize
-                parts.append((launch.cut, launch.grid, fixed, width, tab0, 4 + launch.n, fixed["ALIGN"], in_align, ()))
-            config = set_config(parts)
-        if config is not None:
-            self.tables.whole = True  # staged as one table: the set kernel's
-            grid, vary, cfg, warps = config
-            self.fused = Launcher(grid, dict(
-                dsts=tuple(launch.dst for launch, _, _ in planned), **set_arguments(vary), CFG=tuple(cfg), K=len(cfg),
-                HW_FP8=batch.hardware_fp8(self.device), num_warps=warps, enable_fp_fusion=False))
+        self.fused: Launcher | None = set_launcher(
+            [launch for launch, _, _ in planned], self.tables, 4, [align for _, _, align in planned],
+            [()] * len(planned), {"dsts": tuple(launch.dst for launch, _, _ in planned)}, self.device)
         #: the scales argument when the batch has none (never read)
         self.no_scales = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.seen: tuple | None = None  # spans found equal to the layout's (`UnpackSet.unpack`)
