@@ -10,7 +10,9 @@ the connector's `WorkerSide._pack` (the codec layer, the kernels' launch path) a
 save (`save` + `flush`: the writer thread's views, trimming and NaN check too) with
 CPU tensors through the Triton launchers (`TRITON_INTERPRET=1`, `ANCHORKV_BACKEND=triton`),
 each kernel replaced by a no-op (in the whole save, one that zeroes the scales it is given),
-and reports microseconds per call (the best of 5 repeats of `--iters` calls). The CPU path
+and reports microseconds per call (the best of 5 repeats of `--iters` calls). The `A/B` rows time
+the sets with their set kernel against the same sets launching once per signature, alternated
+(`_set_kernel_ab`). The CPU path
 skips the pinned staging copy a CUDA call makes. The restore rows time a worker's reads of a
 saved request from a local store (the page cache) and their staging for the copy to the GPU
 (`_restore_rows`), now and as before host arenas, in the same run.
@@ -117,6 +119,7 @@ def _measure(tp: int, iters: int, tokens: int | None) -> dict[str, float]:
         "kernels.UnpackSet.unpack (the same items as fixed targets)": per_call_us(
             lambda: req.unpack_set.unpack(req.packed_batch, req.slot_ids), iters),
     }
+    out.update(_set_kernel_ab(req, iters))
     if tp == 1:  # the save path's request (bench_save_path) is a tp=1 one
         root = Path(tempfile.mkdtemp(prefix="anchorkv-host-path-"))
         save = Request(request_layout(False), tokens or TOKENS, "quant", root)
@@ -139,6 +142,36 @@ def _measure(tp: int, iters: int, tokens: int | None) -> dict[str, float]:
             save.close()
         out.update(_restore_rows(iters, tokens))
     return out
+
+
+def _set_kernel_ab(req, iters: int, rounds: int = 3) -> dict[str, float]:
+    """The request's sets with one set-kernel launch a call (`triton_pack.FUSED`, the default)
+    and the same sets launching once per signature (FUSED off when their plans are made),
+    timed alternately `rounds` times, the best of each (this machine's speed drifts by 20-30%
+    over minutes: only figures taken side by side compare)."""
+    from anchorkv.kernels import PackSet, UnpackSet, triton_pack
+
+    triton_pack.FUSED = False
+    try:
+        pack_set, unpack_set = PackSet(req.pack_set.targets, req.pack_set.slots), UnpackSet(
+            req.unpack_set.targets, req.unpack_set.slots)
+        pack_set.pack(req.slot_ids)  # (the plans are made now)
+        unpack_set.unpack(req.packed_batch, req.slot_ids)
+    finally:
+        triton_pack.FUSED = True
+    calls = {
+        "A/B: PackSet.pack, one set-kernel launch": lambda: req.pack_set.pack(req.slot_ids),
+        "A/B: PackSet.pack, one launch per signature (FUSED off)": lambda: pack_set.pack(req.slot_ids),
+        "A/B: UnpackSet.unpack, one set-kernel launch": lambda: req.unpack_set.unpack(req.packed_batch,
+                                                                                     req.slot_ids),
+        "A/B: UnpackSet.unpack, one launch per signature (FUSED off)": lambda: unpack_set.unpack(
+            req.packed_batch, req.slot_ids),
+    }
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            best[name] = min(best[name], per_call_us(fn, iters))
+    return best
 
 
 class _IgnoresHost:

@@ -12,7 +12,8 @@ thread handles. Kernels this short are issue-bound on an H200 (ncu, stop 26), so
 the figure to compare between trees on a machine without a GPU (run it in a worktree of each).
 `sets`: the set kernels (`_pack_set_kernel`, `_unpack_set_kernel`) of the Kimi-Linear tp=1
 connector sets named (`tests.kernels.sm90.set_cases`' codec sets), all their launches' bodies
-in one kernel: the instruction count and where each body's EXIT falls.
+in one kernel: the instruction count and where each body's EXIT falls. Both print the
+registers a thread (`cuobjdump -res-usage`) and the warps.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def items(want: str):
     raise SystemExit(f"no field {name!r} in Kimi-Linear's layout")
 
 
-def sass(op: str, entry: dict) -> str:
+def sass(op: str, entry: dict) -> tuple[str, int]:
+    """(the SASS of `entry`'s compile for sm_90, its registers a thread: `cuobjdump -res-usage`)."""
     signature, constexprs, attrs, options = entry["_compile"]
     fn = {"pack": triton_pack._pack_kernel, "unpack": triton_unpack._unpack_kernel,
           "pack_set": triton_pack._pack_set_kernel, "unpack_set": triton_unpack._unpack_set_kernel}[op]
@@ -72,7 +74,9 @@ def sass(op: str, entry: dict) -> str:
     with tempfile.TemporaryDirectory() as d:
         cubin = Path(d) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
-        return subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        text, usage = (subprocess.run([str(tool), flag, str(cubin)], capture_output=True, text=True, check=True).stdout
+                       for flag in ("-sass", "-res-usage"))
+    return text, int(re.search(r"REG:(\d+)", usage).group(1))
 
 
 def main(argv: list[str]) -> None:
@@ -80,16 +84,20 @@ def main(argv: list[str]) -> None:
         for combo in argv[1:] or ("default", "raw"):
             label = f"kimi-linear tp=1 conv=SD bfloat16/float32 set {combo}"
             for entry in sm90.set_specializations(c for c in sm90.set_cases() if c[0] == label):
-                text = _INSTR.findall(sass(entry["op"], entry))
+                code, regs = sass(entry["op"], entry)
+                text = _INSTR.findall(code)
                 exits = [i + 1 for i, t in enumerate(text) if "EXIT" in t]
-                print(f"{entry['op']:10} {combo:8} instructions {len(text):5}  EXITs after {exits}")
+                print(f"{entry['op']:10} {combo:8} instructions {len(text):5}  EXITs after {exits}  "
+                      f"registers {regs}  warps {entry['_compile'][3]['num_warps']}")
         return
     for want in argv or DEFAULT:
         for entry in sm90.specializations(items(want)):
-            text = _INSTR.findall(sass(entry["op"], entry))
+            code, regs = sass(entry["op"], entry)
+            text = _INSTR.findall(code)
             body = max(i for i, t in enumerate(text) if "EXIT" in t) + 1
             print(f"{entry['op']:6} {want:20} instructions {len(text):5}  main body {body:5}  "
-                  f"values a thread {entry['values_per_thread']}")
+                  f"values a thread {entry['values_per_thread']}  registers {regs}  "
+                  f"warps {entry['_compile'][3]['num_warps']}")
 
 
 if __name__ == "__main__":

@@ -350,7 +350,10 @@ def test_host_path_runs_on_a_cpu_and_names_every_step(tmp_path):
         "restore: read into the batch's spans (batch)",
         "restore, launch side: part by part (codec.unpack_many + zeroing)",
         "restore, launch side: one batch (Unpacker.unpack)",
-        "restore: read into new tensors + copy into a warm staging buffer (before)"}
+        "restore: read into new tensors + copy into a warm staging buffer (before)",
+        "A/B: PackSet.pack, one set-kernel launch", "A/B: PackSet.pack, one launch per signature (FUSED off)",
+        "A/B: UnpackSet.unpack, one set-kernel launch",
+        "A/B: UnpackSet.unpack, one launch per signature (FUSED off)"}
     assert all(math.isfinite(us) and us > 0 for us in steps.values()), steps
     assert steps["kernels.pack_many"] > steps["kernels.pack_many: check the block ids"]
 

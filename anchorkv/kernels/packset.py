@@ -247,7 +247,7 @@ class _TargetSet:
     def _made(self, plan):
         """A new Triton plan, said once per set at INFO: how many launches its calls make (a
         connector's log shows whether its saves and restores run as one set-kernel launch)."""
-        launches = len(plan.order) if hasattr(plan, "order") else len(plan.launches)
+        launches = len(plan.tables.segments)  # (a set's plans lay out a table per launch)
         if not self._told:
             self._told = True
             kind = "packs" if isinstance(self, PackSet) else "unpacks"

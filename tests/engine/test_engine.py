@@ -26,8 +26,6 @@ with the other requests of its batch (seen here), which would blur what the stor
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from anchorkv.testing.engine import harness as H
@@ -59,14 +57,8 @@ def _singles(requests):
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def engine(engine_env, tmp_path_factory):
     """Both engine processes' results: {"cold": {config: {"base", "cold"}}, "warm": {config: run}}."""
-    try:
-        H.engine_python()
-    except H.EngineMissing as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"engine tests cannot run in CI: {e}", pytrace=False)
-        pytest.skip(str(e))
     work = tmp_path_factory.mktemp("engine")
     models = work / "models"
     stores = {name: work / f"store-{name}" for name in CONFIGS}

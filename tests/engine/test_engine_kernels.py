@@ -56,13 +56,7 @@ def _backend(name: str):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    try:
-        H.engine_python()
-    except H.EngineMissing as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"engine tests cannot run in CI: {e}", pytrace=False)
-        pytest.skip(str(e))
+def runs(engine_env, tmp_path_factory):
     work = tmp_path_factory.mktemp("engine-kernels")
     models = work / "models"
     common = {"model": str(models / "qwen3_next"), "prefix_caching": True}

@@ -100,44 +100,59 @@ class _Recorder:
         return lambda **kwargs: self.calls.append(kwargs)
 
 
+class _Specializer:
+    """Triton's own binder for `kernels` ({op: JIT function}) at sm_90: what the JIT would
+    compile for a recorded launch's keyword arguments, one entry per distinct specialization."""
+
+    def __init__(self, kernels: dict) -> None:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        from triton.runtime.jit import create_function_from_signature
+
+        self.kernels = kernels
+        self.backend = make_backend(GPUTarget("cuda", 90, 32))
+        self.binders = {k: create_function_from_signature(fn.signature, fn.params, self.backend)
+                        for k, fn in kernels.items()}
+        self.found: dict[str, dict] = {}
+
+    def entry(self, op: str, kwargs: dict, label: str, **new) -> dict:
+        """The entry of `op`'s specialization for `kwargs` (made with `new` the first time),
+        `label` added; its compile arguments and `launcher_args` set."""
+        bound, spec, options = self.binders[op](**kwargs)
+        opts, signature, constexprs, attrs = self.kernels[op]._pack_args(self.backend, kwargs, bound, spec, options)
+        key = repr((op, sorted(signature.items()), sorted(constexprs.items()), sorted(attrs.items()),
+                    sorted(opts.__dict__.items())))
+        entry = self.found.setdefault(key, {"op": op, "labels": [], "key": key,
+                                            "constexprs": {str(k): v for k, v in constexprs.items()}, **new})
+        entry["labels"].append(label)
+        entry["_compile"] = (signature, constexprs, attrs, opts.__dict__)
+        entry["launcher_args"] = launcher_args(self.kernels[op], bound, kwargs)
+        return entry
+
+    def entries(self) -> list[dict]:
+        return list(self.found.values())
+
+
 def specializations(items=None) -> list[dict]:
     """Every distinct (kernel, specialization) the launch path produces, with its labels."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.runtime.jit import create_function_from_signature
-
     from anchorkv.kernels import batch, triton_pack, triton_unpack
 
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
     kernels = {"pack": triton_pack._pack_kernel, "unpack": triton_unpack._unpack_kernel}
-    binders = {k: create_function_from_signature(fn.signature, fn.params, backend)
-               for k, fn in kernels.items()}
-    found: dict[str, dict] = {}
+    seen = _Specializer(kernels)
     for label, pack, unpack in (_items() if items is None else items):
         for op, module, plan_args in (("pack", triton_pack, [pack]),
                                       ("unpack", triton_unpack, [unpack])):
             rec = _Recorder()
-            real = getattr(module, f"_{op}_kernel")
             setattr(module, f"_{op}_kernel", rec)
             # the launch path on CPU tensors, as it runs for a GPU of the target's capability
             hardware_fp8, batch.hardware_fp8 = batch.hardware_fp8, lambda device: True
             try:  # the public launch path, end to end, with the recorder as the kernel
                 getattr(module, f"{op}_many")(plan_args)
             finally:
-                setattr(module, f"_{op}_kernel", real)
+                setattr(module, f"_{op}_kernel", kernels[op])
                 batch.hardware_fp8 = hardware_fp8
             (kwargs,) = rec.calls
-            bound, spec, options = binders[op](**kwargs)
-            opts, signature, constexprs, attrs = kernels[op]._pack_args(
-                backend, kwargs, bound, spec, options)
-            key = repr((op, sorted(signature.items()), sorted(constexprs.items()),
-                        sorted(attrs.items()), sorted(opts.__dict__.items())))
-            entry = found.setdefault(key, {"op": op, "labels": [], "key": key,
-                                            "constexprs": {str(k): v for k, v in
-                                                           constexprs.items()}})
-            entry["labels"].append(label)
-            entry["_compile"] = (signature, constexprs, attrs, opts.__dict__)
+            entry = seen.entry(op, kwargs, label)
             entry["align"] = kwargs.get("ALIGN", 1)
             entry["itemsize"] = torch.tensor([], dtype=pack.field.dtype).element_size()
             entry["fmt"] = pack.spec.id
@@ -146,8 +161,7 @@ def specializations(items=None) -> list[dict]:
             entry["contig"] = bool(kwargs["CONTIG"])
             entry["in_align"] = kwargs.get("IN_ALIGN")
             entry["values_per_thread"] = kwargs["BLOCK_R"] * kwargs["BLOCK_G"] // (32 * kwargs["num_warps"])
-            entry["launcher_args"] = launcher_args(kernels[op], bound, kwargs)
-    return list(found.values())
+    return seen.entries()
 
 
 def launcher_args(kernel, bound, kwargs: dict) -> dict:
@@ -234,17 +248,10 @@ def set_specializations(cases=None) -> list[dict]:
     """Every distinct specialization of the set kernels (`_pack_set_kernel`,
     `_unpack_set_kernel`) that `PackSet.pack` / `UnpackSet.unpack` launch for `cases`
     (default `set_cases`), with its labels and its launches' formats and alignment claims."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.runtime.jit import create_function_from_signature
-
     from anchorkv.kernels import PackedBatch, PackSet, UnpackSet, batch, packset, triton_pack, triton_unpack
 
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
     kernels = {"pack_set": triton_pack._pack_set_kernel, "unpack_set": triton_unpack._unpack_set_kernel}
-    binders = {k: create_function_from_signature(fn.signature, fn.params, backend) for k, fn in kernels.items()}
-    found: dict[str, dict] = {}
+    seen = _Specializer(kernels)
     # the launch path on CPU tensors, as it runs for a GPU of the target's capability (a set
     # picks its backend when made: Triton's, which on a CPU would need the interpreter)
     hardware_fp8, batch.hardware_fp8 = batch.hardware_fp8, lambda device: True
@@ -266,22 +273,15 @@ def set_specializations(cases=None) -> list[dict]:
                 finally:
                     setattr(module, f"_{op}_kernel", kernels[op])
                 (kwargs,) = rec.calls
-                bound, spec, options = binders[op](**kwargs)
-                opts, signature, constexprs, attrs = kernels[op]._pack_args(backend, kwargs, bound, spec, options)
-                key = repr((op, sorted(signature.items()), sorted(constexprs.items()), sorted(attrs.items()),
-                            sorted(opts.__dict__.items())))
-                entry = found.setdefault(key, {"op": op, "labels": [], "key": key, "fmt": "set"})
-                entry["labels"].append(label)
-                entry["_compile"] = (signature, constexprs, attrs, opts.__dict__)
+                entry = seen.entry(op, kwargs, label, fmt="set")
                 anchors = kwargs["srcs" if op == "pack_set" else "dsts"]
                 entry["parts"] = [{"fmt": next(k for k, v in batch.FMT_CODE.items() if v == cfg[10]).value,
                                    "align": cfg[16], "itemsize": t.element_size(), "contig": bool(cfg[15])}
                                   for cfg, t in zip(kwargs["CFG"], anchors, strict=True)]
-                entry["launcher_args"] = launcher_args(kernels[op], bound, kwargs)
     finally:
         batch.hardware_fp8 = hardware_fp8
         packset.backend_for = backend_for
-    return list(found.values())
+    return seen.entries()
 
 
 def request_sets(count: int = 60, seed: int = 0):
