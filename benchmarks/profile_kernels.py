@@ -88,6 +88,7 @@ def main(argv=None) -> int:
         unfused_unpack.unpack(req.packed_batch, req.slot_ids)
     finally:
         triton_pack.FUSED = True
+    req.unpack_set.unpack(req.packed_batch, req.slot_ids)  # (its plan: `request` packs, it has not unpacked)
     print(f"set kernels: pack {req.pack_set._plans.newest().fused is not None}, "
           f"unpack {req.unpack_set._plans.newest().fused is not None}")
     ops = {
