@@ -269,7 +269,10 @@ def set_steps(pack_set, slot_ids) -> dict[str, object]:
 
     return {"check the ids (PackSet._ids)": lambda: pack_set._ids(slot_ids, distinct=False),
             "find the plan": lambda: pack_set._plans.find(lens, lambda: None),
-            "the batch's one allocation": lambda: batch.batch_tensors(plan.payload_bytes, plan.scale_values, device),
+            # (a set kernel's call on a GPU allocates only: `triton_pack._Plan._launch_set`)
+            "the batch's one allocation": (lambda: torch.empty(plan.whole_bytes, dtype=torch.uint8, device=device))
+            if cuda and plan.fused is not None else
+            (lambda: batch.batch_tensors(plan.payload_bytes, plan.scale_values, device)),
             "write + stage the item tables (TableRing)": stage,
             "launch_site()": (lambda: launch.launch_site()) if cuda else (lambda: None),
             alone: launches,

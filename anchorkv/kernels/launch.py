@@ -27,7 +27,7 @@ import functools
 import inspect
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -80,6 +80,46 @@ def runner_takes_stream() -> bool:
         return False
 
 
+@functools.cache
+def runner_only_forwards() -> bool:
+    """Whether `CompiledKernel[grid]`'s runner only forwards to the driver's launcher: it asks
+    `launch_metadata` (which reads nothing but the launch hooks' state for what a hook would
+    see) and calls `self.run(grid[0], grid[1], grid[2], stream, self.function,
+    self.packed_metadata, launch_metadata, <enter hook>, <exit hook>, *args)` (triton 3.6 and
+    3.9), hooks read from `triton.knobs.runtime`. Then a direct launch with no launch hook set
+    calls `run` itself with None for the metadata and both hooks (what the C launcher does with
+    them: nothing), skipping the runner's and `launch_metadata`'s Python (triton 3.9 builds a
+    metadata dict at every launch whether a hook is set or not: its hooks are chains, never
+    None). Read from the installed sources like `triton_passes_every_argument`."""
+    try:
+        from triton.compiler.compiler import CompiledKernel
+
+        runner = " ".join(inspect.getsource(CompiledKernel.__getitem__).split())
+    except Exception:
+        return False
+    return ("self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed_metadata, launch_metadata, "
+            "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)") in runner
+
+
+def hooks_idle() -> bool:
+    """Whether no launch hook is set (`triton.knobs.runtime`'s enter and exit hooks None, or
+    chains of no hook: triton 3.9). Read at every direct launch: a profiler (proton) may set
+    one at any time, and then the runner launches, hooks and all."""
+    global _runtime
+    if _runtime is None:
+        from triton import knobs
+
+        _runtime = knobs.runtime
+    return _idle(_runtime.launch_enter_hook) and _idle(_runtime.launch_exit_hook)
+
+
+_runtime: Any = None  # triton.knobs.runtime, once imported
+
+
+def _idle(hook: Any) -> bool:
+    return hook is None or (type(hook).__name__ == "HookChain" and not hook.calls)
+
+
 def launch_site() -> tuple[int, int]:
     """(the current CUDA device, the raw handle of its current stream): what a direct launch
     would ask torch for, asked once for all the launches of a call (`launcher(kernel, _at=launch_site(), ...)`).
@@ -100,6 +140,12 @@ class Launcher:
     `triton.jit` function is launched directly: a stand-in (a test's counting wrapper, a
     benchmark's no-op) is called every time. `_at` (`launch_site()`, the same for a call's
     launches: the current device and its current stream) saves a direct launch asking for them.
+
+    A direct launch passes each tensor as its address (`data_ptr()`, the fixed ones' taken
+    once): the C launcher then neither calls `data_ptr()` nor asks the driver whether the
+    pointer is a device's (`cuPointerGetAttribute`), a check the JIT's first launch of the same
+    key (tensor, dtype, device and alignment) has made. `direct` launches with addresses the
+    caller computed, under a key it kept (`key_of`): no tensor at all on the call's path.
     """
 
     __slots__ = ("grid", "fixed", "kernel", "compiled", "device", "template", "at")
@@ -112,42 +158,57 @@ class Launcher:
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.fixed = dict(fixed)
         self.kernel: Any = None  # the JIT function whose compiled kernels `compiled` holds
-        self.compiled: dict[tuple, Any] = {}  # specialization key -> the runner of its kernel
+        #: specialization key -> its kernel's launch (`_direct_call`: (args, stream) -> None)
+        self.compiled: dict[tuple, Callable[[list, int | None], None]] = {}
         self.device: int | None = None
-        # the argument list in `kernel.arg_names` order with the fixed values in place, and the
-        # index of each changing argument in it (filled in at the first kept kernel)
+        # the argument list in `kernel.arg_names` order with the fixed values in place (tensors
+        # as their addresses), and the index of each changing argument in it (filled in at the
+        # first kept kernel)
         self.template: list[Any] = []
         self.at: dict[str, int] = {}
 
     def __call__(self, kernel: Any, _at: tuple[int, int] | None = None, **changing: Any) -> None:
         key = None
         if kernel is self.kernel and not _disabled:  # (no key to compute for other kernels)
-            key = tuple([_spec_of(v) for v in changing.values()])
-            runner = self.compiled.get(key)
-            args = self._args(changing) if runner is not None else None
-            site: tuple[int, int | None] | None = None
-            if runner is not None and args is not None:
-                site = _at if _at is not None else (torch.cuda.current_device(), None)
-            if site is not None and site[0] == self.device:
-                assert runner is not None and args is not None  # (for mypy: site says so)
-                try:
-                    if site[1] is not None and runner_takes_stream():
-                        runner(*args, stream=site[1])
-                    else:
-                        runner(*args)
-                except Exception as e:  # never twice: the JIT launches from now on
-                    _turn_off(e)
-                else:
-                    counts["direct"] += 1
-                    return
-            elif runner is not None:
+            key, values = _key_and_values(changing)
+            launch = self.compiled.get(key)
+            if launch is not None and self._launch(launch, _at, values):
+                return
+            if launch is not None:
                 key = None  # another current device or other names: the JIT's launch, nothing kept
         compiled = kernel[self.grid](**self.fixed, **changing)
         counts["jit"] += 1
         if compiled is not None and not _disabled and (key is None or key not in self.compiled):
             self._keep(kernel, key, changing, compiled)
 
-    def _args(self, changing: dict) -> list | None:
+    def direct(self, kernel: Any, key: tuple, _at: tuple[int, int] | None = None, **values: Any) -> bool:
+        """Launch `kernel` as kept under `key` (`key_of` of the tensors these `values` stand
+        for: the same dtypes, devices and alignments) with `values` (tensors given as their
+        addresses); False, launching nothing, when `kernel` is not the kept one (a stand-in), none
+        is kept for the key, direct launches are off, or another device is current: then the
+        caller launches through `__call__`."""
+        if kernel is not self.kernel or _disabled:
+            return False
+        launch = self.compiled.get(key)
+        return launch is not None and self._launch(launch, _at, values)
+
+    def _launch(self, launch: Callable[[list, int | None], None], at: tuple[int, int] | None,
+                values: Mapping[str, Any]) -> bool:
+        args = self._args(values)
+        if args is None:
+            return False
+        site: tuple[int, int | None] = at if at is not None else (torch.cuda.current_device(), None)
+        if site[0] != self.device:
+            return False
+        try:
+            launch(args, site[1] if runner_takes_stream() else None)
+        except Exception as e:  # never twice: the JIT launches from now on
+            _turn_off(e)
+            return False
+        counts["direct"] += 1
+        return True
+
+    def _args(self, changing: Mapping[str, Any]) -> list | None:
         """The argument list of a direct launch: the template with `changing` in place; None if
         `changing` names other arguments than the first kept launch did."""
         if len(changing) != len(self.at):
@@ -175,26 +236,77 @@ class Launcher:
         if any(n not in self.fixed and n not in changing for n in names) or any(n not in names for n in changing):
             return  # an argument left to its default, or not the kernel's: the JIT binds those
         if key is None:
-            key = tuple([_spec_of(v) for v in changing.values()])
+            key = key_of(changing)
         if self.kernel is None:
             self.kernel, self.device = kernel, device
-            self.template = [self.fixed[n] if n in self.fixed else None for n in names]
+            self.template = [_address(self.fixed[n]) if n in self.fixed else None for n in names]
             self.at = {n: i for i, n in enumerate(names) if n not in self.fixed}
-        self.compiled[key] = compiled[self.grid]
+        self.compiled[key] = _direct_call(compiled, self.grid)
+
+
+def key_of(changing: Mapping[str, Any]) -> tuple:
+    """The specialization key of a launch's changing arguments (`Launcher`)."""
+    return _key_and_values(changing)[0]
+
+
+def _key_and_values(changing: Mapping[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """(the key: what the JIT specializes each changing argument on, a tensor's dtype, device
+    and 16-byte alignment, a plain value itself; the values a direct launch passes, a tensor's
+    address for the tensor)."""
+    key: list[tuple] = []
+    values = {}
+    for name, value in changing.items():
+        if isinstance(value, torch.Tensor):
+            ptr = value.data_ptr()
+            key.append((value.dtype, value.get_device(), ptr % 16 == 0))
+            values[name] = ptr
+        else:
+            key.append((type(value), value))
+            values[name] = value
+    return tuple(key), values
+
+
+def _address(value: Any) -> Any:
+    """A fixed argument as a direct launch passes it: a tensor (or a tuple of them) as its
+    address (the launcher's `fixed` holds the tensor, so the memory stays), else itself."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr()
+    if isinstance(value, tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return tuple(v.data_ptr() for v in value)
+    return value
+
+
+def _direct_call(compiled: Any, grid: tuple[int, ...]) -> Callable[[list, int | None], None]:
+    """(args, stream) -> None: one launch of `compiled` on `grid`. With the stream given, no
+    launch hook set and a runner that only forwards (`runner_only_forwards`), the driver's
+    launcher itself (`compiled.run`); else the runner `compiled[grid]` (which asks for the
+    current stream when given none)."""
+    runner = compiled[grid]  # (loads the kernel)
+    run, function, metadata = (getattr(compiled, n, None) for n in ("run", "function", "packed_metadata"))
+    if run is None or function is None or not runner_only_forwards():
+        def via_runner(args: list, stream: int | None) -> None:
+            if stream is None:
+                runner(*args)
+            else:
+                runner(*args, stream=stream)
+        return via_runner
+    g0, g1, g2 = grid
+
+    def launch(args: list, stream: int | None) -> None:
+        if stream is None or not hooks_idle():
+            if stream is None:
+                runner(*args)
+            else:
+                runner(*args, stream=stream)
+            return
+        run(g0, g1, g2, stream, function, metadata, None, None, None, *args)
+    return launch
 
 
 def _is_jit(kernel: Any) -> bool:
     from triton.runtime.jit import JITFunction
 
     return isinstance(kernel, JITFunction)
-
-
-def _spec_of(value: Any) -> Any:
-    """What the JIT specializes a changing argument on: a tensor's dtype, device and 16-byte
-    alignment, a plain value itself."""
-    if isinstance(value, torch.Tensor):
-        return (value.dtype, value.get_device(), value.data_ptr() % 16 == 0)
-    return (type(value), value)
 
 
 def _turn_off(error: Exception) -> None:

@@ -94,14 +94,19 @@ class PackedBatch:
 
     def _in(self, whole: torch.Tensor) -> PackedBatch:
         """The batch laid out in `whole` (uint8, `host_bytes` long, as `batch.batch_tensors` lays it)."""
-        payload, scales = batch.batch_views(whole, self.payload.numel(), self.scales.numel())
+        payload, scales = batch.batch_views(whole, *self.sizes())
         return PackedBatch(payload, scales, self.spans, self.scale_runs, whole)
+
+    def sizes(self) -> tuple[int, int]:
+        """(the payload's bytes, the scales' values)."""
+        return self.payload.numel(), self.scales.numel()
 
     @property
     def host_bytes(self) -> int:
         """The bytes of a host buffer that `copy_into` fills: the payload, then the scales at
         the next 16-byte boundary."""
-        return batch.scales_start(self.payload.nbytes) + self.scales.nbytes
+        payload_bytes, scale_values = self.sizes()
+        return batch.scales_start(payload_bytes) + 4 * scale_values
 
     def copy_into(self, host: torch.Tensor) -> PackedBatch:
         """The batch in `host` (uint8, 1-D, contiguous, at least `host_bytes`, on the CPU):
@@ -125,6 +130,41 @@ class PackedBatch:
         if out.scales.numel():
             out.scales.copy_(self.scales, non_blocking=True)
         return out
+
+
+class _WholeBatch(PackedBatch):
+    """A `PackedBatch` in one allocation (`whole`) whose `payload` and `scales` views are made
+    when first read: what `PackSet.pack` returns for a set kernel's call on a GPU. Each view
+    costs the host ~3 us there (`benchmarks.launch_variants` on an H200), and a save that copies
+    the batch to the host (`copy_into`, `to_host`) reads neither on the step's thread."""
+
+    def __init__(self, whole: torch.Tensor, payload_bytes: int, scale_values: int, spans: tuple[Span, ...],
+                 scale_runs: tuple[tuple[int, int], ...]) -> None:
+        # (a frozen dataclass's fields: set as its own __init__ sets them)
+        object.__setattr__(self, "whole", whole)
+        object.__setattr__(self, "spans", spans)
+        object.__setattr__(self, "scale_runs", scale_runs)
+        object.__setattr__(self, "_sizes", (payload_bytes, scale_values))
+        object.__setattr__(self, "_views", None)
+
+    def _made(self) -> tuple[torch.Tensor, torch.Tensor]:
+        views = self.__dict__["_views"]
+        if views is None:
+            assert self.whole is not None
+            views = batch.batch_views(self.whole, *self.__dict__["_sizes"])
+            object.__setattr__(self, "_views", views)
+        return views
+
+    @property
+    def payload(self) -> torch.Tensor:
+        return self._made()[0]
+
+    @property
+    def scales(self) -> torch.Tensor:
+        return self._made()[1]
+
+    def sizes(self) -> tuple[int, int]:
+        return self.__dict__["_sizes"]
 
 
 @dataclass(frozen=True)
@@ -286,6 +326,9 @@ class PackSet(_TargetSet):
         # keyed by the slots' lengths: the targets' lengths follow from them
         plan = self._plans.find(lens, lambda: self._made(_Plan(self.targets, self._lens(lens), self.slots)))
         whole, payload, scales = plan.launch(ids)
+        if payload is None or scales is None:  # (a set kernel's call on a GPU: `whole` alone)
+            assert whole is not None
+            return _WholeBatch(whole, plan.payload_bytes, plan.scale_values, plan.spans, plan.scale_runs)
         return PackedBatch(payload, scales, plan.spans, plan.scale_runs, whole)
 
     def _reference(self, lens: tuple[int, ...], ids: list[tuple[int, ...]]) -> PackedBatch:

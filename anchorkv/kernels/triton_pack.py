@@ -42,7 +42,7 @@ from anchorkv.kernels.bits import (
     widen,
 )
 from anchorkv.kernels.items import PackItem, PackTarget, Span
-from anchorkv.kernels.launch import Launcher, launch_site
+from anchorkv.kernels.launch import Launcher, key_of, launch_site
 from anchorkv.kernels.quant import FP8_MAX, INT4_LEVELS, INT8_MAX, POISON_SCALE_BITS
 
 # Globals a @triton.jit function reads must be constexprs (a GPU compile refuses plain floats).
@@ -539,16 +539,25 @@ class _Plan:
         self.tables = None if slots is None else batch.TableArray(
             [(launch.static, launch.members, launch.n) for launch in ordered], slots)
         own = [launch.launcher.fixed for launch in ordered if launch.launcher is not None]  # (every one runs)
+        #: the set kernel's call: its one allocation's bytes, where its scales start, and the
+        #: key of the JIT's launch (`_launch_set`)
+        self.whole_bytes = batch.scales_start(self.payload_bytes) + 4 * self.scale_values
+        self.scales_at = batch.scales_start(self.payload_bytes)
+        self.set_key: tuple | None = None
         #: the set kernel's launcher (`FUSED`, a set's plan of several launches), else None
         self.fused: Launcher | None = None if self.tables is None else set_launcher(
             ordered, self.tables, 2, [f["OUT_ALIGN"] for f in own], [(f["PAY0"], f["SC0"]) for f in own],
             {"srcs": tuple(launch.src for launch in ordered), "RECIP": RECIPROCAL}, self.device)
 
-    def launch(self, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    def launch(self, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                                            torch.Tensor | None]:
         """Pack the items' blocks `ids` (checked by the caller): the call's one allocation (on a
         GPU; else None) and its payload (uint8) and scales (fp32) (`batch.batch_tensors`), each item's part
         where `spans` says (the launches take the whole tensors and their parts' offsets: no
-        per-call slicing)."""
+        per-call slicing); a set kernel's call on a GPU returns the allocation alone
+        (`_launch_set`)."""
+        if self.fused is not None and self.device.type == "cuda":
+            return self._launch_set(ids)
         whole, payload, scales = batch.batch_tensors(self.payload_bytes, self.scale_values, self.device)
         scale_bits = scales.view(torch.int32)
         if self.tables is not None:
@@ -579,12 +588,41 @@ class _Plan:
                 launch.launcher(_pack_kernel, _at=site, tab=table, payload=pay, scales=scale_bits)
         finally:  # (after whatever was issued: the tables' buffers are free once it has run)
             if self.tables is not None:
-                self.tables.release()
+                self.tables.release(site[1] if site is not None and site[0] == self.device.index else None)
         return whole, payload, scales
+
+    def _launch_set(self, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, None, None]:
+        """`launch` of a set kernel's plan on a GPU: (the call's one allocation, None, None),
+        the payload and scales views left to the caller (`PackSet.pack`'s batch makes them when
+        first read: each costs the host ~3 us on an H200's, and a save that copies the whole
+        allocation to the host reads neither). Once the JIT has launched the kernel for the
+        call's key (`set_key`), a call passes addresses only (`Launcher.direct`): the
+        allocation's, its scales' (at `scales_start`) and the staged table's, all 16-byte
+        aligned as at the JIT's launch (checked)."""
+        fused, tables = self.fused, self.tables
+        assert fused is not None and tables is not None  # (the caller's test; a set kernel's plan has tables)
+        whole = torch.empty(self.whole_bytes, dtype=torch.uint8, device=self.device)
+        tables.write(ids)
+        table = tables.stage(self.device)[0]
+        site = launch_site()
+        try:
+            base, tab = whole.data_ptr(), table.data_ptr()
+            if (self.set_key is None or (base | tab) % 16
+                    or not fused.direct(_pack_set_kernel, self.set_key, site, tab=tab, payload=base,
+                                        scales=base + self.scales_at)):
+                payload, scales = batch.batch_views(whole, self.payload_bytes, self.scale_values)
+                changing = {"tab": table, "payload": payload, "scales": scales.view(torch.int32)}
+                fused(_pack_set_kernel, _at=site, **changing)
+                if self.set_key is None:
+                    self.set_key = key_of(changing)
+        finally:  # (after whatever was issued: the tables' buffers are free once it has run)
+            tables.release(site[1] if site[0] == self.device.index else None)
+        return whole, None, None
 
     def run(self, ids: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`launch`, then one (payload, scales) view per item, in item order."""
         _, payload, scales = self.launch(ids)
+        assert payload is not None and scales is not None  # (an item list's plan: no set kernel)
         out: list = [None] * self.count
         for launch in self.launches:
             pay = payload.narrow(0, launch.pay_at, launch.payload_bytes)

@@ -80,7 +80,8 @@ def test_second_launch_goes_direct_with_the_jit_argument_order(fake):
     (kind1, grid1, kwargs), (kind2, grid2, args) = kernel.log
     assert (kind1, grid1, kind2, grid2) == ("jit", (3, 2, 1), "direct", (3, 2, 1))
     assert kwargs == {"a": 1, "b": 2.5, "BLOCK": 64, "num_warps": 4, "tab": t1}
-    assert args[0] == 1 and args[1] is t2 and args[2] == 2.5 and args[3] == 64 and len(args) == 4
+    # (a tensor as its address: the JIT's launch of the same key has checked the pointer)
+    assert args[0] == 1 and args[1] == t2.data_ptr() and args[2] == 2.5 and args[3] == 64 and len(args) == 4
 
 
 class FakeJIT2(FakeJIT):
@@ -209,3 +210,83 @@ def test_the_installed_triton_takes_the_stream_and_launch_site_names_it():
 
     assert launch.runner_takes_stream()
     assert "_cuda_getCurrentRawStream" in inspect.getsource(launch.launch_site)
+
+
+def test_fixed_tensors_pass_as_addresses_and_direct_takes_a_kept_key(fake):
+    """A fixed tensor argument (and a tuple of them) reaches a direct launch as its address,
+    taken once; `direct` launches with addresses under a key kept by an earlier launch
+    (`key_of`), and launches nothing (False) for a key never kept."""
+    kernel, _ = fake
+    a = torch.zeros(4, dtype=torch.int32)
+    launcher = launch.Launcher((2,), {"a": a, "b": (a, a[2:]), "BLOCK": 8})
+    tab = _tab()
+    launcher(kernel, tab=tab)
+    key = launch.key_of({"tab": tab})
+    other = _tab(2)
+    assert launcher.direct(kernel, key, tab=other.data_ptr())
+    kind, grid, args = kernel.log[-1]
+    assert (kind, grid) == ("direct", (2, 1, 1))
+    assert list(args) == [a.data_ptr(), other.data_ptr(), (a.data_ptr(), a[2:].data_ptr()), 8]
+    assert not launcher.direct(kernel, launch.key_of({"tab": _tab(1)}), tab=0)  # (8 bytes in: never kept)
+    assert not launcher.direct(kernel, key, tab=0, extra=1)  # other names
+    assert not launcher.direct(FakeJIT(), key, tab=0)  # another kernel (a stand-in for the kept one)
+    assert len(kernel.log) == 2
+
+
+class RunCompiled(FakeCompiled):
+    """A `FakeCompiled` with the driver launcher's attributes (`run`, `function`,
+    `packed_metadata`), as triton's `CompiledKernel` has them."""
+
+    function, packed_metadata = 0xF00, ("md",)
+
+    def run(self, *args):
+        self.log.append(("run", args[:9], list(args[9:])))
+
+
+class RunJIT(FakeJIT):
+    def __getitem__(self, grid):
+        def jit(**kwargs):
+            self.log.append(("jit", grid, kwargs))
+            return RunCompiled(self.log, self.fail, self.streams)
+        return jit
+
+
+@pytest.mark.parametrize("hook", [None, "enter", "exit"])
+def test_no_launch_hook_calls_the_driver_launcher_itself(fake, monkeypatch, hook):
+    """With the stream known and no launch hook set, a direct launch calls the compiled
+    kernel's driver launcher (`run`) as its runner would, with None for the launch metadata
+    and the hooks; a hook set (a profiler's) sends every launch through the runner again."""
+    from triton import knobs
+
+    _, _ = fake
+    monkeypatch.setattr(launch, "runner_only_forwards", lambda: True)
+    monkeypatch.setattr(launch, "runner_takes_stream", lambda: True)
+    kernel = RunJIT()
+    launcher = launch.Launcher((3, 2), {"a": 1, "b": 2.5, "BLOCK": 64})
+    launcher(kernel, tab=_tab())
+    tab = _tab(2)
+    if hook is not None:
+        chain = getattr(knobs.runtime, f"launch_{hook}_hook")
+        if hasattr(chain, "add"):  # triton 3.9: a chain of hooks (restored after the test)
+            monkeypatch.setattr(chain, "calls", [print])
+        else:
+            monkeypatch.setattr(knobs.runtime, f"launch_{hook}_hook", print)
+    launcher(kernel, _at=(0, 0xABC), tab=tab)
+    launcher(kernel, tab=tab)  # (no site: the runner asks for the stream)
+    kinds = [k for k, *_ in kernel.log]
+    if hook is None:
+        assert kinds == ["jit", "run", "direct"]
+        assert kernel.log[1][1] == (3, 2, 1, 0xABC, 0xF00, ("md",), None, None, None)
+        assert kernel.log[1][2] == [1, tab.data_ptr(), 2.5, 64]
+        assert kernel.streams == [None]
+    else:
+        assert kinds == ["jit", "direct", "direct"]
+        assert kernel.streams == [0xABC, None]
+
+
+def test_installed_triton_runner_only_forwards():
+    """The installed triton's runner (CI's) only forwards to the driver's launcher, so a launch
+    with no hook set skips it (else every direct launch goes through the runner: this names
+    the change)."""
+    assert launch.runner_only_forwards(), (
+        "CompiledKernel.__getitem__'s runner changed: re-check launch._direct_call against this triton")

@@ -163,6 +163,44 @@ def test_a_set_kernels_tables_cross_as_one_table(monkeypatch):
     assert log[-1] == ("record", ring.events[0], "side stream")
 
 
+@pytest.mark.parametrize("slots", [[0, 0, 0, 0, 1], [0, 1, 0, 1, 1], [0, 0, 1, 0, 1]],
+                         ids=["rows", "every-other", "uneven"])
+def test_table_writes_through_views_equal_writes_by_index(slots):
+    """`TableArray.write` assigns each slot's ids through a view of the rows that read it when
+    those rows are evenly spaced (one conversion of the ids, broadcast), else by an index array;
+    either way the array is what writing each cell by its index gives."""
+    heads = [(10 + k, 20 + k) for k in range(4)]
+    tables = batch.TableArray([(heads, [0, 1, 2, 3], 3), ([(30, 31)], [4], 3)], slots)
+    want_counts = {"rows": (2, 0), "every-other": (3, 0), "uneven": (0, 3)}
+    name = {(0, 0, 0, 0, 1): "rows", (0, 1, 0, 1, 1): "every-other"}.get(tuple(slots), "uneven")
+    assert (len(tables.views), len(tables.writes)) == want_counts[name]
+    ids = {0: (4, 5, 6), 1: (7, 8, 9)}
+    want = tables.array.copy()
+    for m in range(5):
+        want[5 * m + 2:5 * m + 5] = ids[slots[m]]  # (rows of 5: 2 fixed columns, 3 ids)
+    tables.write([ids[s] for s in slots])
+    assert tables.array.tolist() == want.tolist()
+    assert tables.array[[0, 1, 5, 6, 10, 11, 15, 16, 20, 21]].tolist() == [10, 20, 11, 21, 12, 22, 13, 23, 30, 31]
+
+
+def test_release_with_a_stream_handle_records_on_that_handles_stream(monkeypatch):
+    """`TableRing.release(handle)`: the stream is asked for once per raw handle
+    (`launch_site()[1]`) and kept; without a handle it is asked for at every release."""
+    tables, cuda, log = _ring_tables(monkeypatch)
+    ring = tables.ring
+    asked = []
+    ring.stream = lambda: asked.append(1) or f"stream {len(asked)}"
+    for _ in range(3):
+        tables.write([(1,), (3,), (1,), (5,)])
+        tables.stage(cuda)
+        tables.release(0xAB)
+    assert asked == [1] and [e[2] for e in log if e[0] == "record"][-3:] == ["stream 1"] * 3
+    tables.write([(1,), (3,), (1,), (5,)])
+    tables.stage(cuda)
+    tables.release()
+    assert len(asked) == 2 and log[-1][2] == "stream 2"
+
+
 def test_a_busy_slot_is_never_written_the_call_takes_torchs_allocators(monkeypatch):
     """A slot is written again only once the event of its last use has completed; a call that
     finds it pending (or staged and never released) does not wait: it stages through torch's
@@ -206,7 +244,7 @@ def test_a_plans_tables_are_released_even_when_a_launch_raises(monkeypatch, op):
     slots = [0, 0, 0, 0]
     packed = PackSet(targets, slots).pack([(1,)])
     released = []
-    monkeypatch.setattr(batch.TableArray, "release", lambda self: released.append(self))
+    monkeypatch.setattr(batch.TableArray, "release", lambda self, stream=None: released.append(self))
 
     class Failing:
         def __getitem__(self, grid):

@@ -13,7 +13,7 @@ import torch
 from anchorkv.codec import CodecSpec
 from anchorkv.kernels import PackedBatch, PackItem, PackSet, PackTarget, packset, reference
 from anchorkv.kernels.strided import StridedField
-from tests.kernels.helpers import split_set_launch
+from tests.kernels.helpers import DEVICE, split_set_launch
 from tests.kernels.test_batched import BLOCKS, _page, _regions
 
 pytestmark = pytest.mark.interpreter
@@ -110,12 +110,20 @@ def _one_allocation(monkeypatch) -> None:
     monkeypatch.setattr(batch_module, "batch_tensors", lambda *a, **kw: make(*a, **kw, one=True))
 
 
+def _skip_two_on_a_gpu(alloc: str) -> None:
+    """Batches on a GPU are always one allocation (`batch.batch_tensors`' default there, and a
+    set kernel's call allocates only that): the two-tensor mode is a CPU batch's."""
+    if alloc == "two" and DEVICE.type == "cuda":
+        pytest.skip("a batch on a GPU is one allocation: the two-tensor mode runs on a CPU (CI)")
+
+
 @pytest.mark.parametrize("alloc", ["whole", "two"])
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_batch_buffers_and_views(monkeypatch, backend, alloc):
     """A batch on a GPU is one allocation (`whole`, `host_bytes` long): the payload at its
     start, the scales at the next 16-byte boundary; on a CPU two (`whole` None). Parts are views
     of them, at 16-byte aligned launch starts, and equal the reference either way."""
+    _skip_two_on_a_gpu(alloc)
     monkeypatch.setenv("ANCHORKV_BACKEND", backend)
     if alloc == "whole":
         _one_allocation(monkeypatch)
@@ -142,6 +150,7 @@ def test_batch_buffers_and_views(monkeypatch, backend, alloc):
 
 @pytest.mark.parametrize("alloc", ["whole", "two"])
 def test_copy_to_host_is_one_copy_a_allocation_of_exact_bytes(monkeypatch, alloc):
+    _skip_two_on_a_gpu(alloc)
     if alloc == "whole":
         _one_allocation(monkeypatch)
     targets, slots = _set(_regions(2, seed=5), CODEC_SETS[0])
@@ -203,6 +212,7 @@ def test_copy_into_fills_one_buffer_payload_then_aligned_scales(monkeypatch, all
     next 16-byte boundary of the given buffer, in one non_blocking copy of a one-allocation
     batch (two for two tensors), every part byte-equal; bytes past `host_bytes` untouched; a
     buffer that cannot hold it is refused."""
+    _skip_two_on_a_gpu(alloc)
     if alloc == "whole":
         _one_allocation(monkeypatch)
     targets, slots = _set(_regions(2, seed=6), CODEC_SETS[0])
@@ -221,16 +231,50 @@ def test_copy_into_fills_one_buffer_payload_then_aligned_scales(monkeypatch, all
     assert out.whole is not None and out.whole.data_ptr() == host.data_ptr() and out.whole.numel() == need
     assert out.payload.data_ptr() == host.data_ptr() and out.scales.data_ptr() == host.data_ptr() + need - \
         batch.scales.nbytes and out.scales.data_ptr() % 16 == 0
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
     for (p, s), (hp, hs) in zip(batch.parts(), out.parts(), strict=True):
-        assert torch.equal(p, hp) and torch.equal(s.view(torch.int32), hs.view(torch.int32))
+        assert torch.equal(p.cpu(), hp) and torch.equal(s.cpu().view(torch.int32), hs.view(torch.int32))
     assert bool((host[need:] == 0xAB).all()), "copy_into wrote past host_bytes"
-    assert batch.to_host(host=host) is batch  # on the host already: no copy, the buffer unused
+    if DEVICE.type == "cpu":
+        assert batch.to_host(host=host) is batch  # on the host already: no copy, the buffer unused
     _assert_parts_equal_reference(out, targets, slots, [(1,), (2, 5)])
     for bad, found in ((torch.empty(need - 1, dtype=torch.uint8), "uint8"),
                        (torch.empty(need, dtype=torch.int8), "int8"),
                        (torch.empty(2, need, dtype=torch.uint8), "[2, ")):
         with pytest.raises(ValueError, match=f"at least {need} bytes, found .*{re.escape(found)}"):
             batch.copy_into(bad)
+
+
+def test_a_whole_batch_makes_its_views_when_first_read(monkeypatch):
+    """`packset._WholeBatch` (what a set kernel's call on a GPU returns: the one allocation, its
+    views left unmade): sizes, `host_bytes` and `copy_into` read no view of it; `payload` and
+    `scales` are `batch.batch_views` of the allocation, made once; parts equal the eager
+    batch's."""
+    from anchorkv.kernels import batch as kbatch
+
+    _one_allocation(monkeypatch)
+    targets, slots = _set(_regions(2, seed=6), CODEC_SETS[0])
+    eager = PackSet(targets, slots).pack([(1,), (2, 5)])
+    assert eager.whole is not None
+    n, m = eager.payload.numel(), eager.scales.numel()
+    made = []
+    real = kbatch.batch_views
+    monkeypatch.setattr(kbatch, "batch_views", lambda *a: made.append(a[0].data_ptr()) or real(*a))
+    lazy = packset._WholeBatch(eager.whole, n, m, eager.spans, eager.scale_runs)
+    assert lazy.sizes() == (n, m) and lazy.host_bytes == eager.host_bytes and len(lazy) == len(eager)
+    host = torch.empty(lazy.host_bytes, dtype=torch.uint8)
+    out = lazy.copy_into(host)
+    assert made == [host.data_ptr()]  # the host copy's views, none of the batch's own
+    assert lazy.payload is lazy.payload and lazy.scales.dtype == torch.float32
+    assert made == [host.data_ptr(), eager.whole.data_ptr()]  # made once, when first read
+    assert lazy.payload.data_ptr() == eager.payload.data_ptr() and lazy.scales.data_ptr() == eager.scales.data_ptr()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    for (p, s), (lp, ls), (hp, hs) in zip(eager.parts(), lazy.parts(), out.parts(), strict=True):
+        assert torch.equal(p, lp) and torch.equal(p.cpu(), hp)
+        assert torch.equal(s.view(torch.int32), ls.view(torch.int32))
+        assert torch.equal(s.cpu().view(torch.int32), hs.view(torch.int32))
 
 
 def test_ids_are_checked_once_per_slot_and_blocks(monkeypatch):
@@ -508,7 +552,7 @@ def test_a_set_kernel_finds_the_item_of_every_block_of_a_long_slot(monkeypatch, 
         for f in (conv, recurrent, latent):
             v = field_view(buf, f, blocks)
             v.copy_(torch.randn(v.shape, generator=g).to(f.dtype))
-        regions.append(buf)
+        regions.append(buf.to(DEVICE))  # (the interpreter here, the compiled kernels on a GPU)
     targets = [PackTarget(b, f, blocks, CodecSpec.parse(c)) for b in regions
                for f, c in ((conv, codecs[0]), (recurrent, codecs[1]), (latent, codecs[2]))]
     slots = [0, 0, 1] * 2

@@ -75,7 +75,7 @@ def test_a_launch_whose_members_read_different_slots(monkeypatch, backend):
     us = UnpackSet(targets, slots)
     if backend == "triton":
         plan = us._plan((1, 1, 1))
-        assert len(plan.launches) == 2 and len(plan.tables.writes) == 6  # 2 fields x 3 slots
+        assert len(plan.launches) == 2 and len(plan.tables.views or plan.tables.writes) == 6  # 2 fields x 3 slots
     for ids in ([(2,), (0,), (1,)], [(1,), (2,), (0,)]):
         want = _expected(regions, targets, slots, packed, ids)
         us.unpack(packed, ids)
