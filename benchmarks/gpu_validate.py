@@ -17,7 +17,8 @@ the junit XML and benchmark JSON of what finished:
                device-to-host copy of the packed (and of the raw) bytes
     load_path  benchmarks/bench_load_path.py: store -> pinned host arena -> GPU -> unpack, vs a
                plain host-to-device copy of the packed bytes (reported; issue 13 sets no target)
-    profile    python -m benchmarks.profile_kernels: host vs kernel time (CUDA only)
+    profile    python -m benchmarks.profile_kernels: host vs kernel time (CUDA only), then
+               python -m benchmarks.launch_variants: a set call's host time piece by piece
 
 Writes, all directly under `--out` (default benchmarks/results), `<machine>` as
 `benchmarks.machine.machine_name()` names it (the GPU's name): `<machine>.json` (device,
@@ -49,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 #: (step, most seconds it may take, least seconds worth starting it with), in run order.
 STEPS = (("tests", 300, 60), ("kernels", 180, 60), ("save_path", 90, 30), ("load_path", 60, 20),
-         ("profile", 60, 20))
+         ("profile", 90, 20))
 GRACE_S = 20  # after SIGINT, before SIGKILL
 REPORT_S = 15  # kept back for writing the report
 #: module -> why the run needs it (checked before anything runs; wheels: scripts/fetch_gpu_wheels.sh)
@@ -214,6 +215,16 @@ def save_stages(text: str) -> dict[str, dict[str, float]]:
     return {m[1]: {name: float(ms) for name, ms in _STAGE.findall(m[2])} for m in _STAGES.finditer(text)}
 
 
+#: `launch_variants`' line per piece: its name, then microseconds a call
+_PIECE = re.compile(r"^ +(\S.*?) +([\d.]+) us$", re.M)
+
+
+def launch_pieces(text: str) -> list[dict]:
+    """[{piece, us}] from `benchmarks.launch_variants`' output, in its order (a piece timed
+    twice keeps both lines: the machine's drift between them)."""
+    return [{"piece": m[1], "us": float(m[2])} for m in _PIECE.finditer(text)]
+
+
 def run_profile(args, limit: float, log: Path, env: dict) -> dict:
     import torch
 
@@ -227,6 +238,15 @@ def run_profile(args, limit: float, log: Path, env: dict) -> dict:
     res["save_stages"] = save_stages(text)
     res["status"] = ("timeout" if res["timed_out"] else "ok" if res["returncode"] == 0 and rows
                      else "failed")
+    left = limit - res["seconds"]
+    if left >= 10:  # the set call's pieces (~10 s on an H200), in what the step has left
+        cmd = [sys.executable, "-m", "benchmarks.launch_variants", "--tp", "1",
+               "--iters", "50" if args.quick else "300"]
+        launch, text = run_step("launch pieces", cmd, left, log, env)
+        res["launch_rows"] = launch_pieces(text)
+        if launch["timed_out"] or launch["returncode"] != 0 or not res["launch_rows"]:
+            res["status"] = "failed" if res["status"] == "ok" else res["status"]
+            res["launch"] = {k: launch[k] for k in ("returncode", "seconds", "timed_out", "log_tail")}
     return res
 
 
@@ -366,6 +386,14 @@ def render_markdown(res: dict) -> str:
                         [[p["op"], p["tp"], num(p["wall_ms"], ".3f"), num(p["host_ms"], ".3f"),
                           num(p["kernel_ms"], ".3f"), num(p["kernel_ms"] / p["wall_ms"], ".2f")]
                          for p in prof]) + [""]
+    pieces = res["steps"].get("profile", {}).get("launch_rows", [])
+    if pieces:
+        lines += ["## Launch path: a set pack call's host time, piece by piece "
+                  "(`python -m benchmarks.launch_variants`)", "",
+                  "Microseconds a call of one Kimi-Linear request's `PackSet.pack` (tp=1) and of each of its "
+                  "pieces and their alternatives; `back to back` lines time calls issued with one sync at the end "
+                  "(the GPU's pace, where it is the bound).", ""]
+        lines += table(["piece", "us a call"], [[p["piece"], num(p["us"], ".2f")] for p in pieces]) + [""]
     stages = res["steps"].get("profile", {}).get("save_stages", {})
     if stages:
         names = list(next(iter(stages.values())))

@@ -77,7 +77,8 @@ def _canned(status: str):
 
     profile = {"status": "ok", "rows": [{"op": "pack", "tp": 1, "wall_ms": 2.0, "host_ms": 1.5,
                                          "kernel_ms": 0.1}],
-               "save_stages": {"quant": {"_pack returns": 0.25, "save + flush": 3.5}}}
+               "save_stages": {"quant": {"_pack returns": 0.25, "save + flush": 3.5}},
+               "launch_rows": [{"piece": "PackSet.pack (all of it)", "us": 52.1}]}
     return tests, bench, profile
 
 
@@ -105,6 +106,7 @@ def test_exit_status_and_report_follow_the_kernel_tests(status, tmp_path, monkey
     assert ("tests.kernels.test_x::test_y[int8]" in md) == (status == "failed")
     assert "| pack | 1 | 2.000 | 1.500 | 0.100 | 0.05 |" in md  # host vs kernel time
     assert "| quant | 0.250 | 3.500 |" in md  # the save path's stages
+    assert "| PackSet.pack (all of it) | 52.10 |" in md  # the set call's pieces
     assert "| raw 7680 tokens | restore | 100.0 | 20.000 | 5.00 | 5.00 | 0.250 |" in md  # the load path
     assert (tmp_path / f"{machine}.png").stat().st_size > 0
 
@@ -163,3 +165,17 @@ def test_profile_lines_are_read_for_every_op():
                      for k, op in enumerate(ops))
     rows = [m.groups() for m in gpu_validate._PROFILE_LINE.finditer(text)]
     assert [r[0] for r in rows] == list(ops) and rows[6][2] == "0.612"
+
+
+def test_launch_pieces_are_read_from_launch_variants_output():
+    """`launch_pieces` reads each `launch_variants` line of a piece (its name, microseconds a
+    call), the same name twice kept twice, and skips the header and the parenthesized notes."""
+    text = ("triton 3.6.0, torch 2.11.0+cu130, NVIDIA H200\n"
+            "  PackSet.pack (all of it)                                      80.10 us\n"
+            "    np.copyto into the pinned slot                               0.48 us\n"
+            "  (driver launcher CudaLauncher; .launch <built-in function launch>)\n"
+            "  PackSet.pack (all of it)                                      78.59 us\n"
+            "  (its bytes equal the staged table's: True)\n")
+    assert gpu_validate.launch_pieces(text) == [
+        {"piece": "PackSet.pack (all of it)", "us": 80.10}, {"piece": "np.copyto into the pinned slot", "us": 0.48},
+        {"piece": "PackSet.pack (all of it)", "us": 78.59}]
