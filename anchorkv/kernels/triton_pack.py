@@ -560,6 +560,8 @@ class _Plan:
             return self._launch_set(ids)
         whole, payload, scales = batch.batch_tensors(self.payload_bytes, self.scale_values, self.device)
         scale_bits = scales.view(torch.int32)
+        # (asked before the tables are staged: a staged slot is released only in the `finally`)
+        site = launch_site() if self.device.type == "cuda" else None  # (once for the launches)
         if self.tables is not None:
             self.tables.write(ids)
             tables = self.tables.stage(self.device)
@@ -573,7 +575,6 @@ class _Plan:
                 rows_of.append((self.device, rows))
             tables = batch.stage_tables(rows_of)
         views: dict[torch.dtype, torch.Tensor] = {}
-        site = launch_site() if self.device.type == "cuda" else None  # (once for the launches)
         try:
             if self.fused is not None:  # one launch: the staged array is one table
                 self.fused(_pack_set_kernel, _at=site, tab=tables[0], payload=payload, scales=scale_bits)
@@ -602,9 +603,9 @@ class _Plan:
         fused, tables = self.fused, self.tables
         assert fused is not None and tables is not None  # (the caller's test; a set kernel's plan has tables)
         whole = torch.empty(self.whole_bytes, dtype=torch.uint8, device=self.device)
+        site = launch_site()  # (before the stage: a staged slot is released only in the `finally`)
         tables.write(ids)
         table = tables.stage(self.device)[0]
-        site = launch_site()
         try:
             base, tab = whole.data_ptr(), table.data_ptr()
             if (self.set_key is None or (base | tab) % 16

@@ -286,10 +286,10 @@ class _SetPlan:
         """Decode `packed` (checked by the caller against `layout`, 16-byte aligned) into the
         targets' blocks `ids`."""
         scales = packed.scales.view(torch.int32) if packed.scales.numel() else self.no_scales
-        self.tables.write(ids)
-        tables = self.tables.stage(self.device)
-        payloads: dict[torch.dtype, torch.Tensor] = {}
         site = launch_site() if self.device.type == "cuda" else None  # (once for the launches)
+        self.tables.write(ids)
+        tables = self.tables.stage(self.device)  # (released in the `finally`: nothing may raise between)
+        payloads: dict[torch.dtype, torch.Tensor] = {}
         try:
             if self.fused is not None:  # one launch: the staged array is one table
                 self.fused(_unpack_set_kernel, _at=site, tab=tables[0], payload=packed.payload, scales=scales)
