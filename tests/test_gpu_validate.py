@@ -126,9 +126,12 @@ def test_save_stages_are_measured_parsed_and_reported(capsys):
     report parses its printed block into the profile step's table."""
     from benchmarks import profile_save
 
-    assert profile_save.main(["--quick", "--rounds", "1", "--codecs", "raw"]) == 0
+    assert profile_save.main(["--quick", "--rounds", "1", "--codecs", "raw", "--pack-profile"]) == 0
     assert profile_save.main(["--quick", "--rounds", "1"]) == 0
     text = capsys.readouterr().out
+    # the raw run's `_pack` listing (on by default on a GPU): the pack's own call in it
+    listing = text.split("-- WorkerSide._pack, raw codecs, 1 calls under cProfile")[1].split("== save stages")[0]
+    assert "pack (api.py:" in listing and len(listing.strip().splitlines()) > 5, listing
     stages = gpu_validate.save_stages("noise\n" + text + "== pack tp=1: wall 1 ms/call\n")
     assert list(stages) == ["raw", "quant"]
     for ms in stages.values():
