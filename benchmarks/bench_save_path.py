@@ -17,6 +17,11 @@ Providers, per codec set (`raw`; `quant` = conv int8:128, recurrent int8:128, la
     pack        `anchorkv.codec.pack_many` of every (layer, field), synchronized
     pack+d2h    `WorkerSide.save` + `flush` with a store that keeps nothing: pack, pinned copy,
                 the writer thread's checks (what the GPU and PCIe do for a save)
+    set+d2h     the worker's `PackSet.pack`, then one copy of the batch into a reused pinned
+                buffer: the GPU and PCIe part of a save alone, pack then copy (CUDA only)
+    chunks+d2h  the same set's `pack_chunks` (`CHUNKS` launches), each chunk's bytes copied on a
+                second stream after its launch: the copy overlapping the pack (CUDA only; what
+                a save could do, not what it does yet)
     save        `WorkerSide.save` + `flush` into a `ZarrEntryStore` on local disk (the whole path)
 
 `extra_info`: `bytes` (what the provider delivers to the host: packed bytes, or the raw bytes for
@@ -69,7 +74,8 @@ CODEC_SETS = {
 }
 TOKENS, QUICK_TOKENS = 7680, 1920
 ROUNDS = 10 if DEVICE.type == "cuda" else 3
-PROVIDERS = ["d2h-raw", "d2h-packed", "pack", "pack+d2h", "save"]
+PROVIDERS = ["d2h-raw", "d2h-packed", "pack", "pack+d2h", "set+d2h", "chunks+d2h", "save"]
+CHUNKS = 4  # `chunks+d2h`'s launches
 
 
 def _sync() -> None:
@@ -133,6 +139,8 @@ class Request:
         self.packed_bytes = sum(p.nbytes for p in self.pack())
         self.saves = 0
         pinned = DEVICE.type == "cuda"
+        self._set_host: torch.Tensor | None = None
+        self.copy_stream = torch.cuda.Stream() if pinned else None
         self.copies = {}
         for name, n in (("d2h-raw", self.source_bytes), ("d2h-packed", self.packed_bytes)):
             self.copies[name] = (torch.empty(n, dtype=torch.uint8, device=DEVICE),
@@ -144,6 +152,36 @@ class Request:
         return pack_many([(self.views[name], f.name, list(self.blocks[grp.index]), cfg.codec_for(f.name))
                           for grp in self.groups for name in grp.layers
                           for f in self.views[name].page.fields])
+
+    def set_then_copy(self, chunks: int) -> None:
+        """The worker's `PackSet` packing the request and its bytes copied to a reused pinned
+        buffer: one copy after the pack (`chunks` 0), or each of `pack_chunks(chunks)`'s ranges
+        copied on `copy_stream` after its chunk's launch; synchronized."""
+        pack_set = self.discard_worker._packer()[0]._set
+        assert pack_set is not None and self.copy_stream is not None  # (CUDA only)
+        if chunks == 0:
+            packed = pack_set.pack(self.blocks)
+            packed.copy_into(self.set_host(packed.host_bytes))
+        else:
+            def copy(whole: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> None:
+                host = self.set_host(whole.numel())
+                done = torch.cuda.Event()
+                done.record()
+                self.copy_stream.wait_event(done)
+                with torch.cuda.stream(self.copy_stream):
+                    for start, n in ranges:
+                        host[start:start + n].copy_(whole[start:start + n], non_blocking=True)
+                whole.record_stream(self.copy_stream)
+
+            pack_set.pack_chunks(self.blocks, chunks, copy)
+            self.copy_stream.synchronize()
+        _sync()
+
+    def set_host(self, nbytes: int) -> torch.Tensor:
+        """A reused pinned buffer of at least `nbytes` (`set_then_copy`)."""
+        if self._set_host is None or self._set_host.numel() < nbytes:
+            self._set_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self._set_host[:nbytes]
 
     def spec(self) -> SaveSpec:
         """A save of new tokens (a new entry each time)."""
@@ -205,8 +243,14 @@ def test_save_path(benchmark, codecs, provider, quick, make_request):
     req = make_request(codecs)
     rounds = 1 if quick else ROUNDS
     launch: list[float] = []
+    if provider in ("set+d2h", "chunks+d2h") and DEVICE.type != "cuda":
+        pytest.skip("the set pack and its copy to pinned memory, one after the other or overlapped on two "
+                    "streams: CUDA only (on a CPU the batch is on the host already)")
     if provider.startswith("d2h"):
         fn, setup = (lambda: req.copy(provider)), None
+    elif provider in ("set+d2h", "chunks+d2h"):
+        chunks = CHUNKS if provider == "chunks+d2h" else 0
+        fn, setup = (lambda: req.set_then_copy(chunks)), None
     elif provider == "pack":
         fn, setup = (lambda: (req.pack(), _sync())), None
     else:

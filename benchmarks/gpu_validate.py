@@ -306,7 +306,7 @@ def targets(rows: list[dict], on_gpu: bool) -> list[dict]:
             if "speedup_vs_eager" in r:
                 out.append({"target": f"{r['case']}: {who} >= {TARGETS['eager']:g}x torch eager",
                             "value": r["speedup_vs_eager"], "met": r["speedup_vs_eager"] >= TARGETS["eager"]})
-        if r["suite"] == "save_path" and r["provider"] in ("pack+d2h", "save"):
+        if r["suite"] == "save_path" and r["provider"] in ("pack+d2h", "set+d2h", "chunks+d2h", "save"):
             out.append({"target": f"save path {r['case']}, {r['provider']}: >= {TARGETS['d2h']} x d2h copy "
                                   f"of the packed bytes", "value": r["ratio"], "met": r["ratio"] >= TARGETS["d2h"]})
     return out

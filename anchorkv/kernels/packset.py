@@ -13,7 +13,7 @@ thread, off the step's critical path).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -331,9 +331,39 @@ class PackSet(_TargetSet):
             return _WholeBatch(whole, plan.payload_bytes, plan.scale_values, plan.spans, plan.scale_runs)
         return PackedBatch(payload, scales, plan.spans, plan.scale_runs, whole)
 
-    def _reference(self, lens: tuple[int, ...], ids: list[tuple[int, ...]]) -> PackedBatch:
+    def pack_chunks(self, ids_by_slot: Sequence, chunks: int,
+                    on_chunk: Callable[[torch.Tensor, tuple[tuple[int, int], ...]], None]) -> PackedBatch:
+        """`pack`, issued as up to `chunks` launches of the set kernel in program order, each
+        followed by `on_chunk(whole, ranges)`: the batch's one allocation and the (start,
+        length) byte ranges of it that the launches issued so far complete (a caller copies
+        them to the host on another stream while the next chunks pack: a save's pack and its
+        copy overlap). The ranges of all calls cover every part's payload and scales, each byte
+        once; alignment padding between parts is in none. The batch is one allocation on every
+        device. A plan without a set kernel (the reference backend, one signature, `FUSED` off)
+        packs in one go: one call, the whole allocation. The bytes are `pack`'s."""
+        if chunks < 1:
+            raise ValueError(f"pack_chunks needs at least 1 chunk, found {chunks}")
+        lens, ids = self._ids(ids_by_slot, distinct=False)
+        if self.backend != "triton":
+            packed = self._reference(lens, ids, one=True)
+        else:
+            from anchorkv.kernels.triton_pack import _Plan
+
+            plan = self._plans.find(lens, lambda: self._made(_Plan(self.targets, self._lens(lens), self.slots)))
+            if plan.fused is not None:
+                whole = plan.launch_chunks(ids, chunks, on_chunk)
+                return _WholeBatch(whole, plan.payload_bytes, plan.scale_values, plan.spans, plan.scale_runs)
+            whole, payload, scales = plan.launch(ids, one=True)
+            assert whole is not None and payload is not None and scales is not None  # (one allocation asked)
+            packed = PackedBatch(payload, scales, plan.spans, plan.scale_runs, whole)
+        assert packed.whole is not None
+        on_chunk(packed.whole, ((0, packed.whole.numel()),))
+        return packed
+
+    def _reference(self, lens: tuple[int, ...], ids: list[tuple[int, ...]], *,
+                   one: bool | None = None) -> PackedBatch:
         layout = self._plans.find(lens, lambda: batch.batch_layout(self.targets, self._lens(lens)))
-        whole, payload, scales = batch.batch_tensors(layout.payload_bytes, layout.scale_values, self.device)
+        whole, payload, scales = batch.batch_tensors(layout.payload_bytes, layout.scale_values, self.device, one=one)
         for t, i, span in zip(self.targets, ids, layout.spans, strict=True):
             p, s = reference.pack(PackItem(t.buffer, t.field, i, t.num_blocks, t.spec))
             payload.narrow(0, span.payload_at, span.payload_bytes).copy_(p.reshape(-1))

@@ -17,7 +17,7 @@ Triton launch.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -513,6 +513,17 @@ def largest_first(launches: Sequence) -> list[int]:
     return sorted(range(len(launches)), key=lambda k: -moved(k))
 
 
+def _merged(ranges: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """(start, length) ranges in order, each run of adjacent ones as one."""
+    out: list[tuple[int, int]] = []
+    for start, n in ranges:
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((start, n))
+    return tuple(out)
+
+
 class _Plan:
     """Everything about packing one list of items that does not depend on the block ids: the
     launches (items grouped by signature), their static table columns, alignment claims, launch
@@ -544,21 +555,22 @@ class _Plan:
         self.whole_bytes = batch.scales_start(self.payload_bytes) + 4 * self.scale_values
         self.scales_at = batch.scales_start(self.payload_bytes)
         self.set_key: tuple | None = None
+        self._chunks: dict[int, list] = {}  # `chunk_launchers`, by chunk count
         #: the set kernel's launcher (`FUSED`, a set's plan of several launches), else None
         self.fused: Launcher | None = None if self.tables is None else set_launcher(
             ordered, self.tables, 2, [f["OUT_ALIGN"] for f in own], [(f["PAY0"], f["SC0"]) for f in own],
             {"srcs": tuple(launch.src for launch in ordered), "RECIP": RECIPROCAL}, self.device)
 
-    def launch(self, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor | None, torch.Tensor | None,
-                                                            torch.Tensor | None]:
+    def launch(self, ids: Sequence[Sequence[int]], *, one: bool | None = None) -> tuple[
+            torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Pack the items' blocks `ids` (checked by the caller): the call's one allocation (on a
-        GPU; else None) and its payload (uint8) and scales (fp32) (`batch.batch_tensors`), each item's part
-        where `spans` says (the launches take the whole tensors and their parts' offsets: no
-        per-call slicing); a set kernel's call on a GPU returns the allocation alone
-        (`_launch_set`)."""
+        GPU, or with `one`; else None) and its payload (uint8) and scales (fp32)
+        (`batch.batch_tensors`), each item's part where `spans` says (the launches take the
+        whole tensors and their parts' offsets: no per-call slicing); a set kernel's call on a
+        GPU returns the allocation alone (`_launch_set`)."""
         if self.fused is not None and self.device.type == "cuda":
             return self._launch_set(ids)
-        whole, payload, scales = batch.batch_tensors(self.payload_bytes, self.scale_values, self.device)
+        whole, payload, scales = batch.batch_tensors(self.payload_bytes, self.scale_values, self.device, one=one)
         scale_bits = scales.view(torch.int32)
         # (asked before the tables are staged: a staged slot is released only in the `finally`)
         site = launch_site() if self.device.type == "cuda" else None  # (once for the launches)
@@ -619,6 +631,65 @@ class _Plan:
         finally:  # (after whatever was issued: the tables' buffers are free once it has run)
             tables.release(site[1] if site[0] == self.device.index else None)
         return whole, None, None
+
+    def chunk_launchers(self, chunks: int) -> list[tuple[Launcher, tuple[tuple[int, int], ...]]]:
+        """The set kernel's call cut into at most `chunks` launches, in program order, at item
+        boundaries, of about equal output bytes: per launch, its `Launcher` and the byte ranges
+        of the call's allocation (`whole`: payload, then scales at `scales_at`) its programs
+        write, adjacent ranges merged. No kernel change: a launch over programs [p0, p1) is the
+        set kernel on a grid of p1 - p0 with every launch's START shifted down by p0 (its
+        STARTs are unspecialized values, so every chunk runs the one compiled kernel), and the
+        programs of an item write its part and nothing else. Cached per `chunks`."""
+        fused = self.fused
+        assert fused is not None  # (a set kernel's plan)
+        made = self._chunks.get(chunks)
+        if made is not None:
+            return made
+        cfg = fused.fixed["CFG"]
+        units = []  # per item in program order: (its programs' end, its payload range, its scale range)
+        for k, launch in enumerate(self.launches[j] for j in self.order):
+            start, per_item = fused.fixed[f"START_{k}"], cfg[k][0] * launch.n
+            per_sc = launch.per_groups * launch.cut.columns
+            for i in range(len(launch.members)):
+                units.append((start + (i + 1) * per_item, (launch.pay_at + i * launch.per_payload, launch.per_payload),
+                              (self.scales_at + 4 * (launch.sc_at + i * per_sc), 4 * per_sc)))
+        total = sum(pay[1] + sc[1] for _, pay, sc in units)
+        made, p0, done = [], 0, 0
+        pays: list[tuple[int, int]] = []
+        scs: list[tuple[int, int]] = []
+        for u, (end, pay, sc) in enumerate(units):
+            pays += [pay] if pay[1] else []
+            scs += [sc] if sc[1] else []
+            done += pay[1] + sc[1]
+            if u + 1 < len(units) and done * chunks < total * (len(made) + 1):
+                continue  # (cut once this chunk holds its share of the bytes, or at the end)
+            starts = {f"START_{k}": fused.fixed[f"START_{k}"] - p0 for k in range(len(cfg))}
+            made.append((Launcher((end - p0,), dict(fused.fixed, **starts)), _merged(pays) + _merged(scs)))
+            p0, pays, scs = end, [], []
+        assert p0 == fused.grid[0], (p0, fused.grid)  # the chunks' programs are the call's
+        self._chunks[chunks] = made
+        return made
+
+    def launch_chunks(self, ids: Sequence[Sequence[int]], chunks: int,
+                      on_chunk: Callable[[torch.Tensor, tuple[tuple[int, int], ...]], None]) -> torch.Tensor:
+        """`launch` as `chunk_launchers(chunks)`' launches, `on_chunk(whole, ranges)` called
+        after each is issued (its ranges' bytes are final once what is issued has run: a caller
+        copies them to the host on another stream while the next chunks pack). Returns the
+        call's one allocation (laid out as `batch.batch_tensors` lays it, on a CPU too)."""
+        whole, payload, scales = batch.batch_tensors(self.payload_bytes, self.scale_values, self.device, one=True)
+        tables = self.tables
+        assert tables is not None and whole is not None  # (a set kernel's plan; one allocation asked for)
+        site = launch_site() if self.device.type == "cuda" else None
+        tables.write(ids)
+        table = tables.stage(self.device)[0]
+        try:
+            scale_bits = scales.view(torch.int32)
+            for launcher, ranges in self.chunk_launchers(chunks):
+                launcher(_pack_set_kernel, _at=site, tab=table, payload=payload, scales=scale_bits)
+                on_chunk(whole, ranges)
+        finally:
+            tables.release(site[1] if site is not None and site[0] == self.device.index else None)
+        return whole
 
     def run(self, ids: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`launch`, then one (payload, scales) view per item, in item order."""

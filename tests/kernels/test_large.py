@@ -93,3 +93,41 @@ def test_kimi_sets_round_trip_equals_reference(monkeypatch, tp, codecs, fused):
     unpack_set.unpack(packed, dst_ids)
     assert (unpack_set._plans.newest().fused is not None) == fused
     assert all(torch.equal(r, w) for r, w in zip(regions, want, strict=True))
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+@pytest.mark.parametrize("codecs", [("int8", "int8", "fp8"), ("raw", "bf16", "int4")])
+def test_kimi_chunked_pack_equals_the_one_launch_pack(codecs, chunks):
+    """`PackSet.pack_chunks` at full size (tp=1): its chunks' launches, issued one after the
+    other on the stream, give the one-launch pack's bytes, and each chunk's ranges copied to
+    page-locked host memory on a second stream after the chunk's event (as a save overlaps
+    its copy with the pack) give those bytes on the host."""
+    regions, items = _kimi_items(1, codecs)
+    targets = [PackTarget(i.buffer, i.field, i.num_blocks, i.spec) for i in items]
+    slots = [0 if len(i.block_ids) == 1 else 1 for i in items]
+    src_ids = [[2], [6, 9, 7, 11]]
+    pack_set = PackSet(targets, slots)
+    one = pack_set.pack(src_ids)
+    copies = torch.cuda.Stream()
+    host: list[torch.Tensor] = []
+
+    def copy(whole, ranges):
+        if not host:
+            host.append(torch.empty(whole.numel(), dtype=torch.uint8, pin_memory=True))
+        done = torch.cuda.Event()
+        done.record()
+        copies.wait_event(done)
+        with torch.cuda.stream(copies):
+            for start, n in ranges:
+                host[0][start:start + n].copy_(whole[start:start + n], non_blocking=True)
+        whole.record_stream(copies)
+
+    chunked = pack_set.pack_chunks(src_ids, chunks, copy)
+    copies.synchronize()
+    torch.cuda.synchronize()
+    on_host = chunked._in(host[0])
+    for k in range(len(items)):
+        for got in (chunked.part(k), on_host.part(k)):
+            p, s = one.part(k)
+            assert torch.equal(got[0].cpu(), p.cpu()), (k, codecs)
+            assert torch.equal(got[1].cpu().view(torch.int32), s.cpu().view(torch.int32)), (k, codecs)

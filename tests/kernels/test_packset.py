@@ -107,7 +107,7 @@ def _one_allocation(monkeypatch) -> None:
     from anchorkv.kernels import batch as batch_module
 
     make = batch_module.batch_tensors
-    monkeypatch.setattr(batch_module, "batch_tensors", lambda *a, **kw: make(*a, **kw, one=True))
+    monkeypatch.setattr(batch_module, "batch_tensors", lambda *a, **kw: make(*a, **{**kw, "one": True}))
 
 
 def _skip_two_on_a_gpu(alloc: str) -> None:
@@ -625,3 +625,68 @@ def test_a_set_kernel_of_six_launches_packs_and_unpacks_the_references_bytes(mon
     us.unpack(packed, dst)
     assert us._plans.newest().fused is not None
     assert _same_bytes(regions, want)
+
+
+def _part_ranges(batch: PackedBatch) -> set[int]:
+    """Every byte of the batch's one allocation that a part's payload or scales occupies."""
+    assert batch.whole is not None
+    at = batch.scales.data_ptr() - batch.whole.data_ptr()
+    out: set[int] = set()
+    for s in batch.spans:
+        out.update(range(s.payload_at, s.payload_at + s.payload_bytes))
+        out.update(range(at + 4 * s.scales_at, at + 4 * (s.scales_at + s.scale_rows * s.columns)))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 7])
+@pytest.mark.parametrize("codecs", CODEC_SETS[:2], ids="-".join)
+def test_chunked_packs_complete_each_chunks_ranges_and_cover_every_part(monkeypatch, backend, chunks, codecs):
+    """`PackSet.pack_chunks` (a save's pack cut so its copy to the host overlaps the rest): up to
+    `chunks` launches of the set kernel, each followed by `on_chunk(whole, ranges)`. At each
+    call the bytes of its ranges are already the final ones (its launches wrote them: the rest
+    of the allocation still holds a fill pattern where no earlier chunk wrote); the ranges of
+    all calls cover every part's payload and scales, each byte once; the batch equals the
+    reference's part by part. The reference backend packs in one go: one call, everything."""
+    monkeypatch.setenv("ANCHORKV_BACKEND", backend)
+    from anchorkv.kernels import batch as kbatch
+
+    fill = 0xA5
+    make = kbatch.batch_tensors
+
+    def filled(*a, **kw):  # (allocations start as a pattern: a range not written yet still shows it)
+        whole, payload, scales = make(*a, **kw)
+        if whole is not None:
+            whole.fill_(fill)
+        return whole, payload, scales
+
+    monkeypatch.setattr(kbatch, "batch_tensors", filled)
+    regions = _regions(4, seed=31)
+    targets, slots = _set(regions, codecs)
+    ids = [(2,), (5, 3, 4)]  # (`_regions` fills the state fields of blocks 0..2, the latents of 3..5)
+    ps = PackSet(targets, slots)
+    seen: list[tuple[tuple[tuple[int, int], ...], torch.Tensor]] = []
+    batch = ps.pack_chunks(ids, chunks, lambda whole, ranges: seen.append((ranges, whole.clone())))
+    _assert_parts_equal_reference(batch, targets, slots, ids)
+    assert batch.whole is not None and all(w.numel() == batch.whole.numel() for _, w in seen)
+    final = batch.whole
+    if backend == "reference":
+        assert [r for r, _ in seen] == [((0, final.numel()),)]
+        return
+    plan = ps._plans.newest()
+    assert plan.fused is not None and 1 <= len(seen) <= chunks
+    assert len(seen) == min(chunks, len(targets)) or len(seen) < chunks  # (at most one chunk an item)
+    covered: list[int] = []
+    written: set[int] = set()
+    for ranges, snapshot in seen:
+        mine = [b for start, n in ranges for b in range(start, start + n)]
+        covered += mine
+        written.update(mine)
+        idx = torch.tensor(mine, dtype=torch.long)
+        assert torch.equal(snapshot[idx], final[idx]), "a chunk's ranges were not final at its call"
+        rest = torch.tensor(sorted(set(range(final.numel())) - written), dtype=torch.long)
+        if rest.numel():  # (what no chunk so far wrote: still the pattern)
+            assert bool((snapshot[rest] == fill).all()), "a chunk wrote past its ranges"
+    assert len(covered) == len(set(covered)) and set(covered) == _part_ranges(batch)
+    grids = [launcher.grid[0] for launcher, _ in plan.chunk_launchers(chunks)]
+    assert sum(grids) == plan.fused.grid[0]  # the chunks' programs are the one launch's
