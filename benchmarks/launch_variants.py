@@ -21,18 +21,6 @@ import numpy as np
 import torch
 
 
-def host_us(fn, iters: int) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    us = (time.perf_counter() - t) / iters * 1e6
-    torch.cuda.synchronize()
-    return us
-
-
 def gpu_us(fn, iters: int) -> float:
     """Wall microseconds a call with a sync at the end of `iters` back-to-back calls."""
     for _ in range(5):
@@ -58,6 +46,7 @@ def main(argv=None) -> int:
     from anchorkv.kernels import batch, launch
     from anchorkv.kernels import triton_pack as tp
     from benchmarks.bench_kernels import request
+    from benchmarks.profile_kernels import host_us
 
     req = request(args.tp)
     pset = req.pack_set
@@ -70,14 +59,12 @@ def main(argv=None) -> int:
     device = plan.device
     it = args.iters
     print(f"triton {triton.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    rows: dict[str, float] = {}
 
     def show(name: str, us: float) -> None:  # (one line a piece: `gpu_validate.launch_pieces` reads them)
         print(f"  {name:58s} {us:8.2f} us", flush=True)
 
     def row(name, fn, n=it):
-        rows[name] = host_us(fn, n)
-        show(name, rows[name])
+        show(name, host_us(fn, n))
 
     for _ in range(3):
         row("PackSet.pack (all of it)", lambda: pset.pack(ids_by_slot))

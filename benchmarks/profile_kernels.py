@@ -168,7 +168,7 @@ def _host_breakdown(req, iters: int = 200) -> None:
     items = req.items
 
     def per_call(fn) -> float:
-        return _host_us(fn, iters)
+        return host_us(fn, iters)
 
     ids = batch.check_all_ids(items)
     plan = tp._plan_for(items, ids)
@@ -209,7 +209,7 @@ def _host_breakdown(req, iters: int = 200) -> None:
     _print_steps("pack_many", host)
 
 
-def _host_us(fn, iters: int) -> float:
+def host_us(fn, iters: int) -> float:
     """Host microseconds per call of `fn` over `iters` calls (after 10 warm-up calls), the GPU
     left to run behind and drained before and after."""
     for _ in range(10):
@@ -281,7 +281,7 @@ def set_steps(pack_set, slot_ids) -> dict[str, object]:
 
 def _set_breakdown(pack_set, slot_ids, iters: int = 200) -> None:
     """Host microseconds of each step of one `PackSet.pack` call (`set_steps`), on a GPU."""
-    _print_steps("PackSet.pack", {name: _host_us(fn, iters) for name, fn in set_steps(pack_set, slot_ids).items()})
+    _print_steps("PackSet.pack", {name: host_us(fn, iters) for name, fn in set_steps(pack_set, slot_ids).items()})
 
 
 def _into_pool(req, pool) -> None:

@@ -603,11 +603,11 @@ class TableArray:
             self.ring = TableRing(self.array.size, segments, device)
         return self.ring.stage(self.array)
 
-    def release(self, stream: int | None = None) -> None:
+    def release(self, site: tuple[int, int] | None = None) -> None:
         """The launches that read the last staged tables are issued (on the current stream;
-        `stream`: its raw handle, when the caller has it: `launch.launch_site()`)."""
+        `site`: `launch.launch_site()`, when the caller asked for it)."""
         if self.ring is not None:
-            self.ring.release(stream)
+            self.ring.release(site)
 
 
 def _rows_view(array: np.ndarray, cells: np.ndarray) -> np.ndarray | None:
@@ -692,14 +692,16 @@ class TableRing:
         self.current = k
         return self.views[k]
 
-    def release(self, handle: int | None = None) -> None:
-        """Record the staged slot's event on the current stream, whose raw handle the caller may
-        pass (`launch.launch_site()[1]`): the stream object is then the one kept for that handle
+    def release(self, site: tuple[int, int] | None = None) -> None:
+        """Record the staged slot's event on the current stream. With `site`
+        (`launch.launch_site()`: the current device and its current stream's raw handle) on
+        this ring's device, the stream object is the one kept for that handle
         (`torch.cuda.current_stream` costs ~4.5 us a call on an H200 host; a handle names one
         CUDA stream, whichever torch object stands for it)."""
         k = self.current
         if k is None:
             return
+        handle = site[1] if site is not None and site[0] == self.device.index else None
         stream = None if handle is None else self.streams.get(handle)
         if stream is None:
             stream = self.stream()

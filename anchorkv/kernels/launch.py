@@ -282,24 +282,23 @@ def _direct_call(compiled: Any, grid: tuple[int, ...]) -> Callable[[list, int | 
     launcher itself (`compiled.run`); else the runner `compiled[grid]` (which asks for the
     current stream when given none)."""
     runner = compiled[grid]  # (loads the kernel)
+
+    def via_runner(args: list, stream: int | None) -> None:
+        if stream is None:
+            runner(*args)
+        else:
+            runner(*args, stream=stream)
+
     run, function, metadata = (getattr(compiled, n, None) for n in ("run", "function", "packed_metadata"))
     if run is None or function is None or not runner_only_forwards():
-        def via_runner(args: list, stream: int | None) -> None:
-            if stream is None:
-                runner(*args)
-            else:
-                runner(*args, stream=stream)
         return via_runner
     g0, g1, g2 = grid
 
     def launch(args: list, stream: int | None) -> None:
         if stream is None or not hooks_idle():
-            if stream is None:
-                runner(*args)
-            else:
-                runner(*args, stream=stream)
-            return
-        run(g0, g1, g2, stream, function, metadata, None, None, None, *args)
+            via_runner(args, stream)
+        else:
+            run(g0, g1, g2, stream, function, metadata, None, None, None, *args)
     return launch
 
 

@@ -321,10 +321,7 @@ class PackSet(_TargetSet):
         lens, ids = self._ids(ids_by_slot, distinct=False)
         if self.backend != "triton":
             return self._reference(lens, ids)
-        from anchorkv.kernels.triton_pack import _Plan
-
-        # keyed by the slots' lengths: the targets' lengths follow from them
-        plan = self._plans.find(lens, lambda: self._made(_Plan(self.targets, self._lens(lens), self.slots)))
+        plan = self._plan(lens)
         whole, payload, scales = plan.launch(ids)
         if payload is None or scales is None:  # (a set kernel's call on a GPU: `whole` alone)
             assert whole is not None
@@ -347,9 +344,7 @@ class PackSet(_TargetSet):
         if self.backend != "triton":
             packed = self._reference(lens, ids, one=True)
         else:
-            from anchorkv.kernels.triton_pack import _Plan
-
-            plan = self._plans.find(lens, lambda: self._made(_Plan(self.targets, self._lens(lens), self.slots)))
+            plan = self._plan(lens)
             if plan.fused is not None:
                 whole = plan.launch_chunks(ids, chunks, on_chunk)
                 return _WholeBatch(whole, plan.payload_bytes, plan.scale_values, plan.spans, plan.scale_runs)
@@ -359,6 +354,13 @@ class PackSet(_TargetSet):
         assert packed.whole is not None
         on_chunk(packed.whole, ((0, packed.whole.numel()),))
         return packed
+
+    def _plan(self, lens: tuple[int, ...]):
+        """The Triton plan for slots of `lens` blocks (keyed by the slots' lengths: the
+        targets' lengths follow from them)."""
+        from anchorkv.kernels.triton_pack import _Plan
+
+        return self._plans.find(lens, lambda: self._made(_Plan(self.targets, self._lens(lens), self.slots)))
 
     def _reference(self, lens: tuple[int, ...], ids: list[tuple[int, ...]], *,
                    one: bool | None = None) -> PackedBatch:

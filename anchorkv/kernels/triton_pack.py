@@ -601,7 +601,7 @@ class _Plan:
                 launch.launcher(_pack_kernel, _at=site, tab=table, payload=pay, scales=scale_bits)
         finally:  # (after whatever was issued: the tables' buffers are free once it has run)
             if self.tables is not None:
-                self.tables.release(site[1] if site is not None and site[0] == self.device.index else None)
+                self.tables.release(site)
         return whole, payload, scales
 
     def _launch_set(self, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, None, None]:
@@ -629,7 +629,7 @@ class _Plan:
                 if self.set_key is None:
                     self.set_key = key_of(changing)
         finally:  # (after whatever was issued: the tables' buffers are free once it has run)
-            tables.release(site[1] if site[0] == self.device.index else None)
+            tables.release(site)
         return whole, None, None
 
     def chunk_launchers(self, chunks: int) -> list[tuple[Launcher, tuple[tuple[int, int], ...]]]:
@@ -688,7 +688,7 @@ class _Plan:
                 launcher(_pack_set_kernel, _at=site, tab=table, payload=payload, scales=scale_bits)
                 on_chunk(whole, ranges)
         finally:
-            tables.release(site[1] if site is not None and site[0] == self.device.index else None)
+            tables.release(site)
         return whole
 
     def run(self, ids: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:

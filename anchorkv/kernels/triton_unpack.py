@@ -303,7 +303,7 @@ class _SetPlan:
                 launch.launcher(_unpack_kernel, _at=site, tab=table, payload=payload, scales=scales,
                                 IN_ALIGN=align)
         finally:  # (after whatever was issued: the tables' buffers are free once it has run)
-            self.tables.release(site[1] if site is not None and site[0] == self.device.index else None)
+            self.tables.release(site)
 
 
 def _build(items: Sequence[UnpackItem], ids: list[tuple[int, ...]]) -> list[_Launch]:

@@ -184,8 +184,9 @@ def test_table_writes_through_views_equal_writes_by_index(slots):
 
 
 def test_release_with_a_stream_handle_records_on_that_handles_stream(monkeypatch):
-    """`TableRing.release(handle)`: the stream is asked for once per raw handle
-    (`launch_site()[1]`) and kept; without a handle it is asked for at every release."""
+    """`TableRing.release(site)`: the stream is asked for once per raw handle of a launch
+    site on the ring's device (`launch_site()`) and kept; without a site, or with another
+    device's, it is asked for at every release."""
     tables, cuda, log = _ring_tables(monkeypatch)
     ring = tables.ring
     asked = []
@@ -193,12 +194,17 @@ def test_release_with_a_stream_handle_records_on_that_handles_stream(monkeypatch
     for _ in range(3):
         tables.write([(1,), (3,), (1,), (5,)])
         tables.stage(cuda)
-        tables.release(0xAB)
+        tables.release((0, 0xAB))
     assert asked == [1] and [e[2] for e in log if e[0] == "record"][-3:] == ["stream 1"] * 3
     tables.write([(1,), (3,), (1,), (5,)])
     tables.stage(cuda)
     tables.release()
     assert len(asked) == 2 and log[-1][2] == "stream 2"
+    ring.events[0].done = True  # (slot 0 again, its last use complete)
+    tables.write([(1,), (3,), (1,), (5,)])
+    tables.stage(cuda)
+    tables.release((1, 0xAB))  # (another device's site: not this ring's stream)
+    assert len(asked) == 3 and log[-1][2] == "stream 3"
 
 
 def test_a_busy_slot_is_never_written_the_call_takes_torchs_allocators(monkeypatch):
@@ -244,7 +250,7 @@ def test_a_plans_tables_are_released_even_when_a_launch_raises(monkeypatch, op):
     slots = [0, 0, 0, 0]
     packed = PackSet(targets, slots).pack([(1,)])
     released = []
-    monkeypatch.setattr(batch.TableArray, "release", lambda self, stream=None: released.append(self))
+    monkeypatch.setattr(batch.TableArray, "release", lambda self, site=None: released.append(self))
 
     class Failing:
         def __getitem__(self, grid):
