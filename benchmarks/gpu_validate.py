@@ -50,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 #: (step, most seconds it may take, least seconds worth starting it with), in run order.
 STEPS = (("tests", 300, 60), ("kernels", 180, 60), ("save_path", 90, 30), ("load_path", 60, 20),
-         ("profile", 90, 20))
+         ("profile", 120, 20))
 GRACE_S = 20  # after SIGINT, before SIGKILL
 REPORT_S = 15  # kept back for writing the report
 #: module -> why the run needs it (checked before anything runs; wheels: scripts/fetch_gpu_wheels.sh)
@@ -219,6 +219,22 @@ def save_stages(text: str) -> dict[str, dict[str, float]]:
 _PIECE = re.compile(r"^ +(\S.*?) +([\d.]+) us$", re.M)
 
 
+#: `save_timeline`'s line per (codecs, provider): its columns' ms, " | " between
+_TIMELINE = re.compile(r"^   (raw|quant) \| (\S+) \| ([\d.nan| ]+)$", re.M)
+
+
+def save_timeline_rows(text: str) -> list[dict]:
+    """[{codecs, provider, <column>: ms}] from `benchmarks.save_timeline`'s output."""
+    from benchmarks.save_timeline import COLUMNS
+
+    rows = []
+    for m in _TIMELINE.finditer(text):
+        values = [float(v) for v in m[3].split(" | ")]
+        if len(values) == len(COLUMNS):
+            rows.append({"codecs": m[1], "provider": m[2], **dict(zip(COLUMNS, values, strict=True))})
+    return rows
+
+
 def launch_pieces(text: str) -> list[dict]:
     """[{piece, us}] from `benchmarks.launch_variants`' output, in its order (a piece timed
     twice keeps both lines: the machine's drift between them)."""
@@ -247,6 +263,14 @@ def run_profile(args, limit: float, log: Path, env: dict) -> dict:
         if launch["timed_out"] or launch["returncode"] != 0 or not res["launch_rows"]:
             res["status"] = "failed" if res["status"] == "ok" else res["status"]
             res["launch"] = {k: launch[k] for k in ("returncode", "seconds", "timed_out", "log_tail")}
+        left -= launch["seconds"]
+    if left >= 10:  # a save's timeline on the GPU (~10 s on an H100), in what is left
+        cmd = [sys.executable, "-m", "benchmarks.save_timeline", "--rounds", "3" if args.quick else "10"]
+        timeline, text = run_step("save timeline", cmd, left, log, env)
+        res["timeline_rows"] = save_timeline_rows(text)
+        if timeline["timed_out"] or timeline["returncode"] != 0 or not res["timeline_rows"]:
+            res["status"] = "failed" if res["status"] == "ok" else res["status"]
+            res["timeline"] = {k: timeline[k] for k in ("returncode", "seconds", "timed_out", "log_tail")}
     return res
 
 
@@ -394,6 +418,17 @@ def render_markdown(res: dict) -> str:
                   "pieces and their alternatives; `back to back` lines time calls issued with one sync at the end "
                   "(the GPU's pace, where it is the bound).", ""]
         lines += table(["piece", "us a call"], [[p["piece"], num(p["us"], ".2f")] for p in pieces]) + [""]
+    timeline = res["steps"].get("profile", {}).get("timeline_rows", [])
+    if timeline:
+        from benchmarks.save_timeline import COLUMNS
+
+        lines += ["## Save timeline on the GPU (`python -m benchmarks.save_timeline`)", "",
+                  "Median ms from the start of one save (torch.profiler, one clock for host and GPU): `_pack` "
+                  "returning (the worker's save), the pack kernels' and the device-to-host copies' first start and "
+                  "last end, the round's end, and the time before the last copy ends that the GPU ran neither.", ""]
+        lines += table(["codecs", "provider", *(f"{c} ms" for c in COLUMNS)],
+                       [[r["codecs"], r["provider"], *(num(r[c], ".3f") for c in COLUMNS)] for r in timeline])
+        lines += [""]
     stages = res["steps"].get("profile", {}).get("save_stages", {})
     if stages:
         names = list(next(iter(stages.values())))

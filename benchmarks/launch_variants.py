@@ -106,7 +106,10 @@ def main(argv=None) -> int:
     def cells_of(fn) -> dict:
         return {n: c.cell_contents for n, c in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True)}
 
-    runner = cells_of(kept)["runner"]  # the compiled kernel's own runner, `CompiledKernel[grid]`
+    cells = cells_of(kept)  # `launch` (the driver's launcher, its `via_runner` kept) or `via_runner`
+    if "runner" not in cells:
+        cells = cells_of(cells["via_runner"])
+    runner = cells["runner"]  # the compiled kernel's own runner, `CompiledKernel[grid]`
     cells = cells_of(runner)
     compiled = cells.get("self")
     grid = cells.get("grid")

@@ -17,8 +17,8 @@ before each:
     save + flush         the whole, as `pack+d2h` times it
     d2h copy             the baseline: one copy of the packed bytes to pinned memory
 
-On a GPU (or with `--pack-profile`) it then lists where `_pack returns` goes: another
-`--rounds` saves, their `WorkerSide._pack` calls under cProfile, each function's own and
+On a GPU (or with `--pack-profile`) it then lists where `_pack returns` and `writer` go: another
+`--rounds` saves, their `WorkerSide._pack` and `_write` calls under cProfile, each function's own and
 cumulative microseconds a call (the H200 spent ~0.35 ms there a save at stop 30, against ~0.05 ms
 in `PackSet.pack`).
 
@@ -46,10 +46,12 @@ def _sync() -> None:
 
 
 def breakdown(codecs: str = "quant", rounds: int = 10, quick: bool = False,
-              pack_profile: cProfile.Profile | None = None) -> dict[str, float]:
+              pack_profile: cProfile.Profile | None = None,
+              write_profile: cProfile.Profile | None = None) -> dict[str, float]:
     """Median milliseconds of each stage of one save (see the module docstring); with
     `pack_profile`, the measured rounds' `WorkerSide._pack` calls (the step's host time) are
-    profiled into it."""
+    profiled into it, with `write_profile` their `WorkerSide._write` calls (the writer's part,
+    after the host copies)."""
     from anchorkv.connector.plan import Metadata
     from benchmarks.bench_save_path import QUICK_TOKENS, TOKENS, Request, request_layout
 
@@ -63,6 +65,7 @@ def breakdown(codecs: str = "quant", rounds: int = 10, quick: bool = False,
             spec = req.spec()
             _sync()
             profiled = pack_profile is not None and r > 0
+            writes = write_profile is not None and r > 0
             t0 = time.perf_counter()
             if profiled:
                 pack_profile.enable()
@@ -76,7 +79,11 @@ def breakdown(codecs: str = "quant", rounds: int = 10, quick: bool = False,
             if packing.ready is not None:
                 packing.ready.synchronize()
             t3 = time.perf_counter()
+            if writes:
+                write_profile.enable()
             worker._write(spec, packing)
+            if writes:
+                write_profile.disable()
             t4 = time.perf_counter()
             worker.flush()
             t5 = time.perf_counter()
@@ -99,7 +106,7 @@ def breakdown(codecs: str = "quant", rounds: int = 10, quick: bool = False,
         req.close()  # (removes root)
 
 
-def pack_listing(profile: cProfile.Profile, calls: int, top: int = 25) -> list[tuple[str, float, float]]:
+def listing(profile: cProfile.Profile, calls: int, top: int = 25) -> list[tuple[str, float, float]]:
     """[(function, own us, us with callees)] per `calls`, the `top` by own time."""
     stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]  (pstats keeps them there)
     rows = [(f"{func} ({path.rsplit('/', 1)[-1]}:{line})" if line else func, tt / calls * 1e6, ct / calls * 1e6)
@@ -113,22 +120,24 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="bench_save_path's quick request (8.7 MB)")
     ap.add_argument("--pack-profile", action="store_true",
-                    help="list WorkerSide._pack's calls under cProfile (on by default on a GPU)")
+                    help="list WorkerSide._pack's and _write's calls under cProfile (on by default on a GPU)")
     args = ap.parse_args(argv)
     # (on a GPU: where `_pack returns` goes, the step's host time; the stage timings above it
     # are taken in other rounds' calls, so the profiler's overhead is only in this listing)
-    pack_profile = cProfile.Profile() if torch.cuda.is_available() or args.pack_profile else None
+    profiled = torch.cuda.is_available() or args.pack_profile
     ms = breakdown(args.codecs, args.rounds, args.quick)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"== save stages, {args.codecs} codecs, {device}: median ms of {args.rounds} saves")
     for k, v in ms.items():
         print(f"   {k:20s} {v:8.3f} ms")
-    if pack_profile is not None:
-        breakdown(args.codecs, args.rounds, args.quick, pack_profile)
-        print(f"-- WorkerSide._pack, {args.codecs} codecs, {args.rounds} calls under cProfile: us a _pack call, "
-              "own and with callees, by own time")
-        for name, own, total in pack_listing(pack_profile, args.rounds):
-            print(f"   {own:9.1f} {total:9.1f}  {name}")
+    if profiled:
+        profiles = {"_pack": cProfile.Profile(), "_write": cProfile.Profile()}
+        breakdown(args.codecs, args.rounds, args.quick, profiles["_pack"], profiles["_write"])
+        for fn, profile in profiles.items():
+            print(f"-- WorkerSide.{fn}, {args.codecs} codecs, {args.rounds} calls under cProfile: us a {fn} call, "
+                  "own and with callees, by own time")
+            for name, own, total in listing(profile, args.rounds):
+                print(f"   {own:9.1f} {total:9.1f}  {name}")
     return 0
 
 

@@ -7,9 +7,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import gpu_validate
 from benchmarks.machine import machine_name
@@ -132,6 +134,8 @@ def test_save_stages_are_measured_parsed_and_reported(capsys):
     # the raw run's `_pack` listing (on by default on a GPU): the pack's own call in it
     listing = text.split("-- WorkerSide._pack, raw codecs, 1 calls under cProfile")[1].split("== save stages")[0]
     assert "pack (api.py:" in listing and len(listing.strip().splitlines()) > 5, listing
+    writes = text.split("-- WorkerSide._write, raw codecs, 1 calls under cProfile")[1].split("== save stages")[0]
+    assert "_store (worker.py:" in writes and "_pack" not in writes, writes
     stages = gpu_validate.save_stages("noise\n" + text + "== pack tp=1: wall 1 ms/call\n")
     assert list(stages) == ["raw", "quant"]
     for ms in stages.values():
@@ -182,3 +186,43 @@ def test_launch_pieces_are_read_from_launch_variants_output():
     assert gpu_validate.launch_pieces(text) == [
         {"piece": "PackSet.pack (all of it)", "us": 80.10}, {"piece": "np.copyto into the pinned slot", "us": 0.48},
         {"piece": "PackSet.pack (all of it)", "us": 78.59}]
+
+
+def test_save_timeline_reads_rounds_marks_and_gpu_spans():
+    """`save_timeline.timeline` finds each profiled round and its host mark on the profiler's
+    clock (here on a CPU: no GPU span, so those columns are NaN); `_idle` counts the time no
+    kernel or copy covers, overlaps once."""
+    import math
+
+    from benchmarks import save_timeline
+
+    def fn():
+        with torch.profiler.record_function("anchorkv _pack"):
+            torch.ones(256, 256) @ torch.ones(256, 256)
+        time.sleep(0.002)
+
+    row = save_timeline.timeline(fn, 3, ["anchorkv _pack"])
+    assert list(row) == list(save_timeline.COLUMNS)
+    assert 0 < row["_pack"] < row["end"] == row["round"] and row["round"] >= 2.0
+    assert math.isnan(row["kernel start"]) and math.isnan(row["d2h start"])
+    assert save_timeline._idle([(10, 20), (15, 30), (40, 50)], 0, 60) == 10 + 10 + 10
+    assert save_timeline._idle([], 0, 60) == 60 and save_timeline._idle([(0, 100)], 0, 60) == 0
+
+
+def test_save_timeline_lines_are_read_and_reported():
+    """`save_timeline_rows` reads each (codecs, provider) line of `save_timeline`'s table (NaN
+    columns included) and skips the header; the report shows them as a table."""
+    from benchmarks.save_timeline import COLUMNS
+
+    text = ("== save timeline, NVIDIA H100 80GB HBM3: median ms from a round's start, 10 rounds\n"
+            "   " + " | ".join(["codecs", "provider", *COLUMNS]) + "\n"
+            "   raw | set+d2h | 2.200 | nan | 0.050 | 0.110 | 0.120 | 2.050 | 2.200 | 0.100\n"
+            "   quant | pack+d2h | 1.800 | 0.270 | 0.150 | 0.205 | 0.290 | 1.110 | 1.800 | 0.200\n")
+    rows = gpu_validate.save_timeline_rows(text)
+    assert [(r["codecs"], r["provider"]) for r in rows] == [("raw", "set+d2h"), ("quant", "pack+d2h")]
+    assert rows[1]["_pack"] == 0.27 and rows[1]["d2h end"] == 1.11 and rows[1]["gpu idle"] == 0.2
+    # a real run's results (an H200's, stop 30), this table added
+    res = json.loads((ROOT / "benchmarks" / "results" / "nvidia-h200-8697ac2.json").read_text())
+    res["steps"]["profile"]["timeline_rows"] = rows
+    md = gpu_validate.render_markdown(res)
+    assert "## Save timeline on the GPU" in md and "| quant | pack+d2h | 1.800 | 0.270 |" in md, md

@@ -13,6 +13,7 @@ thread, off the step's critical path).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -44,14 +45,42 @@ class PackedBatch:
     #: the payload at its start and the scales at the next 16-byte boundary (`batch.batch_tensors`),
     #: or None when they are two tensors; with it, a batch crosses to the host in one copy
     whole: torch.Tensor | None = None
+    #: a host batch copied from a GPU in one allocation (`copy_into`, `copy_to_host`): the sum of
+    #: its scales from the first run's start to the last run's end, reduced on the GPU before
+    #: the copy and copied with it (a 0-dim fp32 tensor, page-locked; read it, as the bytes,
+    #: once the copies are complete). Not NaN: no run holds a NaN. Else None
+    nan_sum: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.spans)
 
     def may_hold_nan(self) -> bool:
-        """False only when no part's scales hold a NaN, i.e. no part has a poisoned group: one
-        reduction per run of scales (`may_hold_nan`; the padding between runs is never read)."""
+        """False only when no part's scales hold a NaN, i.e. no part has a poisoned group: the
+        GPU's `nan_sum` when it is not NaN (no byte of the scales read on the host), else one
+        reduction per run of scales on the host (`may_hold_nan`; the padding between runs,
+        which no kernel writes and `nan_sum` adds in, is never read: a NaN there was a false
+        alarm)."""
+        if self.nan_sum is not None and not math.isnan(self.nan_sum.item()):
+            return False
         return any(may_hold_nan(self.scales.narrow(0, at, n)) for at, n in self.scale_runs)
+
+    def _nan_sum(self) -> torch.Tensor | None:
+        """The `nan_sum` of this batch's host copy: the sum of its scale runs (and the padding
+        between) reduced on its device, copied to page-locked memory, both queued on the current
+        stream (ahead of the batch's own copy: the host reads it when it reads the bytes). None
+        on a CPU, for two tensors, or without scales."""
+        if self.whole is None or self.whole.device.type != "cuda" or not self.scale_runs:
+            return None
+        return self._runs_values().sum().to("cpu", non_blocking=True)
+
+    def _runs_values(self) -> torch.Tensor:
+        """The scales from the first run's start to the last run's end (padding between runs
+        included), fp32, a view of `whole` (which must be set)."""
+        assert self.whole is not None
+        lo = self.scale_runs[0][0]
+        hi = self.scale_runs[-1][0] + self.scale_runs[-1][1]
+        at = batch.scales_start(self.sizes()[0]) + 4 * lo
+        return self.whole.narrow(0, at, 4 * (hi - lo)).view(torch.float32)
 
     def part(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Target i's (payload uint8 `[bytes]`, scales fp32 `[rows, C]`), as `kernels.pack`
@@ -80,22 +109,23 @@ class PackedBatch:
         memory would block the CPU until the stream drains), into `host` when given
         (`copy_into`). The host bytes are complete once the stream has passed this point
         (record an event after it)."""
-        if self.payload.device.type == "cpu":
-            return self
+        if (self.whole if self.whole is not None else self.payload).device.type == "cpu":
+            return self  # (a `_WholeBatch` makes no view for this)
         return self.copy_into(host) if host is not None else self.copy_to_host(pin=pin)
 
     def copy_to_host(self, *, pin: bool) -> PackedBatch:
         """`to_host` without the shortcut: always new host memory (one copy of `whole`, or two
         new tensors)."""
         if self.whole is not None:
-            return self._in(host_copy(self.whole, pin=pin))
+            nan_sum = self._nan_sum()
+            return self._in(host_copy(self.whole, pin=pin), nan_sum)
         return PackedBatch(host_copy(self.payload, pin=pin), host_copy(self.scales, pin=pin), self.spans,
                            self.scale_runs)
 
-    def _in(self, whole: torch.Tensor) -> PackedBatch:
-        """The batch laid out in `whole` (uint8, `host_bytes` long, as `batch.batch_tensors` lays it)."""
-        payload, scales = batch.batch_views(whole, *self.sizes())
-        return PackedBatch(payload, scales, self.spans, self.scale_runs, whole)
+    def _in(self, whole: torch.Tensor, nan_sum: torch.Tensor | None = None) -> PackedBatch:
+        """The batch laid out in `whole` (uint8, `host_bytes` long, as `batch.batch_tensors` lays
+        it), its views made when first read (by the writer thread, not the step's)."""
+        return _WholeBatch(whole, *self.sizes(), self.spans, self.scale_runs, nan_sum)
 
     def sizes(self) -> tuple[int, int]:
         """(the payload's bytes, the scales' values)."""
@@ -120,11 +150,12 @@ class PackedBatch:
                 or host.numel() < need):
             raise ValueError(f"copy_into needs a contiguous 1-D uint8 CPU tensor of at least {need} bytes, found "
                              f"{host.dtype} {list(host.shape)} on {host.device}")
-        out = self._in(host.narrow(0, 0, need))
         if self.whole is not None:  # one allocation: one copy (the padding between rides along)
+            out = self._in(host.narrow(0, 0, need), self._nan_sum())
             if need:
                 out.whole.copy_(self.whole, non_blocking=True)  # type: ignore[union-attr]
             return out
+        out = self._in(host.narrow(0, 0, need))
         if out.payload.numel():
             out.payload.copy_(self.payload, non_blocking=True)
         if out.scales.numel():
@@ -139,11 +170,12 @@ class _WholeBatch(PackedBatch):
     the batch to the host (`copy_into`, `to_host`) reads neither on the step's thread."""
 
     def __init__(self, whole: torch.Tensor, payload_bytes: int, scale_values: int, spans: tuple[Span, ...],
-                 scale_runs: tuple[tuple[int, int], ...]) -> None:
+                 scale_runs: tuple[tuple[int, int], ...], nan_sum: torch.Tensor | None = None) -> None:
         # (a frozen dataclass's fields: set as its own __init__ sets them)
         object.__setattr__(self, "whole", whole)
         object.__setattr__(self, "spans", spans)
         object.__setattr__(self, "scale_runs", scale_runs)
+        object.__setattr__(self, "nan_sum", nan_sum)
         object.__setattr__(self, "_sizes", (payload_bytes, scale_values))
         object.__setattr__(self, "_views", None)
 

@@ -12,7 +12,7 @@ import torch
 
 from anchorkv.codec import CodecSpec
 from anchorkv.kernels import PackedBatch, PackItem, PackSet, PackTarget, packset, reference
-from anchorkv.kernels.strided import StridedField
+from anchorkv.kernels.strided import StridedField, field_view
 from tests.kernels.helpers import DEVICE, split_set_launch
 from tests.kernels.test_batched import BLOCKS, _page, _regions
 
@@ -41,6 +41,7 @@ def _assert_parts_equal_reference(batch: PackedBatch, targets, slots, ids) -> No
     for k, (t, s) in enumerate(zip(targets, slots, strict=True)):
         payload, scales = batch.part(k)
         want_p, want_s = reference.pack(PackItem(t.buffer, t.field, ids[s], t.num_blocks, t.spec))
+        payload, scales, want_p, want_s = (x.cpu() for x in (payload, scales, want_p, want_s))  # (on a GPU)
         assert torch.equal(payload, want_p), f"target {k} ({t.spec}): payload differs"
         assert scales.shape == want_s.shape and torch.equal(scales.view(torch.int32), want_s.view(torch.int32)), \
             f"target {k} ({t.spec}): scales differ"
@@ -265,9 +266,11 @@ def test_a_whole_batch_makes_its_views_when_first_read(monkeypatch):
     assert lazy.sizes() == (n, m) and lazy.host_bytes == eager.host_bytes and len(lazy) == len(eager)
     host = torch.empty(lazy.host_bytes, dtype=torch.uint8)
     out = lazy.copy_into(host)
-    assert made == [host.data_ptr()]  # the host copy's views, none of the batch's own
+    assert made == [] and isinstance(out, packset._WholeBatch)  # nor the host copy's (the writer's)
     assert lazy.payload is lazy.payload and lazy.scales.dtype == torch.float32
-    assert made == [host.data_ptr(), eager.whole.data_ptr()]  # made once, when first read
+    assert made == [eager.whole.data_ptr()]  # made once, when first read
+    assert lazy.to_host(host=host) is not lazy or DEVICE.type == "cpu"
+    assert made == [eager.whole.data_ptr()]  # (to_host asks the allocation where it is)
     assert lazy.payload.data_ptr() == eager.payload.data_ptr() and lazy.scales.data_ptr() == eager.scales.data_ptr()
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
@@ -341,6 +344,53 @@ def test_nan_check_reads_every_part_and_no_padding(monkeypatch, backend):
             scales.view(-1)[-1] = float("nan")
             assert batch.may_hold_nan(), f"a NaN in part {k} was missed"
             scales.view(-1)[-1] = keep
+
+
+@pytest.mark.parametrize("codecs", [CODEC_SETS[0], ("int8:16", "int4:32", "fp8:64")], ids="-".join)
+def test_a_gpu_nan_sum_decides_alone_when_it_is_not_nan(monkeypatch, codecs):
+    """A batch copied from a GPU carries `nan_sum`, the sum of its scales from the first run to
+    the last (`_runs_values`: every run inside it, nothing past its ends) reduced on the GPU:
+    `may_hold_nan` trusts it when it is not NaN (no scale read on the host), and when it is
+    NaN (a NaN in a run, or in the padding: a false alarm) reduces each run on the host."""
+    import dataclasses
+
+    _one_allocation(monkeypatch)
+    targets, slots = _set(_regions(3, seed=8), codecs)
+    batch = PackSet(targets, slots).pack([(1,), (5, 3, 4)])
+    assert batch.whole is not None and batch.scale_runs and batch.nan_sum is None
+    region = batch._runs_values()
+    lo, hi = batch.scale_runs[0][0], batch.scale_runs[-1][0] + batch.scale_runs[-1][1]
+    assert region.data_ptr() == batch.scales.data_ptr() + 4 * lo and region.numel() == hi - lo
+    assert all(lo <= at and at + n <= hi for at, n in batch.scale_runs)
+    nan, zero = torch.tensor(float("nan")), torch.tensor(0.0)
+    cpu = PackedBatch(batch.payload.cpu(), batch.scales.cpu(), batch.spans, batch.scale_runs)
+    k = next(i for i, s in enumerate(cpu.spans) if s.columns)
+    cpu.part(k)[1].view(-1)[0] = float("nan")  # a poisoned group
+    assert not dataclasses.replace(cpu, nan_sum=zero).may_hold_nan()  # the GPU said clean: trusted
+    assert dataclasses.replace(cpu, nan_sum=nan).may_hold_nan()  # it said NaN: the host finds it
+    cpu.part(k)[1].view(-1)[0] = 1.0
+    assert not dataclasses.replace(cpu, nan_sum=nan).may_hold_nan()  # a false alarm, cleared on the host
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the GPU's NaN sum: CUDA only (its host side runs in CI above)")
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_a_batch_copied_from_a_gpu_brings_its_nan_sum(monkeypatch, poisoned):
+    """`copy_into` and `copy_to_host` of a GPU batch queue the NaN sum ahead of the copy; it lands
+    in page-locked memory, NaN exactly when a source group held a NaN (its scale is NaN)."""
+    _, _, latent = _page()
+    regions = _regions(3, seed=9)
+    targets, slots = _set(regions, CODEC_SETS[0])  # latents: fp8:64 of the odd regions, slot 1
+    if poisoned:  # a NaN in region 1's latent block 3: its group's scale is NaN
+        field_view(regions[1], latent, BLOCKS)[3].view(-1)[0] = float("nan")
+    batch = PackSet(targets, slots).pack([(1,), (5, 3, 4)])
+    assert batch.whole is not None and batch.whole.is_cuda
+    for out in (batch.copy_into(torch.empty(batch.host_bytes, dtype=torch.uint8, pin_memory=True)),
+                batch.copy_to_host(pin=True)):
+        torch.cuda.synchronize()
+        assert out.nan_sum is not None and out.nan_sum.is_pinned() and out.nan_sum.dim() == 0
+        assert bool(torch.isnan(out.nan_sum)) == poisoned
+        assert out.may_hold_nan() == poisoned
+        assert bool(torch.isnan(out._runs_values().sum())) == poisoned  # the host's own sum agrees
 
 
 class _Recorder:  # stands for a kernel (tests.kernels.sm90's recorder: importing it leaves the interpreter)
