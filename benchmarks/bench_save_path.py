@@ -17,6 +17,9 @@ Providers, per codec set (`raw`; `quant` = conv int8:128, recurrent int8:128, la
     pack        `anchorkv.codec.pack_many` of every (layer, field), synchronized
     pack+d2h    `WorkerSide.save` + `flush` with a store that keeps nothing: pack, pinned copy,
                 the writer thread's checks (what the GPU and PCIe do for a save)
+    stream      the same, `STREAM` saves of new tokens issued back to back (several requests
+                finishing in one step) and one `flush`: the time per save (the save path's
+                sustained rate; the kernels' `stream` rows are its analogue)
     set+d2h     the worker's `PackSet.pack`, then one copy of the batch into a reused pinned
                 buffer: the GPU and PCIe part of a save alone, pack then copy (CUDA only)
     chunks+d2h  the same set's `pack_chunks` (`CHUNKS` launches), each chunk's bytes copied on a
@@ -74,8 +77,11 @@ CODEC_SETS = {
 }
 TOKENS, QUICK_TOKENS = 7680, 1920
 ROUNDS = 10 if DEVICE.type == "cuda" else 3
-PROVIDERS = ["d2h-raw", "d2h-packed", "pack", "pack+d2h", "set+d2h", "chunks+d2h", "save"]
+PROVIDERS = ["d2h-raw", "d2h-packed", "pack", "pack+d2h", "stream", "set+d2h", "chunks+d2h", "save"]
 CHUNKS = 4  # `chunks+d2h`'s launches
+#: saves a `stream` round issues back to back: at most the worker's `HostPool` keeps free, so
+#: after the warm-up round every save reuses a page-locked buffer
+STREAM = 4
 
 
 def _sync() -> None:
@@ -256,28 +262,30 @@ def test_save_path(benchmark, codecs, provider, quick, make_request):
     else:
         worker = req.worker if provider == "save" else req.discard_worker
         specs: list[SaveSpec] = []
+        per_round = STREAM if provider == "stream" else 1
 
         def setup():
             os.sync()  # untimed: earlier rounds' dirty pages must not throttle this one
-            specs.append(req.spec())
+            specs.extend(req.spec() for _ in range(per_round))
 
         def fn():
             t = time.perf_counter()
-            worker.save(Metadata(saves=[specs[-1]]))
-            launch.append(time.perf_counter() - t)
+            for spec in specs[-per_round:]:
+                worker.save(Metadata(saves=[spec]))
+            launch.append((time.perf_counter() - t) / per_round)
             worker.flush()
 
     benchmark.group = f"kimi-linear save path tp=1 {req.tokens} tokens {codecs}"
     benchmark.pedantic(fn, setup=setup, rounds=rounds, iterations=1, warmup_rounds=1)
-    median = benchmark.stats.stats.median
+    median = benchmark.stats.stats.median / (STREAM if provider == "stream" else 1)  # (per save)
     if provider.startswith("d2h"):
         _medians[(codecs, provider)] = median
     if provider == "save":  # every round committed its entry (the worker logs failures, never raises)
         entries = req.entries.store.list()
         assert len(entries) == len(specs), f"{len(specs)} saves committed {len(entries)} entries"
         _check_stored(req, specs[-1])
-    if provider == "pack+d2h":
-        assert req.discard.saved == [req.packed_bytes] * len(specs), req.discard.saved
+    if provider in ("pack+d2h", "stream"):
+        assert req.discard.saved[-len(specs):] == [req.packed_bytes] * len(specs), req.discard.saved
     moved = req.source_bytes if provider == "d2h-raw" else req.packed_bytes
     info = {  # the ratios first: `anchorkv bench`'s generic table shows the first ~200 characters
         "provider": provider, "codecs": codecs,

@@ -25,6 +25,7 @@ GPU).
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import tempfile
@@ -34,6 +35,9 @@ import torch
 
 #: (codecs, provider) order of the printed lines
 PROVIDERS = ("set+d2h", "chunks+d2h", "pack+d2h")
+#: names of CUDA runtime and driver API calls (cudaLaunchKernel, cuLaunchKernelEx,
+#: cudaStreamSynchronize, ...), which the profiler may file under the CUDA device too
+_RUNTIME = re.compile(r"cu(da)?[A-Z]")
 COLUMNS = ("round", "_pack", "kernel start", "kernel end", "d2h start", "d2h end", "end", "gpu idle")
 
 
@@ -47,6 +51,8 @@ def _spans(events, t0: int, t1: int) -> dict[str, list[tuple[int, int]]]:
         if not t0 <= s <= t1:
             continue
         name = e.name()
+        if _RUNTIME.match(name):  # the host's CUDA runtime and driver calls (launches, syncs)
+            continue
         kind = "d2h" if name.startswith("Memcpy DtoH") else "other" if name.startswith("Mem") else "kernel"
         out[kind].append((s, s + e.duration_ns()))
     return out

@@ -226,3 +226,32 @@ def test_save_timeline_lines_are_read_and_reported():
     res["steps"]["profile"]["timeline_rows"] = rows
     md = gpu_validate.render_markdown(res)
     assert "## Save timeline on the GPU" in md and "| quant | pack+d2h | 1.800 | 0.270 |" in md, md
+
+
+def test_save_timeline_files_kernels_copies_and_skips_runtime_calls():
+    """`_spans` keeps the CUDA events that start in the round, files copies to the host as
+    `d2h` and other memory operations apart, and skips the runtime's and driver's calls (a
+    `cudaStreamSynchronize` filed as a kernel made the kernels "end" with the copy)."""
+    from benchmarks import save_timeline
+
+    class Ev:
+        def __init__(self, name, start, dur, cuda=True):
+            self._n, self._s, self._d, self._c = name, start, dur, cuda
+
+        def name(self):
+            return self._n
+
+        def start_ns(self):
+            return self._s
+
+        def duration_ns(self):
+            return self._d
+
+        def device_type(self):
+            return torch.autograd.DeviceType.CUDA if self._c else torch.autograd.DeviceType.CPU
+
+    events = [Ev("_pack_set_kernel", 100, 50), Ev("Memcpy DtoH (Device -> Pinned)", 160, 900),
+              Ev("Memset (Device)", 90, 5), Ev("cudaStreamSynchronize", 150, 910), Ev("cuLaunchKernelEx", 95, 3),
+              Ev("_pack_set_kernel", 5000, 50), Ev("cpu op", 120, 10, cuda=False)]
+    spans = save_timeline._spans(events, 0, 2000)
+    assert spans == {"kernel": [(100, 150)], "d2h": [(160, 1060)], "other": [(90, 95)]}

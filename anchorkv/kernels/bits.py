@@ -239,4 +239,8 @@ def quotient(x, shift, scale, recip):
     r = recip[:, None]
     q = xs * r
     neg = tl.fma(q, scale[:, None], -xs)  # the residual, negated
-    return tl.fma(-neg, r, q)
+    # q - neg * r as fma(neg, -r, q), never fma(-neg, r, q): triton 3.6 and older compile a
+    # float's unary minus as 0.0 - x, so -neg of a +0.0 residual was +0.0 and a -0.0 quotient
+    # came out +0.0 (fp8 code 0x00 for the reference's 0x80: seen on an H100, triton 3.6; the
+    # interpreter negates truly). -r is exact either way: the reciprocal is positive, never 0
+    return tl.fma(neg, (-recip)[:, None], q)

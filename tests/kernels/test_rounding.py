@@ -219,3 +219,34 @@ def test_quotients_a_multiply_by_the_reciprocal_would_round_wrongly(codec, amax,
 
     launches = [launch for launch in triton_pack._plans.newest().launches if launch.runs]
     assert [launch.launcher.fixed["RECIP"] for launch in launches] == [division == "reciprocal"]
+
+
+@pytest.fixture
+def zero_minus_negation(monkeypatch):
+    """Triton's float negation as triton 3.6 and older compile it: 0.0 - x (+0.0 for x = +0.0;
+    3.9 and the interpreter negate truly). The kernels must give the same bytes either way."""
+    from triton.language.semantic import TritonSemantic
+
+    def minus(self, input):
+        if input.type.scalar.is_floating():
+            zero = self.make_tensor(self.builder.get_null_value(input.type.scalar.to_ir(self.builder)),
+                                    input.type.scalar)
+            return self.sub(zero, input, True)
+        return real(self, input)
+
+    real = TritonSemantic.minus
+    monkeypatch.setattr(TritonSemantic, "minus", minus)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="patches the Triton interpreter's negation (the GPU runs the "
+                                                   "other fp8 and sign cases of this file as compiled)")
+@pytest.mark.parametrize("amax", [448.0, 4.04e34, 3.3e-30], ids=["unit-scale", "huge-scale", "tiny-scale"])
+def test_a_negative_quotient_that_rounds_to_zero_keeps_its_sign_under_either_negation(zero_minus_negation, amax):
+    """-0.0 and negative values whose quotient underflows give fp8 code 0x80 (the reference's
+    -0.0), also where a float's unary minus is 0.0 - x: `bits.quotient` negated a +0.0
+    residual, and so turned every such code into 0x00 on an H100 with triton 3.6 (a test of
+    `tests/kernels/test_packset.py` on random bytes found it). Mutation: `tl.fma(-neg, r, q)`
+    fails this test and passes every other one in the interpreter."""
+    tiny = torch.tensor([-0.0, -1e-36, -2.7e-31, -1.97e-18, -1e-40, 0.0, 1e-36], dtype=torch.float64) * (amax / 4.04e34)
+    values = torch.cat([tiny, torch.tensor([-0.0, -amax * 2.0**-40, -amax * 2.0**-30], dtype=torch.float64)])
+    _check(_pinned(values, amax), torch.float32, "fp8")
