@@ -146,7 +146,9 @@ def main(argv=None) -> int:
     del ref
     for _ in range(2):
         row("PackSet.pack (all of it)", lambda: pset.pack(ids_by_slot))
+    fell_back = ring.fallbacks
     show("PackSet.pack back to back", gpu_us(lambda: pset.pack(ids_by_slot), it))
+    print(f"  (table ring fallbacks in those {it} calls: {ring.fallbacks - fell_back}, in all: {ring.fallbacks})")
     show("a copy of its source back to back", gpu_us(lambda: req.copy_dst.copy_(req.copy_src), it))
     host_tab = ring.host_tensors[1]
     np.copyto(ring.hosts[1], plan.tables.array)

@@ -35,9 +35,10 @@ import torch
 
 #: (codecs, provider) order of the printed lines
 PROVIDERS = ("set+d2h", "chunks+d2h", "pack+d2h")
-#: names of CUDA runtime and driver API calls (cudaLaunchKernel, cuLaunchKernelEx,
-#: cudaStreamSynchronize, ...), which the profiler may file under the CUDA device too
-_RUNTIME = re.compile(r"cu(da)?[A-Z]")
+#: names of CUDA runtime and driver API calls (cudaLaunchKernel, cuLaunchKernelEx, ...) and of
+#: the synchronizations CUPTI records as device activities ("Device Synchronize", "Stream Wait
+#: Event", ...: from the host's call to the wait's end), none of them GPU work
+_RUNTIME = re.compile(r"cu(da)?[A-Z]|.*(Synchronize|Sync\b|Wait Event)")
 COLUMNS = ("round", "_pack", "kernel start", "kernel end", "d2h start", "d2h end", "end", "gpu idle")
 
 

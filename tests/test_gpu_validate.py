@@ -230,8 +230,9 @@ def test_save_timeline_lines_are_read_and_reported():
 
 def test_save_timeline_files_kernels_copies_and_skips_runtime_calls():
     """`_spans` keeps the CUDA events that start in the round, files copies to the host as
-    `d2h` and other memory operations apart, and skips the runtime's and driver's calls (a
-    `cudaStreamSynchronize` filed as a kernel made the kernels "end" with the copy)."""
+    `d2h` and other memory operations apart, and skips the runtime's and driver's calls and
+    the synchronizations CUPTI files as device activities (on an H100 something filed as a
+    kernel still made the kernels "end" with the copy after the runtime calls were skipped)."""
     from benchmarks import save_timeline
 
     class Ev:
@@ -252,6 +253,7 @@ def test_save_timeline_files_kernels_copies_and_skips_runtime_calls():
 
     events = [Ev("_pack_set_kernel", 100, 50), Ev("Memcpy DtoH (Device -> Pinned)", 160, 900),
               Ev("Memset (Device)", 90, 5), Ev("cudaStreamSynchronize", 150, 910), Ev("cuLaunchKernelEx", 95, 3),
+              Ev("Device Synchronize", 150, 910), Ev("Stream Wait Event", 90, 2), Ev("Event Sync", 150, 900),
               Ev("_pack_set_kernel", 5000, 50), Ev("cpu op", 120, 10, cuda=False)]
     spans = save_timeline._spans(events, 0, 2000)
     assert spans == {"kernel": [(100, 150)], "d2h": [(160, 1060)], "other": [(90, 95)]}
