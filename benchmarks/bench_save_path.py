@@ -20,6 +20,9 @@ Providers, per codec set (`raw`; `quant` = conv int8:128, recurrent int8:128, la
     stream      the same, `STREAM` saves of new tokens issued back to back (several requests
                 finishing in one step) and one `flush`: the time per save (the save path's
                 sustained rate; the kernels' `stream` rows are its analogue)
+    pack+d2h+cs, stream+cs
+                the two above with `worker.SAVE_COPY_STREAM` (the copies on a stream of their
+                own, so a save's pack does not queue behind the last save's copy; CUDA only)
     set+d2h     the worker's `PackSet.pack`, then one copy of the batch into a reused pinned
                 buffer: the GPU and PCIe part of a save alone, pack then copy (CUDA only)
     chunks+d2h  the same set's `pack_chunks` (`CHUNKS` launches), each chunk's bytes copied on a
@@ -77,7 +80,8 @@ CODEC_SETS = {
 }
 TOKENS, QUICK_TOKENS = 7680, 1920
 ROUNDS = 10 if DEVICE.type == "cuda" else 3
-PROVIDERS = ["d2h-raw", "d2h-packed", "pack", "pack+d2h", "stream", "set+d2h", "chunks+d2h", "save"]
+PROVIDERS = ["d2h-raw", "d2h-packed", "pack", "pack+d2h", "stream", "pack+d2h+cs", "stream+cs", "set+d2h",
+             "chunks+d2h", "save"]
 CHUNKS = 4  # `chunks+d2h`'s launches
 #: saves a `stream` round issues back to back: at most the worker's `HostPool` keeps free, so
 #: after the warm-up round every save reuses a page-locked buffer
@@ -245,13 +249,19 @@ def _copy_median(req: Request, name: str, codecs: str, rounds: int) -> float:
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("codecs", list(CODEC_SETS))
-def test_save_path(benchmark, codecs, provider, quick, make_request):
+def test_save_path(benchmark, codecs, provider, quick, make_request, monkeypatch):
     req = make_request(codecs)
     rounds = 1 if quick else ROUNDS
     launch: list[float] = []
     if provider in ("set+d2h", "chunks+d2h") and DEVICE.type != "cuda":
         pytest.skip("the set pack and its copy to pinned memory, one after the other or overlapped on two "
                     "streams: CUDA only (on a CPU the batch is on the host already)")
+    if provider.endswith("+cs"):
+        if DEVICE.type != "cuda":
+            pytest.skip("the copies on a stream of their own: CUDA only (a CPU save has no streams)")
+        from anchorkv.connector import worker as worker_module
+
+        monkeypatch.setattr(worker_module, "SAVE_COPY_STREAM", True)
     if provider.startswith("d2h"):
         fn, setup = (lambda: req.copy(provider)), None
     elif provider in ("set+d2h", "chunks+d2h"):
@@ -262,7 +272,7 @@ def test_save_path(benchmark, codecs, provider, quick, make_request):
     else:
         worker = req.worker if provider == "save" else req.discard_worker
         specs: list[SaveSpec] = []
-        per_round = STREAM if provider == "stream" else 1
+        per_round = STREAM if provider.startswith("stream") else 1
 
         def setup():
             os.sync()  # untimed: earlier rounds' dirty pages must not throttle this one
@@ -277,14 +287,14 @@ def test_save_path(benchmark, codecs, provider, quick, make_request):
 
     benchmark.group = f"kimi-linear save path tp=1 {req.tokens} tokens {codecs}"
     benchmark.pedantic(fn, setup=setup, rounds=rounds, iterations=1, warmup_rounds=1)
-    median = benchmark.stats.stats.median / (STREAM if provider == "stream" else 1)  # (per save)
+    median = benchmark.stats.stats.median / (STREAM if provider.startswith("stream") else 1)  # (per save)
     if provider.startswith("d2h"):
         _medians[(codecs, provider)] = median
     if provider == "save":  # every round committed its entry (the worker logs failures, never raises)
         entries = req.entries.store.list()
         assert len(entries) == len(specs), f"{len(specs)} saves committed {len(entries)} entries"
         _check_stored(req, specs[-1])
-    if provider in ("pack+d2h", "stream"):
+    if provider in ("pack+d2h", "stream", "pack+d2h+cs", "stream+cs"):
         assert req.discard.saved[-len(specs):] == [req.packed_bytes] * len(specs), req.discard.saved
     moved = req.source_bytes if provider == "d2h-raw" else req.packed_bytes
     info = {  # the ratios first: `anchorkv bench`'s generic table shows the first ~200 characters

@@ -270,6 +270,17 @@ class PackedParts:
                   for i, p in self.custom.items()}
         return PackedParts(self.metas, self.slot_lens, quant, custom)
 
+    def record_stream(self, stream) -> None:
+        """`Tensor.record_stream(stream)` of every device tensor of the parts (a GPU batch copied
+        to the host on another stream than the one that packed it: its memory is not reused
+        before the copy has read it)."""
+        if self.quant is not None:
+            self.quant.record_stream(stream)
+        for p in self.custom.values():
+            for t in (p.payload, p.scales):
+                if t.device.type != "cpu":
+                    t.record_stream(stream)
+
     def may_hold_nan(self) -> bool:
         """False only when no part has a poisoned group (`Packed.poisoned_groups` would be 0
         for each): a reduction per launch's scales instead of a count per part. True may be a

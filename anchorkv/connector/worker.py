@@ -67,6 +67,12 @@ def _cores() -> int:
 #: the cores: reads from the page cache are CPU work (copies, checksums), and on 2 cores 8
 #: threads read a local entry ~15% slower than 1 or 2 (`python -m benchmarks.restore_reads`).
 READ_THREADS = max(1, min(8, _cores()))
+#: Copy a save's packed bytes to the host on a stream of their own (CUDA), after the pack's
+#: `read` event, instead of on the side stream after the pack: the next save's pack, and so the
+#: step that waits for it, then never queues behind a PCIe copy (saves back to back, or a long
+#: context's copy outlasting a step). Off until a GPU stop has timed it and run its tests
+#: (`tests/connector/test_worker_cuda.py`, `bench_save_path.py`'s `+cs` rows).
+SAVE_COPY_STREAM = False
 
 
 @dataclass
@@ -113,6 +119,7 @@ class WorkerSide:
         self._read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="anchorkv-read")
         self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-save")
         self._stream: torch.cuda.Stream | None = None
+        self._copy_stream: torch.cuda.Stream | None = None  # (`SAVE_COPY_STREAM`; made when first used)
         #: the host memory restores are read into (page-locked for a GPU cache: parts cross in
         #: one copy as they lie), reused restore after restore; one restore at a time
         self._arena = HostArena(pin=False)
@@ -135,6 +142,7 @@ class WorkerSide:
         device = next(iter(views.values())).region.device
         if device.type == "cuda":
             self._stream = torch.cuda.Stream(device=device)
+            self._copy_stream = None
         with self._arena_lock:
             self._arena = HostArena(pin=device.type == "cuda")
         self._save_host = HostPool(pin=device.type == "cuda")
@@ -214,7 +222,9 @@ class WorkerSide:
         CPU): `read`, the cache blocks are read (the step's stream waits for it, and a finished
         request's blocks are released after it), and `ready`, the host copies are complete (the
         writer thread waits for it, then gives the buffer back). The next forward waits for the
-        pack only, not for the copies over PCIe (~2 ms for a 100 MB request). The parts are cut
+        pack only, not for the copies over PCIe (~2 ms for a 100 MB request); with
+        `SAVE_COPY_STREAM` the copies run on a stream of their own, so the next save's pack
+        does not wait for them either. The parts are cut
         into `Packed` views by the writer thread (`_host_parts`): the step pays for the launches
         and the copies only."""
         packer, _ = self._packer()
@@ -225,14 +235,23 @@ class WorkerSide:
         stream.wait_stream(step)  # order after the forward pass without blocking the host
         read = None
         try:
+            copy = self._copies(stream)
             with torch.cuda.stream(stream):
                 packed = packer.pack(spec.blocks)
                 read = torch.cuda.Event()
                 read.record(stream)
                 host = self._save_host.take(packed.host_bytes) if packed.host_bytes else None
-                packed = packed.to_host(pin=True, host=host)
-                ready = torch.cuda.Event()
-                ready.record(stream)
+                if copy is stream:
+                    packed = packed.to_host(pin=True, host=host)
+                    ready = torch.cuda.Event()
+                    ready.record(stream)
+            if copy is not stream:
+                copy.wait_event(read)
+                with torch.cuda.stream(copy):
+                    on_device, packed = packed, packed.to_host(pin=True, host=host)
+                    ready = torch.cuda.Event()
+                    ready.record(copy)
+                on_device.record_stream(copy)  # its memory is not reused before the copy has read it
         finally:
             # the next forward may write these blocks (vLLM frees and reuses align-mode state
             # blocks from the next step on): it runs after the packs have read them (after all
@@ -242,6 +261,15 @@ class WorkerSide:
             else:
                 step.wait_stream(stream)
         return _Packing(packed, host, read, ready)
+
+    def _copies(self, stream: torch.cuda.Stream) -> torch.cuda.Stream:
+        """The stream a save's copies to the host run on: the side stream, or with
+        `SAVE_COPY_STREAM` one of their own on its device."""
+        if not SAVE_COPY_STREAM:
+            return stream
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=stream.device)
+        return self._copy_stream
 
     def _host_parts(self, spec: SaveSpec, packed: PackedParts) -> dict[PartKey, Packed]:
         """The request's parts as host `Packed`s, paged fields cut to the saved tokens."""

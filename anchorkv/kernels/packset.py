@@ -64,6 +64,13 @@ class PackedBatch:
             return False
         return any(may_hold_nan(self.scales.narrow(0, at, n)) for at, n in self.scale_runs)
 
+    def record_stream(self, stream) -> None:
+        """Tell torch's caching allocator that `stream` uses this batch's device memory (its
+        one allocation, or its two tensors), so none of it is handed to another allocation until
+        the work queued on `stream` so far has run (a copy to the host on a second stream)."""
+        for t in (self.whole,) if self.whole is not None else (self.payload, self.scales):
+            t.record_stream(stream)
+
     def _nan_sum(self) -> torch.Tensor | None:
         """The `nan_sum` of this batch's host copy: the sum of its scale runs (and the padding
         between) reduced on its device, copied to page-locked memory, both queued on the current

@@ -266,6 +266,34 @@ def test_packer_equals_pack_call_after_call(kimi_views, monkeypatch):
                 assert _same(p, pack(view, field, ids[slot], codec)), (field, codec, ids)
 
 
+@pytest.mark.parametrize("one", [True, False], ids=["one-allocation", "two-tensors"])
+def test_packed_parts_record_every_device_tensor_on_a_copy_stream(kimi_views, monkeypatch, one):
+    """`PackedParts.record_stream` (a save copied to the host on a stream of its own): the
+    built-in codecs' batch records its one allocation (else its payload and scales), each
+    custom part not on the host its payload and scales; host tensors none."""
+    from anchorkv.kernels import batch as kbatch
+
+    monkeypatch.setattr(registry, "_codecs", dict(registry._codecs))
+    register_codec(HalfCodec)
+    make = kbatch.batch_tensors
+    monkeypatch.setattr(kbatch, "batch_tensors", lambda *a, **kw: make(*a, **{**kw, "one": one}))
+    _, kda, mla = kimi_views
+    packed = Packer([(kda, "recurrent", "int8:128", 0), (kda, "conv", "test-half", 0),
+                     (mla, "latent", "fp8:64", 1)]).pack([[1], [3, 4]])
+    assert (packed.quant.whole is not None) == one
+    custom = packed.custom[1]
+    # a custom part "on a device": meta tensors (record_stream is CUDA's; recorded, not run, here)
+    packed.custom[1] = Packed(custom.codec, custom.shape, custom.dtype, custom.payload.to("meta"),
+                              custom.scales.to("meta"))
+    packed.custom[9] = custom  # and one on the host
+    recorded = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: recorded.append((self, stream)))
+    packed.record_stream("copy stream")
+    want = [packed.quant.whole] if one else [packed.quant.payload, packed.quant.scales]
+    want += [packed.custom[1].payload, packed.custom[1].scales]
+    assert [id(t) for t, _ in recorded] == [id(t) for t in want] and {s for _, s in recorded} == {"copy stream"}
+
+
 def test_stage_to_device_moves_every_tensor_in_one_copy(monkeypatch):
     """A restore's host parts reach the GPU through one staging buffer and one copy: exact
     bytes, each tensor's dtype and shape, 16-byte aligned starts (run here host to host)."""

@@ -69,3 +69,93 @@ def test_restore_parts_from_the_host_unpack_without_a_host_synchronization(monke
         assert [m for m in moves if m[0] == slab] == [(slab, arena.slabs[0].data_ptr(), arena.used)], moves
     unpack_many([(p, v, f, t) for p, (v, f, _, _), t in zip(packed, requests, targets, strict=True)])
     assert torch.equal(gpu.cpu(), buf)
+
+
+class _Keep:
+    """An `EntryStore` whose `save_part` keeps a copy of every part's bytes, by request id."""
+
+    def __init__(self) -> None:
+        self.saved: dict[str, dict] = {}
+
+    def save_part(self, spec, parts, *, tp_size: int, tp_rank: int) -> int:
+        self.saved[spec.req_id] = {k: (p.payload.clone(), p.scales.clone()) for k, p in parts.items()}
+        return sum(p.nbytes for p in parts.values())
+
+
+@pytest.mark.parametrize("copy_stream", [False, True], ids=["side-stream-copies", "copy-stream"])
+@pytest.mark.parametrize("codecs", ["raw", "quant"])
+def test_saves_back_to_back_each_store_their_own_bytes(tmp_path, monkeypatch, codecs, copy_stream):
+    """Three saves of a full-size Kimi-Linear request (105 MB of state, different blocks each)
+    issued without waiting, then one flush: each stores exactly the bytes a synchronous
+    `pack_many` of its blocks gives. With the copies on their own stream
+    (`worker.SAVE_COPY_STREAM`) the next save's pack runs while the last copy (~2 ms) reads
+    the batch: without `record_stream` the allocator would hand it the batch's memory and the
+    first save would store the second's bytes."""
+    from anchorkv.connector import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "SAVE_COPY_STREAM", copy_stream)
+    worker = back_to_back_saves(tmp_path, codecs, "cuda", tokens=7680)
+    assert (worker._copy_stream is not None) == copy_stream
+
+
+def back_to_back_saves(tmp_path, codecs: str, device: str, tokens: int, saves: int = 3):
+    """`saves` saves of a Kimi-Linear request (tp=1, `tokens` tokens) on `device`, each of
+    other blocks, issued back to back and flushed; every stored part checked against
+    `pack_many` of its blocks afterwards. Returns the (shut down) worker."""
+    import numpy as np
+
+    from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, LayerKind, kimi_linear_layout, pack_many
+    from anchorkv.connector.config import ConnectorConfig
+    from anchorkv.connector.plan import GroupInfo, GroupKind, Metadata, SaveSpec
+    from anchorkv.connector.storage_zarr import ZarrEntryStore
+    from anchorkv.connector.worker import WorkerSide
+    from anchorkv.testing.regions import hma_regions
+
+    codec = {"raw": {}, "quant": {"conv": "int8:128", "recurrent": "int8:128", "latent": "fp8:64"}}[codecs]
+    layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=1)
+    bs = layout.block_size
+    state = [layer.name for layer in layout.of_kind(LayerKind.STATE)]
+    paged = [layer.name for layer in layout.of_kind(LayerKind.PAGED)]
+    groups = [GroupInfo(g, GroupKind.STATE, bs, tuple(state[g::3])) for g in range(3)]
+    groups.append(GroupInfo(3, GroupKind.PAGED, bs, tuple(paged)))
+    per = tokens // bs
+    first = 1 + 3 * saves  # block 0 unused (vLLM's null block); then each save's 3 state blocks
+    blocks = [((1 + 3 * s,), (2 + 3 * s,), (3 + 3 * s,), tuple(range(first + s * per, first + (s + 1) * per)))
+              for s in range(saves)]
+    views = hma_regions(layout, first + saves * per, device=device)
+    g = torch.Generator().manual_seed(5)
+    for ids in blocks:  # each group's layers in its own blocks only (layers of groups share regions)
+        for grp in groups:
+            for name in grp.layers:
+                for f in views[name].page.fields:
+                    t = views[name].tensor(f.name)
+                    rows = list(ids[grp.index])
+                    t[rows] = (torch.randn((len(rows), *f.shape), generator=g) * 0.1).to(f.dtype).to(device)
+    config = ConnectorConfig.from_extra_config({"store": str(tmp_path / "store"), "codec": codec})
+    config = ZarrEntryStore(config, layout).config  # (the codecs resolved for the layout)
+    keep = _Keep()
+    worker = WorkerSide(config, groups, "none", keep, 1, 0)
+    worker.register(layout, views)
+    specs = [SaveSpec(f"r{s}", None, tuple((np.arange(tokens) + 1_000_003 * (s + 1)).tolist()), tokens, blocks[s])
+             for s in range(saves)]
+    try:
+        for spec in specs:
+            worker.save(Metadata(saves=[spec]))
+        worker.flush()
+        assert (worker.stats.take() or {}).get("save_failed") is None
+    finally:
+        worker.shutdown()
+    firsts = [next(iter(keep.saved[spec.req_id].values()))[0] for spec in specs]
+    assert not any(torch.equal(firsts[0], f) for f in firsts[1:]), "the saves hold the same bytes: nothing checked"
+    for s, spec in enumerate(specs):
+        items = [(views[name], f.name, list(spec.blocks[grp.index]), config.codec_for(f.name))
+                 for grp in groups for name in grp.layers for f in views[name].page.fields]
+        got = keep.saved[spec.req_id]
+        assert len(got) == len(items)
+        for (view, fname, _, _), p in zip(items, pack_many(items), strict=True):
+            payload, scales = got[(view.name, fname)]
+            p = p.to("cpu")
+            assert torch.equal(payload.reshape(-1), p.payload.reshape(-1)), f"save {s}: {view.name}.{fname} payload"
+            assert torch.equal(scales.reshape(-1).view(torch.int32), p.scales.reshape(-1).view(torch.int32)), \
+                f"save {s}: {view.name}.{fname} scales"
+    return worker

@@ -196,3 +196,46 @@ def test_the_writer_cuts_the_parts_before_waiting_for_the_copies(recorded, monke
     _Event.gate.set()
     w.flush()
     assert len(list(store.store.list())) == 1 and w.stats.take().get("saves") == 1
+
+
+def test_with_a_copy_stream_the_copies_wait_for_the_pack_and_the_next_pack_does_not_wait_for_them(
+        recorded, monkeypatch):
+    """`worker.SAVE_COPY_STREAM`: the host copies go on a stream of their own (made once), after
+    the pack's `read` mark; the batch's device memory is recorded on it (the allocator must not
+    reuse it before the copy has read it); the step's stream still waits for `read` only, and
+    the next save's pack waits for the step, never for the last save's copies. The stored
+    bytes are the codec layer's."""
+    from anchorkv.connector import worker as worker_module
+
+    w, log, store, tokens = recorded
+    monkeypatch.setattr(worker_module, "SAVE_COPY_STREAM", True)
+    made: list[_Stream] = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: made.append(_Stream("copy", log)) or made[-1])
+    monkeypatch.setattr(PackedParts, "record_stream", lambda self, stream: log.append((stream.name, "recorded")))
+    for k in range(2):
+        log.clear()
+        w.save(Metadata(saves=[_spec(tokens, f"r{k}", salt=1000 * k)]))
+        read, ready = _Event.made[-2:]
+        assert log == [("side", "waits for stream", "step"), ("side", "packs"), ("side", "records", read.name),
+                       ("copy", "waits for", read.name), ("copy", "copies to the host"),
+                       ("copy", "records", ready.name), ("copy", "recorded"),
+                       ("step", "waits for", read.name)], log
+    assert len(made) == 1  # one copy stream, kept
+    w.flush()
+    assert w.stats.take().get("saves") == 2
+    views = w.views
+    layer = next(name for name in views if "latent" in [f.name for f in views[name].page.fields])
+    want = pack_many([(views[layer], "latent", list(BLOCKS[3]), w.config.codec_for("latent"))])[0]
+    want = want.reshape(want.shape[0] * want.shape[1], *want.shape[2:]).narrow(0, tokens)
+    got = _stored(w, store, _spec(tokens, "r1", salt=1000), layer, "latent")
+    assert torch.equal(got.payload, want.payload) and torch.equal(got.scales, want.scales)
+
+
+@pytest.mark.parametrize("codecs", ["raw", "quant"])
+def test_saves_back_to_back_store_their_own_bytes_on_the_cpu(tmp_path, codecs):
+    """The CPU run of `test_worker_cuda.py`'s back-to-back saves (one KV block of tokens here):
+    three saves of other blocks, issued without waiting, each stores the bytes `pack_many`
+    gives for its blocks (the check the GPU run of the same helper makes of its streams)."""
+    from tests.connector.test_worker_cuda import back_to_back_saves
+
+    back_to_back_saves(tmp_path, codecs, "cpu", tokens=1920)
