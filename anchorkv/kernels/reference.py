@@ -22,7 +22,9 @@ Quantization rules (all rounding is round-half-to-even, all arithmetic IEEE fp32
   * NaN/Inf policy: a group holding any NaN or +-Inf is *poisoned*: scale NaN (bits 0x7FC00000),
     payload bytes 0 (and min 0 for int4). It decodes to NaN for every element of the group, so
     non-finite state is never turned into plausible numbers, and `Packed.poisoned_groups()`
-    lets a caller refuse to store it. `raw` keeps bytes as they are (NaN stays NaN).
+    lets a caller refuse to store it. `raw` keeps bytes as they are (NaN stays NaN). An `int4`
+    group of finite values whose range hi - lo overflows fp32 (to +Inf: values near +-3.4e38)
+    is poisoned too: its scale would be Inf, and every code would decode to 0 * Inf = NaN.
   * `bf16` (no groups, no scales): each value, widened to fp32, is rounded to bfloat16 on its
     bits: bf16 = (u + 0x7FFF + ((u >> 16) & 1)) >> 16 for the fp32 bits u (round-half-to-even;
     finite values past the bf16 range become +-Inf, as RNE says; +-Inf and -0.0 kept); every
@@ -199,7 +201,9 @@ def quantize_groups(g: torch.Tensor, fmt: Quant) -> tuple[torch.Tensor, torch.Te
     else:  # INT4
         lo = clean.amin(dim=1)
         lo = torch.where(lo == 0, torch.zeros_like(lo), lo)  # -0.0 -> +0.0, order-independent
-        scale = _nonzero_scale(_div(clean.amax(dim=1) - lo, INT4_LEVELS))
+        span = clean.amax(dim=1) - lo
+        poisoned = poisoned | (span == float("inf"))  # a range past fp32: poisoned as well
+        scale = _nonzero_scale(_div(span, INT4_LEVELS))
         v = torch.round((clean - lo[:, None]) / scale[:, None]).clamp(0, INT4_LEVELS)
         codes = v.to(torch.uint8)
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)

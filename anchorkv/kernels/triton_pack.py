@@ -47,6 +47,7 @@ from anchorkv.kernels.quant import FP8_MAX, INT4_LEVELS, INT8_MAX, POISON_SCALE_
 
 # Globals a @triton.jit function reads must be constexprs (a GPU compile refuses plain floats).
 _FP8_MAX = tl.constexpr(FP8_MAX)
+_TWO_127_BITS = tl.constexpr(0x7F000000)  # fp32 2**127: an int4 range of twice it or more overflows
 _INT8_MAX = tl.constexpr(INT8_MAX)
 _INT4_LEVELS = tl.constexpr(INT4_LEVELS)
 _POISON = tl.constexpr(POISON_SCALE_BITS)
@@ -177,6 +178,15 @@ def pack_program(src, tab, payload, scales, i_t, i_n, i_item, PAY0, SC0, N, GROU
         # rows past the end: keep inf out of the arithmetic; a zero min is +0.0 (the reference)
         lo = tl.where(m_grp & (lo != 0.0), lo, 0.0)
         hi = tl.where(m_grp, hi, 0.0)
+        # a range past fp32 (finite values near +-3.4e38) poisons the group too: its scale would
+        # be inf and every code decode to NaN. Its codes and min are zeroed below, as a
+        # non-finite group's come out. The test halves both ends first, so nothing overflows:
+        # hi - lo rounds to inf exactly when hi/2 - lo/2 rounds to 2**127 or more (halving is
+        # exact there, and rounding commutes with it); that difference is >= +0.0, so it is
+        # compared on its bits (an integer compare a row, no float one)
+        half_span = (hi * 0.5 - lo * 0.5).to(tl.int32, bitcast=True)
+        bad = bad | (half_span >= _TWO_127_BITS)
+        lo = tl.where(bad, 0.0, lo)
         scale = tl.math.div_rn(hi - lo, _INT4_LEVELS)
         scale = tl.where(scale == 0.0, 1.0, scale)
         # split each group into its even and odd elements in registers: two codes a byte
@@ -186,7 +196,7 @@ def pack_program(src, tab, payload, scales, i_t, i_n, i_item, PAY0, SC0, N, GROU
         # (x >= lo: a quotient is >= +0.0, and only the upper clamp can bind)
         v_even = tl.minimum(divide(c_even - lo[:, None], scale, RECIP), _INT4_LEVELS)
         v_odd = tl.minimum(divide(c_odd - lo[:, None], scale, RECIP), _INT4_LEVELS)
-        q = (rne_bits(v_even) & 0xF) | ((rne_bits(v_odd) & 0xF) << 4)
+        q = tl.where(bad[:, None], 0, (rne_bits(v_even) & 0xF) | ((rne_bits(v_odd) & 0xF) << 4))
         o_pay = tl.multiple_of(PAY0 + o_out // 2, OUT_ALIGN)  # two codes a byte
         tl.store(payload + o_pay[:, None] + o_half[None, :], q.to(tl.uint8), mask=m)
         s_bits = tl.where(bad, _POISON, scale.to(tl.int32, bitcast=True))

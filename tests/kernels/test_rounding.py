@@ -250,3 +250,33 @@ def test_a_negative_quotient_that_rounds_to_zero_keeps_its_sign_under_either_neg
     tiny = torch.tensor([-0.0, -1e-36, -2.7e-31, -1.97e-18, -1e-40, 0.0, 1e-36], dtype=torch.float64) * (amax / 4.04e34)
     values = torch.cat([tiny, torch.tensor([-0.0, -amax * 2.0**-40, -amax * 2.0**-30], dtype=torch.float64)])
     _check(_pinned(values, amax), torch.float32, "fp8")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_an_int4_group_whose_range_overflows_fp32_is_poisoned(dtype):
+    """int4 groups of finite values whose max - min is past fp32's largest (values near
+    +-3.4e38): the scale would be Inf and every code decode to 0 * Inf = NaN, so the group is
+    poisoned as a non-finite one is (scale NaN, min 0, codes 0) and a save refuses it; a range
+    just inside fp32 is not. Triton and the reference write the same bytes."""
+    big = 3.0e38
+    rows = [[big, -big, 1.0, -2.0],  # range 6e38: overflows
+            [1.6e38, -1.6e38, 0.5, 0.25],  # range 3.2e38: fits
+            [big, big / 2, 1.0, 0.0],  # one sign: fits
+            [1.0, 2.0, 3.0, 4.0]]
+    want = [True, False, False, False]
+    if dtype == torch.float32:  # at the edge (fp32 only: bf16 rounds fp32's largest to inf)
+        top = float(torch.finfo(torch.float32).max)  # 2**128 - 2**104
+        rows += [[top, -(2.0**103), 0.0, 1.0],  # exactly halfway to 2**128: rounds to inf
+                 [top, -(2.0**102), 0.0, 1.0],  # under halfway: rounds to fp32's largest
+                 [-top, 2.0**103, 0.0, 1.0]]  # the first one's mirror image
+        want += [True, False, True]
+    values = _groups(rows)
+    _check(values, dtype, "int4")
+    x = values.to(dtype).to(torch.float32)
+    codes, scales = reference.quantize_groups(x, reference.Quant.INT4)
+    poisoned = torch.isnan(scales[:, 0])
+    assert poisoned.tolist() == want
+    ok = ~poisoned
+    assert torch.isfinite(scales[ok]).all() and not codes[poisoned].any() and not scales[poisoned, 1].any()
+    decoded = reference.dequantize_groups(codes, scales, reference.Quant.INT4, torch.float32)
+    assert torch.isnan(decoded[poisoned]).all() and torch.isfinite(decoded[ok]).all()
