@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -241,6 +242,18 @@ def launch_pieces(text: str) -> list[dict]:
     return [{"piece": m[1], "us": float(m[2])} for m in _PIECE.finditer(text)]
 
 
+def _follow_up(res: dict, name: str, cmd: list[str], limit: float, log: Path, env: dict,
+               parse: Callable[[str], list[dict]], rows: str, failure: str) -> float:
+    """Run one of the profile step's follow-up commands: its parsed rows into `res[rows]`; the
+    step failed (and `res[failure]` says how) if it did or printed no row. Returns its seconds."""
+    step, text = run_step(name, cmd, limit, log, env)
+    res[rows] = parse(text)
+    if step["timed_out"] or step["returncode"] != 0 or not res[rows]:
+        res["status"] = "failed" if res["status"] == "ok" else res["status"]
+        res[failure] = {k: step[k] for k in ("returncode", "seconds", "timed_out", "log_tail")}
+    return step["seconds"]
+
+
 def run_profile(args, limit: float, log: Path, env: dict) -> dict:
     import torch
 
@@ -258,19 +271,10 @@ def run_profile(args, limit: float, log: Path, env: dict) -> dict:
     if left >= 10:  # the set call's pieces (~10 s on an H200), in what the step has left
         cmd = [sys.executable, "-m", "benchmarks.launch_variants", "--tp", "1",
                "--iters", "50" if args.quick else "300"]
-        launch, text = run_step("launch pieces", cmd, left, log, env)
-        res["launch_rows"] = launch_pieces(text)
-        if launch["timed_out"] or launch["returncode"] != 0 or not res["launch_rows"]:
-            res["status"] = "failed" if res["status"] == "ok" else res["status"]
-            res["launch"] = {k: launch[k] for k in ("returncode", "seconds", "timed_out", "log_tail")}
-        left -= launch["seconds"]
+        left -= _follow_up(res, "launch pieces", cmd, left, log, env, launch_pieces, "launch_rows", "launch")
     if left >= 10:  # a save's timeline on the GPU (~10 s on an H100), in what is left
         cmd = [sys.executable, "-m", "benchmarks.save_timeline", "--rounds", "3" if args.quick else "10"]
-        timeline, text = run_step("save timeline", cmd, left, log, env)
-        res["timeline_rows"] = save_timeline_rows(text)
-        if timeline["timed_out"] or timeline["returncode"] != 0 or not res["timeline_rows"]:
-            res["status"] = "failed" if res["status"] == "ok" else res["status"]
-            res["timeline"] = {k: timeline[k] for k in ("returncode", "seconds", "timed_out", "log_tail")}
+        _follow_up(res, "save timeline", cmd, left, log, env, save_timeline_rows, "timeline_rows", "timeline")
     return res
 
 
@@ -427,9 +431,9 @@ def render_markdown(res: dict) -> str:
         from benchmarks.save_timeline import COLUMNS
 
         lines += ["## Save timeline on the GPU (`python -m benchmarks.save_timeline`)", "",
-                  "Median ms from the start of one save (torch.profiler, one clock for host and GPU): `_pack` "
+                  "Median ms from the start of one save (torch.profiler, one clock for host and GPU): its end, `_pack` "
                   "returning (the worker's save), the pack kernels' and the device-to-host copies' first start and "
-                  "last end, the round's end, and the time before the last copy ends that the GPU ran neither.", ""]
+                  "last end, and the time before the last copy ends that the GPU ran neither.", ""]
         lines += table(["codecs", "provider", *(f"{c} ms" for c in COLUMNS)],
                        [[r["codecs"], r["provider"], *(num(r[c], ".3f") for c in COLUMNS)] for r in timeline])
         lines += [""]

@@ -29,6 +29,7 @@ A diagnostic, not a gate (`gpu_validate`'s profile step prints it on a GPU).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import statistics
@@ -43,6 +44,11 @@ import torch
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def _profiling(profile: cProfile.Profile | None):
+    """`profile` on for a `with` block (nothing without one)."""
+    return profile if profile is not None else contextlib.nullcontext()
 
 
 def breakdown(codecs: str = "quant", rounds: int = 10, quick: bool = False,
@@ -64,14 +70,9 @@ def breakdown(codecs: str = "quant", rounds: int = 10, quick: bool = False,
         for r in range(rounds + 1):  # the first round warms up
             spec = req.spec()
             _sync()
-            profiled = pack_profile is not None and r > 0
-            writes = write_profile is not None and r > 0
             t0 = time.perf_counter()
-            if profiled:
-                pack_profile.enable()
-            packing = worker._pack(spec)
-            if profiled:
-                pack_profile.disable()
+            with _profiling(pack_profile if r else None):
+                packing = worker._pack(spec)
             t1 = time.perf_counter()
             if packing.read is not None:
                 packing.read.synchronize()
@@ -79,11 +80,8 @@ def breakdown(codecs: str = "quant", rounds: int = 10, quick: bool = False,
             if packing.ready is not None:
                 packing.ready.synchronize()
             t3 = time.perf_counter()
-            if writes:
-                write_profile.enable()
-            worker._write(spec, packing)
-            if writes:
-                write_profile.disable()
+            with _profiling(write_profile if r else None):
+                worker._write(spec, packing)
             t4 = time.perf_counter()
             worker.flush()
             t5 = time.perf_counter()

@@ -11,10 +11,10 @@ Each round runs under `torch.profiler` (CPU and CUDA activities, one clock), syn
 for each provider and codec set it prints the median over `--rounds` rounds (after one warm-up)
 of, in ms from the round's start:
 
+    round        the round's end (pack+d2h: after `flush`, the writer thread done)
     _pack        when `WorkerSide._pack` returned (pack+d2h: the step's host time)
     kernel       the first pack kernel's start and the last one's end
     d2h          the first device-to-host copy's start and the last one's end
-    end          the round's end (pack+d2h: after `flush`, the writer thread done)
     gpu idle     the round's time with neither a kernel nor a copy running, before the last copy ends
 
 The profiler adds its own host cost to each op (a few us), so host marks run late by that; the
@@ -39,7 +39,7 @@ PROVIDERS = ("set+d2h", "chunks+d2h", "pack+d2h")
 #: the synchronizations CUPTI records as device activities ("Device Synchronize", "Stream Wait
 #: Event", ...: from the host's call to the wait's end), none of them GPU work
 _RUNTIME = re.compile(r"cu(da)?[A-Z]|.*(Synchronize|Sync\b|Wait Event)")
-COLUMNS = ("round", "_pack", "kernel start", "kernel end", "d2h start", "d2h end", "end", "gpu idle")
+COLUMNS = ("round", "_pack", "kernel start", "kernel end", "d2h start", "d2h end", "gpu idle")
 
 
 def _spans(events, t0: int, t1: int) -> dict[str, list[tuple[int, int]]]:
@@ -102,7 +102,6 @@ def timeline(fn, rounds: int, marks: list[str]) -> dict[str, float]:
         rows["d2h start"].append(ms(min(s for s, _ in ds)) if ds else float("nan"))
         last = max(e for _, e in ds) if ds else t1
         rows["d2h end"].append(ms(last))
-        rows["end"].append(ms(t1))
         rows["gpu idle"].append(_idle(ks + ds + spans["other"], t0, last) / 1e6)
     return {c: statistics.median(v) for c, v in rows.items()}
 

@@ -203,7 +203,7 @@ def test_save_timeline_reads_rounds_marks_and_gpu_spans():
 
     row = save_timeline.timeline(fn, 3, ["anchorkv _pack"])
     assert list(row) == list(save_timeline.COLUMNS)
-    assert 0 < row["_pack"] < row["end"] == row["round"] and row["round"] >= 2.0
+    assert 0 < row["_pack"] < row["round"] and row["round"] >= 2.0
     assert math.isnan(row["kernel start"]) and math.isnan(row["d2h start"])
     assert save_timeline._idle([(10, 20), (15, 30), (40, 50)], 0, 60) == 10 + 10 + 10
     assert save_timeline._idle([], 0, 60) == 60 and save_timeline._idle([(0, 100)], 0, 60) == 0
@@ -211,13 +211,15 @@ def test_save_timeline_reads_rounds_marks_and_gpu_spans():
 
 def test_save_timeline_lines_are_read_and_reported():
     """`save_timeline_rows` reads each (codecs, provider) line of `save_timeline`'s table (NaN
-    columns included) and skips the header; the report shows them as a table."""
+    columns included) and skips the header and a line of another width (an older table's); the
+    report shows them as a table."""
     from benchmarks.save_timeline import COLUMNS
 
     text = ("== save timeline, NVIDIA H100 80GB HBM3: median ms from a round's start, 10 rounds\n"
             "   " + " | ".join(["codecs", "provider", *COLUMNS]) + "\n"
-            "   raw | set+d2h | 2.200 | nan | 0.050 | 0.110 | 0.120 | 2.050 | 2.200 | 0.100\n"
-            "   quant | pack+d2h | 1.800 | 0.270 | 0.150 | 0.205 | 0.290 | 1.110 | 1.800 | 0.200\n")
+            "   raw | set+d2h | 2.200 | nan | 0.050 | 0.110 | 0.120 | 2.050 | 0.100\n"
+            "   quant | pack+d2h | 1.800 | 0.270 | 0.150 | 0.205 | 0.290 | 1.110 | 0.200\n"
+            "   quant | stream | 1.800 | 0.270 | 0.150 | 0.205 | 0.290 | 1.110 | 1.800 | 0.200\n")
     rows = gpu_validate.save_timeline_rows(text)
     assert [(r["codecs"], r["provider"]) for r in rows] == [("raw", "set+d2h"), ("quant", "pack+d2h")]
     assert rows[1]["_pack"] == 0.27 and rows[1]["d2h end"] == 1.11 and rows[1]["gpu idle"] == 0.2
@@ -257,3 +259,26 @@ def test_save_timeline_files_kernels_copies_and_skips_runtime_calls():
               Ev("_pack_set_kernel", 5000, 50), Ev("cpu op", 120, 10, cuda=False)]
     spans = save_timeline._spans(events, 0, 2000)
     assert spans == {"kernel": [(100, 150)], "d2h": [(160, 1060)], "other": [(90, 95)]}
+
+
+def test_a_profile_follow_up_keeps_its_rows_and_fails_the_step_without_any(tmp_path):
+    """`_follow_up` (launch pieces, save timeline): the rows its command prints go into the
+    step's result; a command that fails, or prints no row, marks the step failed and keeps its
+    exit status and log tail; a step that failed already stays as it was."""
+    log, env = tmp_path / "log", dict(os.environ)
+    line = "  PackSet.pack (all of it)                                      52.10 us"
+    res = {"status": "ok"}
+    seconds = gpu_validate._follow_up(res, "pieces", [sys.executable, "-c", f"print({line!r})"], 30, log, env,
+                                      gpu_validate.launch_pieces, "launch_rows", "launch")
+    assert res == {"status": "ok", "launch_rows": [{"piece": "PackSet.pack (all of it)", "us": 52.1}]}
+    assert 0 <= seconds < 30
+    for code in ("print('nothing')", "import sys; print('  x   1.00 us'); sys.exit(3)"):
+        res = {"status": "ok"}
+        gpu_validate._follow_up(res, "pieces", [sys.executable, "-c", code], 30, log, env,
+                                gpu_validate.launch_pieces, "launch_rows", "launch")
+        assert res["status"] == "failed" and set(res["launch"]) == {"returncode", "seconds", "timed_out", "log_tail"}
+    assert res["launch"]["returncode"] == 3
+    res = {"status": "timeout"}
+    gpu_validate._follow_up(res, "timeline", [sys.executable, "-c", "pass"], 30, log, env,
+                            gpu_validate.save_timeline_rows, "timeline_rows", "timeline")
+    assert res["status"] == "timeout" and res["timeline_rows"] == [] and "timeline" in res

@@ -241,7 +241,7 @@ class WorkerSide:
                 read = torch.cuda.Event()
                 read.record(stream)
                 host = self._save_host.take(packed.host_bytes) if packed.host_bytes else None
-                if copy is stream:
+                if copy is stream:  # (the default: one stream context a save, ~10 us of the step's host each)
                     packed = packed.to_host(pin=True, host=host)
                     ready = torch.cuda.Event()
                     ready.record(stream)
