@@ -7,7 +7,7 @@ On a GPU the pack of a whole Kimi-Linear request is host-bound (`profile_kernels
 the launch path is what stands between the kernels and the copy bandwidth. Everything of it
 but the Triton launch itself runs on a CPU: this runs `kernels.pack_many`, `unpack_many` and
 the connector's `WorkerSide._pack` (the codec layer, the kernels' launch path) and its whole
-save (`save` + `flush`: the writer thread's views, trimming and NaN check too) with
+save (`save` + `flush`: the writer thread's views, trimming and NaN check too) and an idle `flush` with
 CPU tensors through the Triton launchers (`TRITON_INTERPRET=1`, `ANCHORKV_BACKEND=triton`),
 each kernel replaced by a no-op (in the whole save, one that zeroes the scales it is given),
 and reports microseconds per call (the best of 5 repeats of `--iters` calls). The `A/B` rows time
@@ -136,6 +136,7 @@ def _measure(tp: int, iters: int, tokens: int | None) -> dict[str, float]:
             zero_scale_packs()
             out["WorkerSide.save + flush (quant codecs, a store that keeps nothing)"] = per_call_us(
                 save_and_flush, max(1, iters // 4))
+            out["WorkerSide.flush (nothing queued)"] = per_call_us(worker.flush, iters)
             if (worker.stats.take() or {}).get("save_failed"):
                 raise RuntimeError("a save was refused: the figure would time the refusal")
         finally:

@@ -345,7 +345,7 @@ def test_host_path_runs_on_a_cpu_and_names_every_step(tmp_path):
         "kernels.pack_many: plan.run (outputs, tables)", "kernels.PackSet.pack (the same items as fixed targets)",
         "kernels.unpack_many", "kernels.UnpackSet.unpack (the same items as fixed targets)",
         "codec.pack_many (quant codecs)", "WorkerSide._pack (quant codecs)",
-        "WorkerSide.save + flush (quant codecs, a store that keeps nothing)",
+        "WorkerSide.save + flush (quant codecs, a store that keeps nothing)", "WorkerSide.flush (nothing queued)",
         "restore: read into the worker's arena, sent as it lies (now)",
         "restore: read into the batch's spans (batch)",
         "restore, launch side: part by part (codec.unpack_many + zeroing)",

@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,6 +118,9 @@ class WorkerSide:
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-load")
         self._read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="anchorkv-read")
         self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-save")
+        #: the last job queued on each one-thread pool (`flush` waits for it: its end is all of them)
+        self._last_save: Future | None = None
+        self._last_load: Future | None = None
         self._stream: torch.cuda.Stream | None = None
         self._copy_stream: torch.cuda.Stream | None = None  # (`SAVE_COPY_STREAM`; made when first used)
         #: the host memory restores are read into (page-locked for a GPU cache: parts cross in
@@ -201,7 +204,7 @@ class WorkerSide:
             if spec.release_blocks:  # the blocks are free once the pack has read them
                 self._releases.append((spec.req_id, packing.read if packing is not None else None))
             if packing is not None:
-                self._save_pool.submit(self._write, spec, packing)
+                self._last_save = self._save_pool.submit(self._write, spec, packing)
 
     def _packer(self) -> tuple[Packer, list[tuple[str, str, GroupKind]]]:
         """The `Packer` of every (layer, field) a save touches (one slot per KV-cache group) and
@@ -338,7 +341,7 @@ class WorkerSide:
                 continue
             with self._lock:
                 self._loads[spec.req_id] = job
-            self._load_pool.submit(self._load, job)
+            self._last_load = self._load_pool.submit(self._load, job)
 
     def handle_preemptions(self, meta: Metadata) -> None:
         """vLLM is about to reuse the blocks of `meta.preempted`: cancel their loads that have
@@ -559,9 +562,12 @@ class WorkerSide:
         return sending, recving, failed
 
     def flush(self) -> None:
-        """Block until every queued save and load has finished (tests, shutdown)."""
-        self._save_pool.submit(lambda: None).result()
-        self._load_pool.submit(lambda: None).result()
+        """Block until every queued save and load has finished (tests, shutdown, benchmarks).
+        Each pool runs its jobs one at a time in the order queued, so its last job's end is all
+        of them done: `flush` waits for those futures themselves. (It queued a no-op on each
+        pool and waited for it: one more thread handoff per pool, waking an idle thread, ~90 us
+        of every flush on a 2-core CPU and ~120 us on the H100's host with nothing queued.)"""
+        wait([f for f in (self._last_save, self._last_load) if f is not None])
 
     def shutdown(self) -> None:
         self._save_pool.shutdown(wait=True)
