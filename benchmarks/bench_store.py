@@ -12,6 +12,11 @@ Providers (all in the same process, on the same filesystem, none calls fsync):
                   is done before timing: the kernels have their own benchmark); format 3
                   keeps each quantized field as two arrays (codes, scales), so twice the
                   shard files of store-raw
+    store-<codecs>:crc-thread, store-<codecs>:crc-inline (saves only)
+                  the same save with each shard's crc32c computed on a chunk thread while the
+                  shard is written, or by the writing thread before it
+                  (`anchorkv.store.store.CHUNK_THREADS` 2 or 1; the plain rows use the
+                  machine's default, chosen by its cores): which one a machine should use
     plain         the same raw bytes as one file per (layer, field): open, write, close /
                   open, read (the baseline of the 0.8x target)
     safetensors   one safetensors file per layer (`save_file` / `load_file`), as vLLM's
@@ -49,6 +54,7 @@ import torch
 
 from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, CacheView, LayerKind, Region, kimi_linear_layout, pack
 from anchorkv.codec.models import custom_layout
+from anchorkv.store import store as store_module
 from anchorkv.store.store import Store
 from benchmarks.machine import machine_name
 
@@ -167,8 +173,16 @@ def safetensors_load(req: Request, root: Path) -> list[dict]:
 
 
 def store_save(req: Request, root: Path, kind: str):
-    with Store.open(root) as store:
-        return store.save(req.layout, req.codecs(kind), req.token_ids, req.packed[kind], anchor="bench")
+    """`Store.save` of the request packed with `kind` ("raw", "quant"; ":crc-thread" or
+    ":crc-inline" after it: with `CHUNK_THREADS` 2 or 1 for the call)."""
+    kind, _, crc = kind.partition(":")
+    threads = {"": store_module.CHUNK_THREADS, "crc-thread": 2, "crc-inline": 1}[crc]
+    default, store_module.CHUNK_THREADS = store_module.CHUNK_THREADS, threads
+    try:
+        with Store.open(root) as store:
+            return store.save(req.layout, req.codecs(kind), req.token_ids, req.packed[kind], anchor="bench")
+    finally:
+        store_module.CHUNK_THREADS = default
 
 
 def store_load(req: Request, root: Path, entry: str):
@@ -278,6 +292,16 @@ def test_kimi_request(benchmark, op, provider, quick, rounds, tmp_path_factory):
     req = request(TOKENS)
     _run(benchmark, op, provider, req, tmp_path_factory.mktemp("req"), rounds,
          f"kimi-linear request tp=1 {TOKENS} tokens {op}")
+
+
+@pytest.mark.parametrize("provider", ["store-raw:crc-thread", "store-raw:crc-inline", "store-quant:crc-thread",
+                                      "store-quant:crc-inline"])
+def test_kimi_save_checksums(benchmark, provider, quick, rounds, tmp_path_factory):
+    """The request's save with its checksums on a chunk thread or on the writing thread (loads
+    compute none there), in the save group: against plain files of the same run."""
+    req = request(TOKENS)
+    _run(benchmark, "save", provider, req, tmp_path_factory.mktemp("crc"), rounds,
+         f"kimi-linear request tp=1 {TOKENS} tokens save")
 
 
 @pytest.mark.parametrize("provider", ["plain", "store-raw"])

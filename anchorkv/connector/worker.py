@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -52,21 +51,18 @@ from anchorkv.connector.plan import GroupInfo, GroupKind, LoadSpec, Metadata, Sa
 from anchorkv.connector.storage import EntryStore
 from anchorkv.kernels import BatchLayout, PackedBatch
 from anchorkv.kernels.dispatch import backend_for
+from anchorkv.store.settings import cores
 
 log = logging.getLogger("anchorkv.connector")
 
 PartKey = tuple[str, str]  # (layer name, field name)
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 #: A restore's parts are read this many at a time: a remote store answers each read after a
 #: round trip, and 47 of them one after another (a Kimi-Linear request) add up. No more than
 #: the cores: reads from the page cache are CPU work (copies, checksums), and on 2 cores 8
 #: threads read a local entry ~15% slower than 1 or 2 (`python -m benchmarks.restore_reads`).
-READ_THREADS = max(1, min(8, _cores()))
+READ_THREADS = max(1, min(8, cores()))
 #: Copy a save's packed bytes to the host on a stream of their own (CUDA), after the pack's
 #: `read` event, instead of on the side stream after the pack: the next save's pack, and so the
 #: step that waits for it, then never queues behind a PCIe copy (saves back to back, or a long

@@ -1,10 +1,16 @@
-"""Settings shared by the store, its CLI and the connector: the default location, sizes."""
+"""Settings shared by the store, its CLI and the connector: the default location, sizes, cores."""
 
 from __future__ import annotations
 
 import os
 import re
 from typing import overload
+
+
+def cores() -> int:
+    """The CPU cores this process may run on (its affinity where the OS tells it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
 
 #: Where the store lives when nobody says (the connector's and the CLI's default).
 DEFAULT_STORE = os.path.join(os.path.expanduser("~"), ".cache", "anchorkv")

@@ -76,13 +76,19 @@ from anchorkv.store.paths import (
 )
 from anchorkv.store.plan import ChunkSlice, chunk_plan, rank_region
 from anchorkv.store.reader import copy_into, read_chunks, verify_shard
+from anchorkv.store.settings import cores
 from anchorkv.store.writer import EntryWriter
 
 log = logging.getLogger("anchorkv.store")
 Mode = Literal["exact", "semantic"]
-#: Threads that write shard files while the writing thread computes their crc32c (os.writev and
-#: crc32c release the GIL; 2 measured best on 2 CPU cores, benchmarks/bench_store.py); 1: serial.
-CHUNK_THREADS = 2
+
+
+#: Threads that compute a shard's crc32c while the writing thread writes it (os.writev and
+#: crc32c release the GIL); below 2 the writing thread computes them itself, before the write.
+#: On 2 CPU cores that is faster: the concurrent checksum slows the page-cache copy by more than
+#: it costs (`bench_store.py`'s `crc-thread` / `crc-inline` rows, same run: raw 53 vs 45 ms,
+#: quant 42 vs 35 ms a Kimi-Linear save), so the thread is used only with more cores.
+CHUNK_THREADS = 2 if cores() > 2 else 1
 
 
 class Store:

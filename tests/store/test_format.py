@@ -350,3 +350,24 @@ def test_readme_snippets_read_an_entry(tmp_path, snippet):
     expected = _reference_recurrent(layout, info, 3)
     assert got.dtype == np.float32 and got.shape == (8, 16, 16)
     np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("codecs,compressor,tp", [(RAW_CODECS, None, 1), (CODECS, None, 2),
+                                                  (CODECS, {"id": "zstd", "level": 3}, 2)],
+                         ids=["raw", "quant-tp2", "quant-zstd-tp2"])
+def test_checksums_on_a_chunk_thread_or_the_writing_thread_agree(tmp_path, monkeypatch, codecs, compressor, tp):
+    """`CHUNK_THREADS` (2 on more than 2 cores, else 1: CI runs the one, users the other) moves
+    where a shard's crc32c is computed, nothing else: both write the same shard files and record
+    the same checksums, and each entry verifies."""
+    from anchorkv.store import store as store_module
+
+    entries = {}
+    for threads in (1, 2):
+        monkeypatch.setattr(store_module, "CHUNK_THREADS", threads)
+        store, info = _save_at_tp(tmp_path / f"t{threads}", codecs, 3 * TOKEN_CHUNK + 100, tp, compressor)
+        assert (store._chunk_pool is not None) == (threads == 2)  # the thread did compute them
+        assert store.verify(info.id) == []
+        root = store.backend.root / info.path
+        entries[threads] = ({str(p.relative_to(root)): p.read_bytes() for p in root.rglob("c.*")},
+                            info.manifest["checksums"], info.manifest["shards"])
+    assert entries[1][0] and entries[1] == entries[2]
