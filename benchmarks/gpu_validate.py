@@ -17,6 +17,9 @@ the junit XML and benchmark JSON of what finished:
                device-to-host copy of the packed (and of the raw) bytes
     load_path  benchmarks/bench_load_path.py: store -> pinned host arena -> GPU -> unpack, vs a
                plain host-to-device copy of the packed bytes (reported; issue 13 sets no target)
+    store      benchmarks/bench_store.py's Kimi-Linear rows: the store's save and load on this
+               host against plain files of the same bytes (the DESIGN's 0.8x), and its saves
+               with their checksums on a chunk thread or the writing thread (`CHUNK_THREADS`)
     profile    python -m benchmarks.profile_kernels: host vs kernel time (CUDA only), then
                python -m benchmarks.launch_variants: a set call's host time piece by piece
 
@@ -51,7 +54,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 #: (step, most seconds it may take, least seconds worth starting it with), in run order.
 STEPS = (("tests", 300, 60), ("kernels", 180, 60), ("save_path", 90, 30), ("load_path", 60, 20),
-         ("profile", 120, 20))
+         ("store", 40, 10), ("profile", 120, 20))
+#: a benchmark step's own selection, with `-k`'s (the store's: one request, no safetensors, which
+#: the device need not have)
+STEP_K = {"store": "kimi and not safetensors"}
 GRACE_S = 20  # after SIGINT, before SIGKILL
 REPORT_S = 15  # kept back for writing the report
 #: module -> why the run needs it (checked before anything runs; wheels: scripts/fetch_gpu_wheels.sh)
@@ -61,7 +67,7 @@ NEEDS = {
     "zarr": "the store (save path)", "numcodecs": "the store", "blake3": "the store's keys",
     "google_crc32c": "the store's checksums", "yaml": "zarr (through donfig)", "matplotlib": "the plot",
 }
-TARGETS = {"copy": 0.85, "eager": 3.0, "d2h": 0.8}  # issue 13: the GPU targets
+TARGETS = {"copy": 0.85, "eager": 3.0, "d2h": 0.8, "plain": 0.8}  # issue 13's GPU targets; DESIGN's store
 #: bench_kernels providers that time anchorkv's kernels (`stream`: ten `set` calls, one synchronization)
 OURS = ("ours", "set", "stream")
 
@@ -192,7 +198,8 @@ def run_bench(name: str, args, limit: float, log: Path, env: dict, tmp: Path) ->
            "-p", "benchmarks.gpu_validate", f"--rootdir={ROOT}", f"--benchmark-json={js}",
            "--benchmark-disable-gc"]
     cmd += ["--quick"] if args.quick else []
-    cmd += ["-k", args.k] if args.k else []
+    k = " and ".join(f"({e})" for e in (args.k, STEP_K.get(name)) if e)
+    cmd += ["-k", k] if k else []
     res, _ = run_step(name, cmd, limit, log, env)
     if js.exists():
         res["benchmarks"] = condense(json.loads(js.read_text()))
@@ -317,6 +324,14 @@ def results(steps: dict) -> list[dict]:
                      "bytes": e["bytes"], "median_s": e["median_s"], "gbps": e["gbps"],
                      "state_gbps": e["state_gbps"], "baseline": "h2d copy of the packed bytes",
                      "baseline_gbps": e["packed_bytes"] / base / 1e9, "ratio": e["ratio_vs_h2d_packed"]})
+    for b in steps.get("store", {}).get("benchmarks", []):
+        e = b.get("extra_info", {})
+        if "ratio_vs_plain" not in e:
+            continue
+        rows.append({"suite": "store", "case": f"{e['op']} {e['tokens']} tokens", "provider": e["provider"],
+                     "bytes": e["stored_bytes"], "median_s": e["median_s"], "gbps": e["io_GBps"],
+                     "state_gbps": e["state_GBps"], "baseline": "plain files of the raw bytes",
+                     "baseline_gbps": e["raw_bytes"] / e["plain_median_s"] / 1e9, "ratio": e["ratio_vs_plain"]})
     return rows
 
 
@@ -338,6 +353,9 @@ def targets(rows: list[dict], on_gpu: bool) -> list[dict]:
             if "speedup_vs_eager" in r:
                 out.append({"target": f"{r['case']}: {who} >= {TARGETS['eager']:g}x torch eager",
                             "value": r["speedup_vs_eager"], "met": r["speedup_vs_eager"] >= TARGETS["eager"]})
+        if r["suite"] == "store" and r["provider"] in ("store-raw", "store-quant"):
+            out.append({"target": f"store {r['case']}, {r['provider']}: >= {TARGETS['plain']} x plain files",
+                        "value": r["ratio"], "met": r["ratio"] >= TARGETS["plain"]})
         if r["suite"] == "save_path" and r["provider"] in SAVE_TARGETS:
             out.append({"target": f"save path {r['case']}, {r['provider']}: >= {TARGETS['d2h']} x d2h copy "
                                   f"of the packed bytes", "value": r["ratio"], "met": r["ratio"] >= TARGETS["d2h"]})
@@ -411,6 +429,16 @@ def render_markdown(res: dict) -> str:
                         [[r["case"], r["provider"], num(r["bytes"] / 1e6, ".1f"), num(r["median_s"] * 1e3, ".3f"),
                           num(r["gbps"], ".2f"), num(r["state_gbps"], ".2f"), num(r["ratio"], ".3f")]
                          for r in load]) + [""]
+    store = [r for r in res["results"] if r["suite"] == "store"]
+    if store:
+        lines += ["## Store on this host: save / load of the request against plain files", "",
+                  "GB/s = bytes stored / time; state GB/s = the request's raw bytes / time; ratio = plain files' "
+                  "time (the same raw bytes, one file per layer and field) / this time, same run; page cache, no "
+                  "fsync. `:crc-thread` / `:crc-inline`: the save with `CHUNK_THREADS` 2 / 1.", ""]
+        lines += table(["case", "provider", "MB stored", "median ms", "GB/s", "state GB/s", "ratio vs plain"],
+                       [[r["case"], r["provider"], num(r["bytes"] / 1e6, ".1f"), num(r["median_s"] * 1e3, ".2f"),
+                         num(r["gbps"], ".2f"), num(r["state_gbps"], ".2f"), num(r["ratio"], ".3f")]
+                        for r in store]) + [""]
     prof = res["steps"].get("profile", {}).get("rows", [])
     if prof:
         lines += ["## Profile: host vs kernel time per call (`python -m benchmarks.profile_kernels`)", ""]
@@ -460,7 +488,8 @@ def render_plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(s, [r for r in res["results"] if r["suite"] == s]) for s in ("kernels", "save_path", "load_path")]
+    panels = [(s, [r for r in res["results"] if r["suite"] == s])
+              for s in ("kernels", "save_path", "load_path", "store")]
     panels = [p for p in panels if p[1]]
     fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(8 * max(len(panels), 1), 6), squeeze=False)
     # one axis per panel, and one left empty (with its note) when there is no panel

@@ -31,7 +31,7 @@ def test_quick_cpu_run_end_to_end(tmp_path):
     proc = subprocess.run(
         [str(ROOT / "scripts" / "gpu_validate.sh"), "--quick", "--out", str(out),
          "--tests-k", "test_empty_block_list or test_bad_groups_are_refused",
-         "-k", "copy-4 or raw-d2h or raw-save or raw-h2d or raw-restore"],
+         "-k", "copy-4 or raw-d2h or raw-save or raw-h2d or raw-restore or save-plain or save-store-raw"],
         capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     machine = machine_name()
@@ -47,14 +47,16 @@ def test_quick_cpu_run_end_to_end(tmp_path):
     assert steps["kernels"]["status"] == "ok" and len(steps["kernels"]["benchmarks"]) == 2  # pack, unpack
     assert steps["save_path"]["status"] == "ok" and len(steps["save_path"]["benchmarks"]) == 3
     assert steps["load_path"]["status"] == "ok" and len(steps["load_path"]["benchmarks"]) == 2
+    assert steps["store"]["status"] == "ok" and len(steps["store"]["benchmarks"]) == 2  # plain, store-raw saves
     assert steps["profile"]["status"] == "skipped"  # no CUDA
     rows = res["results"]
     assert {(r["suite"], r["provider"]) for r in rows} == {
         ("kernels", "copy"), ("save_path", "d2h-raw"), ("save_path", "d2h-packed"), ("save_path", "save"),
-        ("load_path", "h2d-packed"), ("load_path", "restore")}
+        ("load_path", "h2d-packed"), ("load_path", "restore"), ("store", "plain"), ("store", "store-raw")}
     assert all(r["gbps"] > 0 and r["baseline_gbps"] > 0 and r["ratio"] > 0 for r in rows)
     md = (out / f"{machine}.md").read_text()
     assert "**PASSED**: 3 passed" in md and "## Save path" in md and "## Kernels" in md and "## Load path" in md
+    assert "## Store on this host" in md
 
 
 def _canned(status: str):
@@ -71,6 +73,9 @@ def _canned(status: str):
                  "packed_bytes": 4 * 10**7, "gbps": 10.0, "state_gbps": 25.0, "ratio_vs_d2h_packed": 0.5,
                  "ratio_vs_d2h_raw": 1.2, "launch_s": 1e-4}
                 if name == "save_path" else
+                {"op": "save", "provider": "store-raw", "tokens": 7680, "raw_bytes": 10**8, "stored_bytes": 10**8,
+                 "median_s": 0.05, "io_GBps": 2.0, "state_GBps": 2.0, "plain_median_s": 0.025, "ratio_vs_plain": 0.5}
+                if name == "store" else
                 {"provider": "restore", "codecs": "raw", "tokens": 7680, "bytes": 10**8, "packed_bytes": 10**8,
                  "gbps": 5.0, "state_gbps": 5.0, "ratio_vs_h2d_packed": 0.25})
         return {"status": "ok", "returncode": 0, "seconds": 1.0, "command": "pytest",
@@ -98,7 +103,8 @@ def test_exit_status_and_report_follow_the_kernel_tests(status, tmp_path, monkey
     res = json.loads((tmp_path / f"{machine}.json").read_text())
     targets = {t["target"]: t["met"] for t in res["targets"]}
     assert targets == {"pack tp=1: ours >= 0.85 x device copy": True,
-                       "save path quant 7680 tokens, save: >= 0.8 x d2h copy of the packed bytes": False}
+                       "save path quant 7680 tokens, save: >= 0.8 x d2h copy of the packed bytes": False,
+                       "store save 7680 tokens, store-raw: >= 0.8 x plain files": False}
     save = next(r for r in res["results"] if r["suite"] == "save_path")
     assert save["baseline_gbps"] == pytest.approx(4e7 / (0.5 * 4e-3) / 1e9)
     load = next(r for r in res["results"] if r["suite"] == "load_path")
@@ -110,6 +116,9 @@ def test_exit_status_and_report_follow_the_kernel_tests(status, tmp_path, monkey
     assert "| quant | 0.250 | 3.500 |" in md  # the save path's stages
     assert "| PackSet.pack (all of it) | 52.10 |" in md  # the set call's pieces
     assert "| raw 7680 tokens | restore | 100.0 | 20.000 | 5.00 | 5.00 | 0.250 |" in md  # the load path
+    assert "| save 7680 tokens | store-raw | 100.0 | 50.00 | 2.00 | 2.00 | 0.500 |" in md  # the store
+    store = next(r for r in res["results"] if r["suite"] == "store")
+    assert store["baseline_gbps"] == pytest.approx(1e8 / 0.025 / 1e9)
     assert (tmp_path / f"{machine}.png").stat().st_size > 0
 
 
