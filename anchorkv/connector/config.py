@@ -76,6 +76,7 @@ def field_codecs(codecs: Mapping[str, Any], field_roles: Mapping[str, str | None
 
 
 SAVE_POINTS = ("prefill", "finish")
+DEFAULT_SAVE_BACKLOG = 4 << 30  # 4 GiB: four 100k-token Kimi-Linear saves (raw) waiting for the store
 LOOKUP_MODES = ("exact", "semantic")
 
 
@@ -90,6 +91,10 @@ class ConnectorConfig:
     async_load: bool = True
     load_timeout_s: float = 30.0
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    #: host memory (bytes) that saves queued for the store may hold, per worker rank: a save
+    #: that finds the queued ones holding this much is dropped (`save_dropped`), so a store
+    #: slower than the engine's saves cannot use up (page-locked) host memory; one always goes
+    save_backlog: int = DEFAULT_SAVE_BACKLOG
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -133,6 +138,8 @@ class ConnectorConfig:
             if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
                 raise ValueError(f"anchorkv: 'load_timeout_s' must be a positive number, found {t!r}")
             kwargs["load_timeout_s"] = float(t)
+        if "save_backlog" in extra:
+            kwargs["save_backlog"] = parse_size(extra["save_backlog"], "anchorkv: 'save_backlog'")
         if "storage_options" in extra:
             if not isinstance(extra["storage_options"], dict):
                 raise ValueError("anchorkv: 'storage_options' must be an object")

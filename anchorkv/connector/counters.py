@@ -15,8 +15,9 @@ Who counts what (each event once per request, whatever the tensor-parallel size)
   ``hit_tokens`` (a load is planned), or one ``miss:<reason>`` of `LOOKUP_MISSES`;
   ``scoped_lookups`` / ``scoped_hits`` for requests with a ``cache_salt`` or LoRA adapter.
 * rank 0 (every rank does the same work): ``saves``, ``saved_tokens``, ``save_failed``,
-  ``save_skipped``, ``restores``, ``restored_tokens`` and the load failures
-  (``miss:<reason>`` of `LOAD_MISSES`: a planned load that vLLM recomputes instead).
+  ``save_skipped``, ``save_dropped`` (the store was behind: see ``save_backlog``), ``restores``,
+  ``restored_tokens`` and the load failures (``miss:<reason>`` of `LOAD_MISSES`: a planned load
+  that vLLM recomputes instead).
 * every rank: ``saved_bytes``, ``restored_bytes`` (summed: the entry's bytes) and the
   latencies ``save_seconds``, ``restore_seconds`` (one observation per rank's part).
 
@@ -66,7 +67,8 @@ LOAD_MISSES = (Miss.TIMEOUT, Miss.ENTRY_GONE, Miss.CORRUPT, Miss.FINGERPRINT_MIS
 MISS_PREFIX = "miss:"
 #: Plain counters of a snapshot (the ``miss:<reason>`` counters come on top).
 COUNTERS = ("lookups", "hits", "hit_tokens", "scoped_lookups", "scoped_hits", "saves", "saved_tokens",
-            "saved_bytes", "save_failed", "save_skipped", "restores", "restored_tokens", "restored_bytes")
+            "saved_bytes", "save_failed", "save_skipped", "save_dropped", "restores", "restored_tokens",
+            "restored_bytes")
 #: Latency series of a snapshot, in seconds.
 LATENCIES = ("save_seconds", "restore_seconds")
 
@@ -119,7 +121,7 @@ def summary(data: dict[str, Any]) -> dict[str, int | float]:
             if seconds:
                 out[f"{kind}_avg_s"] = round(sum(seconds) / len(seconds), 3)
                 out[f"{kind}_max_s"] = round(max(seconds), 3)
-    for key in ("save_failed", "save_skipped"):
+    for key in ("save_failed", "save_skipped", "save_dropped"):
         if data.get(key):
             out[key] = data[key]
     return out
@@ -178,6 +180,10 @@ class Counters:
     def save_skipped(self) -> None:
         if self.primary:
             self._add(save_skipped=1)
+
+    def save_dropped(self) -> None:
+        if self.primary:
+            self._add(save_dropped=1)
 
     def take(self) -> dict[str, Any] | None:
         """The counts since the last call (None if nothing happened); starts a new interval."""

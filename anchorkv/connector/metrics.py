@@ -47,6 +47,7 @@ SAVED_TOKENS = "vllm:anchorkv_saved_tokens_total"
 SAVED_BYTES = "vllm:anchorkv_saved_bytes_total"
 SAVE_FAILED = "vllm:anchorkv_save_failures_total"
 SAVE_SKIPPED = "vllm:anchorkv_saves_skipped_total"
+SAVE_DROPPED = "vllm:anchorkv_saves_dropped_total"
 RESTORES = "vllm:anchorkv_restores_total"
 RESTORED_TOKENS = "vllm:anchorkv_restored_tokens_total"
 RESTORED_BYTES = "vllm:anchorkv_restored_bytes_total"
@@ -65,6 +66,8 @@ _COUNTERS = {
     "saved_bytes": (SAVED_BYTES, "Bytes written to the store by saves, all ranks."),
     "save_failed": (SAVE_FAILED, "Saves that failed (the request stays uncached)."),
     "save_skipped": (SAVE_SKIPPED, "Saves with nothing to write (the entry exists, or too short to key)."),
+    "save_dropped": (SAVE_DROPPED, "Saves dropped because the saves queued for the store held save_backlog "
+                                   "bytes of host memory (the store is slower than the saves)."),
     "restores": (RESTORES, "Entries restored into vLLM's KV cache."),
     "restored_tokens": (RESTORED_TOKENS, "Tokens restored from the store."),
     "restored_bytes": (RESTORED_BYTES, "Bytes read from the store by restores, all ranks."),

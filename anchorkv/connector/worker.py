@@ -81,6 +81,13 @@ class _Packing:
     read: Any = None
     ready: Any = None
 
+    @property
+    def nbytes(self) -> int:
+        """The host memory it holds until stored: its page-locked buffer, or its parts."""
+        if self.host is not None:
+            return self.host.numel()
+        return self.packed.host_bytes + sum(p.nbytes for p in self.packed.custom.values())
+
 
 @dataclass
 class _Load:
@@ -117,6 +124,9 @@ class WorkerSide:
         #: the last job queued on each one-thread pool (`flush` waits for it: its end is all of them)
         self._last_save: Future | None = None
         self._last_load: Future | None = None
+        #: host bytes held by the saves queued for the writer (`save_backlog` bounds it)
+        self._backlog = 0
+        self._backlog_warned = -float("inf")  # when the last "store is behind" warning was logged
         self._stream: torch.cuda.Stream | None = None
         self._copy_stream: torch.cuda.Stream | None = None  # (`SAVE_COPY_STREAM`; made when first used)
         #: the host memory restores are read into (page-locked for a GPU cache: parts cross in
@@ -187,8 +197,8 @@ class WorkerSide:
     def save(self, meta: Metadata) -> None:
         for full_spec in meta.saves:
             spec = self._whole_blocks(full_spec)
-            if spec is None:
-                if full_spec.release_blocks:
+            if spec is None or self._behind(full_spec):
+                if full_spec.release_blocks:  # nothing reads its blocks
                     self._releases.append((full_spec.req_id, None))
                 continue
             try:
@@ -200,7 +210,27 @@ class WorkerSide:
             if spec.release_blocks:  # the blocks are free once the pack has read them
                 self._releases.append((spec.req_id, packing.read if packing is not None else None))
             if packing is not None:
+                with self._lock:
+                    self._backlog += packing.nbytes
                 self._last_save = self._save_pool.submit(self._write, spec, packing)
+
+    def _behind(self, spec: SaveSpec) -> bool:
+        """Whether the saves queued for the store hold `save_backlog` bytes of host memory or
+        more: then this one is dropped (counted; the request stays uncached), so a store slower
+        than the saves cannot use up the host's (page-locked) memory. With none queued a save
+        always goes, however large."""
+        with self._lock:
+            backlog = self._backlog
+        if backlog == 0 or backlog < self.config.save_backlog:
+            return False
+        self.stats.save_dropped()
+        now = time.monotonic()
+        if now - self._backlog_warned >= 60.0:  # once a minute at most: it repeats while the store is behind
+            self._backlog_warned = now
+            log.warning("anchorkv: the store is behind: saves waiting for it hold %.1f MB of host memory "
+                        "(save_backlog %.1f MB), so request %s is not saved; raise save_backlog, or give the "
+                        "store more bandwidth", backlog / 1e6, self.config.save_backlog / 1e6, spec.req_id)
+        return True
 
     def _packer(self) -> tuple[Packer, list[tuple[str, str, GroupKind]]]:
         """The `Packer` of every (layer, field) a save touches (one slot per KV-cache group) and
@@ -284,6 +314,8 @@ class WorkerSide:
         try:
             self._store(spec, packing)
         finally:
+            with self._lock:
+                self._backlog -= packing.nbytes
             # the buffer is reused once its copies are complete (not if waiting for them failed)
             if packing.host is not None and (packing.ready is None or packing.ready.query()):
                 self._save_host.give(packing.host)

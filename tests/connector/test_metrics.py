@@ -448,7 +448,21 @@ def test_counters_take_starts_a_new_interval():
     other.saved(tokens=5, nbytes=100, seconds=0.25)
     other.load_failed(Cn.Miss.TIMEOUT)
     other.save_failed()
+    other.save_dropped()
     assert other.take() == {"saved_bytes": 100, "save_seconds": [0.25]}
+
+
+def test_dropped_saves_are_counted_summarized_and_exported():
+    """A save dropped at `save_backlog` is a counter of its own: in the snapshot, in vLLM's log
+    line and as a Prometheus counter (every snapshot counter has one)."""
+    c = Cn.Counters()
+    c.save_dropped()
+    c.save_dropped()
+    data = c.take()
+    assert data == {"save_dropped": 2}
+    assert Cn.summary(data) == {"save_dropped": 2}
+    assert M._COUNTERS["save_dropped"][0] == M.SAVE_DROPPED == "vllm:anchorkv_saves_dropped_total"
+    assert set(Cn.COUNTERS) <= set(M._COUNTERS)
 
 
 # ------------------------------------------------------------------ logs
