@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from tests.connector.vllm_harness import _set_env
+
+# vLLM picks its platform once, when something first imports it: a test module that imports vLLM
+# (through anchorkv.connector.metrics) before the harness set its environment got no platform,
+# and with it the hybrid KV cache manager off (test_metrics.py failed when run on its own, 16 of 19)
+_set_env()
+
 
 @pytest.fixture(autouse=True)
 def _anchorkv_logs_reach_the_root(monkeypatch):
