@@ -208,19 +208,21 @@ class Request:
 
     def write_packed(self) -> None:
         """The packed bytes (host copies made once) written as plain files, one per (layer,
-        field): payload then scales, into a fresh directory beside the store's."""
+        field): payload then scales, into the directory `before_write` left empty."""
         if self._host_parts is None:
             self._host_parts = [[memoryview(t.contiguous().cpu().numpy()).cast("B") for t in (p.payload, p.scales)
                                  if t.numel()] for p in self.pack()]
-        out = self.root / "write-packed"
         for k, bufs in enumerate(self._host_parts):
-            with open(out / f"part{k}.bin", "wb") as f:
+            with open(self.root / "write-packed" / f"part{k}.bin", "wb") as f:
                 os.writev(f.fileno(), bufs)
 
-    def fresh_write_dir(self) -> None:
+    def before_write(self) -> None:
+        """Untimed, before each `write_packed`: an empty directory beside the store's, and
+        earlier rounds' dirty pages flushed."""
         out = self.root / "write-packed"
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
+        os.sync()
 
     def copy(self, name: str) -> None:
         dev, host = self.copies[name]
@@ -252,10 +254,13 @@ def make_request(quick, tmp_path_factory):
     _requests.clear()
 
 
-def median_time(fn, rounds: int) -> float:
-    """The median seconds of `fn()` over max(rounds, 3) calls after one warm-up call."""
+def median_time(fn, rounds: int, setup=None) -> float:
+    """The median seconds of `fn()` over max(rounds, 3) calls after one warm-up call, `setup()`
+    untimed before each."""
     times = []
     for _ in range(max(rounds, 3) + 1):
+        if setup is not None:
+            setup()
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
@@ -274,17 +279,7 @@ def _write_median(req: Request, codecs: str, rounds: int) -> float:
     """The `write-packed` median: its row of this run, or measured here if deselected."""
     key = (codecs, "write-packed")
     if key not in _medians:
-        def setup():
-            req.fresh_write_dir()
-            os.sync()
-
-        times = []
-        for _ in range(max(rounds, 3) + 1):
-            setup()
-            t = time.perf_counter()
-            req.write_packed()
-            times.append(time.perf_counter() - t)
-        _medians[key] = statistics.median(times[1:])
+        _medians[key] = median_time(req.write_packed, rounds, setup=req.before_write)
     return _medians[key]
 
 
@@ -307,7 +302,7 @@ def test_save_path(benchmark, codecs, provider, quick, make_request, monkeypatch
     if provider.startswith("d2h"):
         fn, setup = (lambda: req.copy(provider)), None
     elif provider == "write-packed":
-        fn, setup = req.write_packed, (lambda: (req.fresh_write_dir(), os.sync(), None)[-1])
+        fn, setup = req.write_packed, req.before_write
     elif provider in ("set+d2h", "chunks+d2h"):
         chunks = CHUNKS if provider == "chunks+d2h" else 0
         fn, setup = (lambda: req.set_then_copy(chunks)), None

@@ -81,13 +81,11 @@ from anchorkv.store.writer import EntryWriter
 
 log = logging.getLogger("anchorkv.store")
 Mode = Literal["exact", "semantic"]
-
-
 #: Threads that compute a shard's crc32c while the writing thread writes it (os.writev and
 #: crc32c release the GIL); below 2 the writing thread computes them itself, before the write.
 #: On 2 CPU cores that is faster: the concurrent checksum slows the page-cache copy by more than
-#: it costs (`bench_store.py`'s `crc-thread` / `crc-inline` rows, same run: raw 53 vs 45 ms,
-#: quant 42 vs 35 ms a Kimi-Linear save), so the thread is used only with more cores.
+#: it costs (`bench_store.py`'s `crc-thread` / `crc-inline` rows, one run: raw 56.0 vs 45.1 ms,
+#: quant 44.1 vs 30.3 ms a Kimi-Linear save), so the thread is used only with more cores.
 CHUNK_THREADS = 2 if cores() > 2 else 1
 
 

@@ -1,9 +1,12 @@
-"""A `WorkerSide` over a Kimi-Linear tp=1 cache on the CPU and a local store (not a test module):
-three KDA KV-cache groups and the MLA group, as vLLM's hybrid allocator gives them."""
+"""A `WorkerSide` over a Kimi-Linear tp=1 cache on the CPU and a local store (three KDA KV-cache
+groups and the MLA group, as vLLM's hybrid allocator gives them), and `gated`, which holds a
+store call until the test lets it go (not a test module)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -34,3 +37,21 @@ def kimi_worker(tmp_path, num_blocks: int, filled: Sequence[Sequence[int]], extr
     w = WorkerSide(store.config, groups, "none", store, 1, 0)
     w.register(layout, views)
     return w, views, state, paged, layout, store
+
+
+@contextmanager
+def gated(monkeypatch, obj, name: str):
+    """(gate, entered): `obj.name` made to wait for `gate` before it runs, `entered` set once a
+    call waits there; the gate opens on leaving (a failed assertion leaves no thread held)."""
+    gate, entered, real = threading.Event(), threading.Event(), getattr(obj, name)
+
+    def held(*args, **kwargs):
+        entered.set()
+        assert gate.wait(30), "the test never opened the gate"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, held)
+    try:
+        yield gate, entered
+    finally:
+        gate.set()

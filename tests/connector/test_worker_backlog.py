@@ -7,34 +7,14 @@ copies of every save until the host ran out of memory."""
 from __future__ import annotations
 
 import logging
-import threading
-from contextlib import contextmanager
 
 import pytest
 
 from anchorkv.connector.config import DEFAULT_SAVE_BACKLOG, ConnectorConfig
 from anchorkv.connector.plan import Metadata, SaveSpec
-from tests.connector.kimi_worker import kimi_worker
+from tests.connector.kimi_worker import gated, kimi_worker
 
 SAVED = ((1,), (2,), (3,), (4, 5))  # three KDA groups, then the MLA group's two blocks
-
-
-@contextmanager
-def _held(monkeypatch, store):
-    """The store's `save_part` waits for the yielded gate (opened on leaving); `entered` is set
-    once a save waits there."""
-    gate, entered, real = threading.Event(), threading.Event(), store.save_part
-
-    def held(*args, **kwargs):
-        entered.set()
-        assert gate.wait(30), "the test never opened the gate"
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(store, "save_part", held)
-    try:
-        yield gate, entered
-    finally:
-        gate.set()
 
 
 def _spec(salt: int, tokens: int, *, release: bool = False) -> SaveSpec:
@@ -49,7 +29,7 @@ def test_saves_past_the_backlog_are_dropped_until_the_store_catches_up(tmp_path,
     w, _, _, _, layout, store = _worker(tmp_path, 1)  # one byte: one save queued at a time
     bs = layout.block_size
     try:
-        with _held(monkeypatch, store) as (gate, entered):
+        with gated(monkeypatch, store, "save_part") as (gate, entered):
             w.save(Metadata(saves=[_spec(1, bs)]))  # none queued: it goes, however large
             assert entered.wait(30)
             held = w._backlog
@@ -81,7 +61,7 @@ def test_a_dropped_finishing_save_releases_its_blocks(tmp_path, monkeypatch):
     w, _, _, _, layout, store = _worker(tmp_path, 1)
     bs = layout.block_size
     try:
-        with _held(monkeypatch, store) as (gate, entered):
+        with gated(monkeypatch, store, "save_part") as (gate, entered):
             w.save(Metadata(saves=[_spec(1, bs)]))
             assert entered.wait(30)
             held = w._backlog
@@ -101,7 +81,7 @@ def test_under_the_backlog_nothing_is_dropped(tmp_path, monkeypatch):
     assert w.config.save_backlog == DEFAULT_SAVE_BACKLOG == 4 << 30
     bs = layout.block_size
     try:
-        with _held(monkeypatch, store) as (gate, entered):
+        with gated(monkeypatch, store, "save_part") as (gate, entered):
             w.save(Metadata(saves=[_spec(k, bs) for k in range(1, 4)]))
             assert entered.wait(30)
             assert w._backlog > 0

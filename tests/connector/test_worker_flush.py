@@ -5,12 +5,11 @@ its own (a no-op per pool woke an idle thread for every flush, ~90 us with nothi
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 
 import pytest
 
 from anchorkv.connector.plan import LoadSpec, Metadata, SaveSpec
-from tests.connector.kimi_worker import kimi_worker
+from tests.connector.kimi_worker import gated, kimi_worker
 
 SAVED = ((1,), (2,), (3,), (4, 5))  # three KDA groups, then the MLA group's two blocks
 RESTORED = ((6,), (7,), (8,), (9, 10))
@@ -24,28 +23,17 @@ def worker(tmp_path):
     store.close()
 
 
-@contextmanager
-def _gated(monkeypatch, obj, name: str):
-    """(gate, entered): `obj.name` made to wait for `gate` before it runs, `entered` set once a
-    call waits there; the gate opens on leaving (a failed assertion leaves no thread held)."""
-    gate, entered, real = threading.Event(), threading.Event(), getattr(obj, name)
-
-    def held(*args, **kwargs):
-        entered.set()
-        assert gate.wait(30), "the test never opened the gate"
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(obj, name, held)
-    try:
-        yield gate, entered
-    finally:
-        gate.set()
-
-
-def _flush_in_thread(w) -> threading.Thread:
-    t = threading.Thread(target=w.flush, daemon=True)
-    t.start()
-    return t
+def _flush_waits_until_released(w, gate: threading.Event, entered: threading.Event, what: str) -> None:
+    """Once a job waits at `gate`: a flush on another thread does not return while it is held,
+    and returns once the gate opens."""
+    assert entered.wait(30)
+    flushing = threading.Thread(target=w.flush, daemon=True)
+    flushing.start()
+    flushing.join(0.2)
+    assert flushing.is_alive(), f"flush returned while a queued {what} was still held"
+    gate.set()
+    flushing.join(30)
+    assert not flushing.is_alive()
 
 
 def _spec(salt: int, tokens: int) -> SaveSpec:
@@ -54,16 +42,10 @@ def _spec(salt: int, tokens: int) -> SaveSpec:
 
 def test_flush_waits_for_every_queued_save(worker, monkeypatch):
     w, _, bs, store = worker
-    with _gated(monkeypatch, store, "save_part") as (gate, entered):
+    with gated(monkeypatch, store, "save_part") as (gate, entered):
         w.save(Metadata(saves=[_spec(1, bs)]))
         w.save(Metadata(saves=[_spec(2, bs)]))  # queued behind the held one
-        assert entered.wait(30)
-        flushing = _flush_in_thread(w)
-        flushing.join(0.2)
-        assert flushing.is_alive(), "flush returned while a queued save was still held"
-        gate.set()
-        flushing.join(30)
-    assert not flushing.is_alive()
+        _flush_waits_until_released(w, gate, entered, "save")
     assert len(list(store.store.list())) == 2  # both stored when flush returned
     assert (w.stats.take() or {}).get("saves") == 2
 
@@ -74,15 +56,9 @@ def test_flush_waits_for_a_queued_async_load(worker, monkeypatch):
     w.save(Metadata(saves=[_spec(0, tokens)]))
     w.flush()
     [entry] = store.store.list()
-    with _gated(monkeypatch, store, "load") as (gate, entered):
+    with gated(monkeypatch, store, "load") as (gate, entered):
         w.start_load(Metadata(loads=[LoadSpec("q", entry.id, 0, tokens, RESTORED)]))
-        assert entered.wait(30)
-        flushing = _flush_in_thread(w)
-        flushing.join(0.2)
-        assert flushing.is_alive(), "flush returned while a queued load was still held"
-        gate.set()
-        flushing.join(30)
-    assert not flushing.is_alive()
+        _flush_waits_until_released(w, gate, entered, "load")
     # restored when flush returned: the MLA blocks hold the saved rows
     name = next(n for n, v in views.items() if "latent" in v.page.names)
     latent = views[name].tensor("latent")
