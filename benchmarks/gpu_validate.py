@@ -539,6 +539,8 @@ def write_report(res: dict, out: Path, plot: bool = True) -> None:
 
 
 def main(argv=None) -> int:
+    from benchmarks.machine import session_env
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results", help="report directory (default: %(default)s)")
     ap.add_argument("--quick", action="store_true", help="benchmarks at small sizes, one round (smoke test)")
@@ -562,9 +564,9 @@ def main(argv=None) -> int:
              "log": f"{machine}-validate.log", "junit": f"{machine}-tests.xml"}
     log = out / files["log"]
     log.write_text(f"anchorkv GPU validation on {machine}: {json.dumps(device)}\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in
-           os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
-           "ANCHORKV_BENCH_QUICK": "1" if args.quick else "0"}
+    env = session_env(PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in
+                      os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+                      ANCHORKV_BENCH_QUICK="1" if args.quick else "0")
     res = {"machine": machine, "device": device, "missing": missing, "mode": "quick" if args.quick else "full",
            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "command": shlex.join(["scripts/gpu_validate.sh", *(argv if argv is not None else sys.argv[1:])]),

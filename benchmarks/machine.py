@@ -3,7 +3,8 @@
 `machine_name()` is the first CUDA GPU's name when torch sees one (`nvidia-h100-80gb-hbm3`),
 else `cpu-<processor>-<cores>c` (`cpu-x86-64-2c`): lower case, every run of characters other
 than a-z, 0-9 and "." turned into one "-". Result files are `<machine>.json` or
-`<machine>-<what>.json`. `device_info()` describes the device for the report.
+`<machine>-<what>.json`. `device_info()` describes the device for the report; `session_env()`
+is the environment of a benchmark run started as a pytest process of its own.
 """
 
 from __future__ import annotations
@@ -32,6 +33,16 @@ def machine_name(info: dict | None = None) -> str:
     info = device_info() if info is None else info
     raw = info.get("gpu") or f"cpu-{info['processor']}-{info['cores']}c"
     return re.sub(r"[^a-z0-9.]+", "-", raw.lower()).strip("-")
+
+
+def session_env(**extra: str) -> dict[str, str]:
+    """This process's environment, plus `extra`, for a benchmark run in a pytest process of its
+    own: without pytest-xdist's worker variables (`PYTEST_XDIST_WORKER`, ...), which a run
+    started from inside an xdist worker (the test suite under `-n`) inherits, and with which
+    pytest-benchmark disables every benchmark of the new run ("xdist plugin is active")."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+    env.update(extra)
+    return env
 
 
 if __name__ == "__main__":  # python -m benchmarks.machine

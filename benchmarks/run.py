@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from anchorkv.connector.config import DEFAULT_CODECS, KIMI_FIELD_ROLES, field_codecs
-from benchmarks.machine import device_info, machine_name
+from benchmarks.machine import device_info, machine_name, session_env
 from benchmarks.reporting import condense, finite, num, table
 
 #: The checkout holding these benchmarks.
@@ -47,7 +47,7 @@ def run_suites(root: Path, quick: bool, k: str | None, suites: tuple[str, ...]) 
     no results; the log tail is kept), `missing` (no `benchmarks/bench_<name>.py`) or `empty`
     (nothing collected, e.g. `-k` matched nothing).
     """
-    env = {**os.environ, "ANCHORKV_BENCH_QUICK": "1" if quick else "0", "PYTHONPATH": str(root)}
+    env = session_env(ANCHORKV_BENCH_QUICK="1" if quick else "0", PYTHONPATH=str(root))
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in suites:
@@ -82,7 +82,7 @@ def run_suites(root: Path, quick: bool, k: str | None, suites: tuple[str, ...]) 
 
 
 def run_fidelity(root: Path, quick: bool, tiny: bool = False) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = session_env(PYTHONPATH=str(root))
     with tempfile.TemporaryDirectory() as tmp:
         js, md = Path(tmp) / "fidelity.json", Path(tmp) / "fidelity.md"
         cmd = [sys.executable, "-m", "benchmarks.fidelity", "--json", str(js), "--md", str(md)]

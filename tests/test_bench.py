@@ -17,6 +17,7 @@ from benchmarks import run as bench
 from benchmarks.fidelity import DECAYS, LOGIT_STDS, choose, choose_presets, data, fla_ref, layers, presets
 from benchmarks.fidelity.presets import FIELDS, condition
 from benchmarks.fidelity.study import StudyConfig, round_trip, run_study
+from benchmarks.machine import session_env
 from benchmarks.reporting import finite
 
 pytest.importorskip("matplotlib")
@@ -122,6 +123,19 @@ def test_missing_suite_is_reported_not_raised(tmp_path):
     (tmp_path / "benchmarks").mkdir()
     out = bench.run_suites(tmp_path, quick=True, k=None, suites=("store",))
     assert out["store"]["status"] == "missing"
+
+
+def test_a_suite_started_from_an_xdist_worker_still_benchmarks(monkeypatch):
+    """Run from a test under `pytest -n` (`test_gpu_validate`'s quick run, `anchorkv bench` in a
+    test), a suite's pytest would inherit the worker's PYTEST_XDIST_* variables, and
+    pytest-benchmark then disables every benchmark of it: no results, the suite failed."""
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    env = session_env(PYTHONPATH="x")
+    assert not [k for k in env if k.startswith("PYTEST_XDIST_")] and env["PYTHONPATH"] == "x"
+    out = bench.run_suites(Path(__file__).resolve().parents[1], quick=True, k="test_field and 1-conv-raw-pack",
+                           suites=("codec",))
+    assert out["codec"]["status"] == "ok" and len(out["codec"]["benchmarks"]) == 1, out["codec"].get("log_tail")
 
 
 def test_anchorkv_bench_runs_benchmarks_run_under_its_name():
