@@ -421,7 +421,7 @@ class HostPool:
     """Reused host buffers for copies from the GPU that outlive the step that makes them (a
     save's packed bytes, which the writer thread holds until the store has them), so a save
     does not allocate page-locked memory: `take(nbytes)` hands out the smallest free buffer of
-    at least `nbytes`, or a new one (page-locked with `pin`, rounded up to `GRANULE` bytes);
+    at least `nbytes`, or a new one (`size_for(nbytes)` bytes: page-locked with `pin`);
     `give(buffer)` returns it once nothing reads or writes it any more (its copies complete).
     At most `keep` free buffers are kept (the largest); as many are in use as saves are in
     flight. Thread-safe: a step takes, the writer gives back."""
@@ -442,7 +442,18 @@ class HostPool:
             if fits:
                 return self.free.pop(min(fits, key=lambda k: self.free[k].numel()))
             self.made += 1
-        return torch.empty(_aligned(max(nbytes, 1), self.GRANULE), dtype=torch.uint8, pin_memory=self.pin)
+        return torch.empty(self.size_for(nbytes), dtype=torch.uint8, pin_memory=self.pin)
+
+    def size_for(self, nbytes: int) -> int:
+        """The size of a new buffer for `nbytes`: whole `GRANULE`s; page-locked, the power of two
+        at or above that. torch's caching host allocator hands out page-locked memory in blocks of
+        a power of two bytes (`PowerOf2Ceil` in ATen's CachingHostAllocator, by default) and keeps
+        the whole block while the tensor lives, so asking for all of it costs no memory; a buffer
+        of the granule size instead cannot take a save a little larger that its block would hold
+        (a conversation saved turn after turn, each save a little larger than the last, allocated
+        a new block each time until `keep` buffers were held)."""
+        size = _aligned(max(nbytes, 1), self.GRANULE)
+        return 1 << (size - 1).bit_length() if self.pin else size
 
     def give(self, buffer: torch.Tensor) -> None:
         with self._lock:

@@ -374,6 +374,31 @@ def test_host_pool_reuses_the_smallest_fitting_free_buffer():
         pool.take(-1)
 
 
+def test_a_page_locked_pool_takes_whole_power_of_two_blocks(monkeypatch):
+    """Page-locked, a new buffer is the power-of-two block torch's host allocator would hold for
+    it anyway: a conversation's saves, each a little larger than the last, reuse one buffer (by
+    granules they took four, and four blocks of page-locked memory)."""
+    from anchorkv.codec import HostPool
+
+    asked = []
+    real_empty = torch.empty
+
+    def empty(*size, pin_memory=False, **kwargs):  # (no CUDA here: record the request, allocate pageable)
+        asked.append((size[0], pin_memory))
+        return real_empty(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    pool = HostPool(pin=True)
+    mib = HostPool.GRANULE
+    for n in (100 * mib + 5, 104 * mib, 112 * mib, 128 * mib):
+        buf = pool.take(n)
+        assert buf.numel() >= n
+        pool.give(buf)
+    assert asked == [(128 * mib, True)] and pool.made == 1
+    assert pool.take(128 * mib + 1).numel() == 256 * mib and pool.made == 2
+    assert pool.size_for(3) == mib and HostPool(pin=False).size_for(100 * mib + 5) == 101 * mib
+
+
 def test_stage_to_device_sends_a_shared_buffer_as_it_lies(monkeypatch):
     """Parts read into one arena slab cross in one copy of the span they cover, with no
     staging copy on the CPU (here host to host: the "device" copies are the slab itself);
