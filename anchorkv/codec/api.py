@@ -349,6 +349,14 @@ def _aligned(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+def _block(nbytes: int, pin: bool) -> int:
+    """The bytes a host tensor of `nbytes` holds: page-locked, the power of two at or above
+    (torch's caching host allocator hands out page-locked memory in such blocks, `PowerOf2Ceil`
+    in ATen's CachingHostAllocator by default, and keeps the whole block while the tensor lives:
+    asking for all of it costs no memory); pageable, `nbytes`."""
+    return 1 << (nbytes - 1).bit_length() if pin and nbytes > 1 else nbytes
+
+
 def _view_as(raw: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """The uint8 bytes `raw` as a contiguous tensor of `t`'s dtype and shape."""
     return raw.view(t.dtype).view(t.shape)
@@ -363,11 +371,12 @@ class HostArena:
     `reset()` hands the same memory out again for the next restore, so a worker reads every
     restore into warm memory (a fresh buffer of 100 MB costs as much in page faults as the read
     itself). The first slab holds max(`hint`, the first request) bytes, later ones at least
-    twice the last; `used` is what one slab holding every request since the last reset needs
-    (alignment included), and a reset after a round that took several slabs replaces them with
-    one of that size. The arena keeps its largest round's memory until it is dropped. Parts may
-    be asked for from several threads at once (a restore's reads run in parallel); `reset` must
-    not run while anything else does.
+    twice the last; page-locked, a slab is all of its power-of-two block (`_block`), so a
+    restore a little larger than the last still fits in it. `used` is what one slab holding
+    every request since the last reset needs (alignment included), and a reset after a round
+    that took several slabs replaces them with one of that size. The arena keeps its largest
+    round's memory until it is dropped. Parts may be asked for from several threads at once (a
+    restore's reads run in parallel); `reset` must not run while anything else does.
     """
 
     ALIGN = 16
@@ -410,7 +419,7 @@ class HostArena:
         self.used = _aligned(self.used, self.ALIGN) + nbytes
         at = _aligned(self._at, self.ALIGN)
         if not self.slabs or at + nbytes > self.slabs[-1].numel():
-            size = max(nbytes, 2 * self.slabs[-1].numel() if self.slabs else self.hint)
+            size = _block(max(nbytes, 2 * self.slabs[-1].numel() if self.slabs else self.hint), self.pin)
             self.slabs.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
             at = 0
         self._at = at + nbytes
@@ -445,15 +454,11 @@ class HostPool:
         return torch.empty(self.size_for(nbytes), dtype=torch.uint8, pin_memory=self.pin)
 
     def size_for(self, nbytes: int) -> int:
-        """The size of a new buffer for `nbytes`: whole `GRANULE`s; page-locked, the power of two
-        at or above that. torch's caching host allocator hands out page-locked memory in blocks of
-        a power of two bytes (`PowerOf2Ceil` in ATen's CachingHostAllocator, by default) and keeps
-        the whole block while the tensor lives, so asking for all of it costs no memory; a buffer
-        of the granule size instead cannot take a save a little larger that its block would hold
-        (a conversation saved turn after turn, each save a little larger than the last, allocated
-        a new block each time until `keep` buffers were held)."""
-        size = _aligned(max(nbytes, 1), self.GRANULE)
-        return 1 << (size - 1).bit_length() if self.pin else size
+        """The size of a new buffer for `nbytes`: whole `GRANULE`s, page-locked all of its
+        block (`_block`): a buffer of the granule size could not take a save a little larger
+        that its block would hold (a conversation saved turn after turn, each save a little
+        larger than the last, allocated a new block each time until `keep` buffers were held)."""
+        return _block(_aligned(max(nbytes, 1), self.GRANULE), self.pin)
 
     def give(self, buffer: torch.Tensor) -> None:
         with self._lock:

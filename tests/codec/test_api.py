@@ -399,6 +399,30 @@ def test_a_page_locked_pool_takes_whole_power_of_two_blocks(monkeypatch):
     assert pool.size_for(3) == mib and HostPool(pin=False).size_for(100 * mib + 5) == 101 * mib
 
 
+def test_a_page_locked_arena_takes_whole_power_of_two_blocks(monkeypatch):
+    """A restore a little larger than the last one (the next turn of a conversation) still fits
+    the page-locked slab: the slab is all of its power-of-two block (by the bytes asked: a second
+    slab, twice as large, then both replaced by a third at the next reset)."""
+    from anchorkv.codec import HostArena
+
+    asked = []
+    real_empty = torch.empty
+
+    def empty(*size, pin_memory=False, **kwargs):  # (no CUDA here: record the request, allocate pageable)
+        asked.append((size[0], pin_memory))
+        return real_empty(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    arena = HostArena(pin=True)
+    mib = 1 << 20
+    for parts in ([60 * mib, 40 * mib + 3], [60 * mib, 44 * mib], [60 * mib, 50 * mib, 3 * mib]):
+        for n in parts:
+            assert arena(n).numel() == n
+        arena.reset()
+    assert asked == [(64 * mib, True), (128 * mib, True), (128 * mib, True)] and len(arena.slabs) == 1
+    assert arena.slabs[0].numel() == 128 * mib
+
+
 def test_stage_to_device_sends_a_shared_buffer_as_it_lies(monkeypatch):
     """Parts read into one arena slab cross in one copy of the span they cover, with no
     staging copy on the CPU (here host to host: the "device" copies are the slab itself);
