@@ -98,6 +98,7 @@ class Store:
         self._io_threads = io_threads
         self._pool: ThreadPoolExecutor | None = None
         self._chunk_pool: ThreadPoolExecutor | None = None
+        self._put_pool: ThreadPoolExecutor | None = None  # a backend's concurrent shard writes
         self._lock = threading.Lock()
         self._infos: dict[str, EntryInfo] = {}
         self._arrays: dict[str, dict[str, ArrayLayout]] = {}
@@ -214,7 +215,8 @@ class Store:
             "write_id": wid, "created": now(),
         }
         writer = EntryWriter(self.backend, layout, header, arrays, chunk_submit=self._chunk_submit,
-                             on_commit=self._after_commit)
+                             on_commit=self._after_commit,
+                             put_submit=self._put_submit if self.backend.write_concurrency > 1 else None)
         self.backend.write(begun_marker(wid, layout.tp_rank), [json.dumps({"data": writer.data}).encode()])
         return writer
 
@@ -592,10 +594,21 @@ class Store:
                 self._chunk_pool = ThreadPoolExecutor(CHUNK_THREADS, thread_name_prefix="anchorkv-chunk")
         return self._chunk_pool.submit(fn, *args)
 
+    def _put_submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """`fn(*args)` on one of the backend's `write_concurrency` put threads (their tasks
+        submit nothing)."""
+        with self._lock:
+            if self._put_pool is None:
+                self._put_pool = ThreadPoolExecutor(self.backend.write_concurrency, thread_name_prefix="anchorkv-put")
+        return self._put_pool.submit(fn, *args)
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._put_pool is not None:
+            self._put_pool.shutdown(wait=True)
+            self._put_pool = None
         if self._chunk_pool is not None:
             self._chunk_pool.shutdown(wait=True)
             self._chunk_pool = None

@@ -86,9 +86,12 @@ class EntryWriter:
     """One rank's writer of one entry (see the module docstring for the protocol)."""
 
     def __init__(self, backend: Backend, layout: ModelLayout, header: dict[str, Any],
-                 arrays: dict[str, ArrayLayout], *, chunk_submit: ChunkSubmit, on_commit: OnCommit) -> None:
+                 arrays: dict[str, ArrayLayout], *, chunk_submit: ChunkSubmit, on_commit: OnCommit,
+                 put_submit: ChunkSubmit | None = None) -> None:
         """`chunk_submit`: where checksums are computed while a shard is written; `on_commit`:
-        called with the entry once `commit` publishes it (see `anchorkv.store.commit`)."""
+        called with the entry once `commit` publishes it (see `anchorkv.store.commit`);
+        `put_submit`: where each shard is checksummed and written while the caller goes on (a
+        backend whose writes are round trips); None: by the calling thread, one after the other."""
         self.backend = backend
         self.layout = layout
         # the lowest version that represents these arrays: 3 for built-in formats, byte for
@@ -102,6 +105,8 @@ class EntryWriter:
         self.shards: dict[str, list[int]] = {}  # shard file -> [crc32c, nbytes]
         self._compressor = numcodecs_compressor(header["compressor"])
         self._chunk_submit = chunk_submit
+        self._put_submit = put_submit
+        self._puts: list[tuple[str, int, Future]] = []  # (shard, size, its write) in flight (`put_submit`)
         self._on_commit = on_commit
 
     @property
@@ -226,7 +231,10 @@ class EntryWriter:
         chunk and of the whole file.
 
         A chunk thread computes the checksums while this thread writes the file (they go only
-        to the manifest; os.writev and crc32c release the GIL)."""
+        to the manifest; os.writev and crc32c release the GIL). With `put_submit` both run on a
+        put thread, and this returns at once: `finish_rank` waits for every write in flight.
+        The buffers stay referenced until then (views of the caller's `Packed`, which must not
+        change before `finish_rank` returns)."""
         buffers: list[memoryview] = []
         slots = []
         placed = []
@@ -243,18 +251,48 @@ class EntryWriter:
         index = _index(k, tuple(slots))
         buffers.append(memoryview(index))
         combine = crc32c_combine if comp is not None else crc32c_combine_fixed
+        size = offset + len(index)
+        if self._put_submit is not None:
+            self._puts.append((skey, size, self._put_submit(self._put, skey, buffers, placed, index, combine)))
+            return size
         pending = self._chunk_submit(_checksums, placed, index, combine)
         try:
             self.backend.write(f"{self.data}/{skey}", buffers)
         finally:
             sums, whole = pending.result()
+        self._record(skey, size, sums, whole)
+        return size
+
+    def _put(self, skey: str, buffers: list[memoryview], placed: list, index: bytes,
+             combine: Callable[[int, int, int], int]) -> tuple[dict[str, list[int]], int]:
+        """(a put thread) A shard's checksums, then its write."""
+        sums = _checksums(placed, index, combine)
+        self.backend.write(f"{self.data}/{skey}", buffers)
+        return sums
+
+    def _record(self, skey: str, size: int, sums: dict[str, list[int]], whole: int) -> None:
         self.checksums.update(sums)
-        self.shards[skey] = [whole, offset + len(index)]
-        return offset + len(index)
+        self.shards[skey] = [whole, size]
+
+    def _wait_puts(self) -> None:
+        """Wait for every shard write in flight and record their checksums; the first error,
+        once all have ended."""
+        puts, self._puts = self._puts, []
+        error: BaseException | None = None
+        for skey, size, write in puts:
+            try:
+                sums, whole = write.result()
+            except BaseException as e:  # (every write ends before any is reported)
+                error = error or e
+            else:
+                self._record(skey, size, sums, whole)
+        if error is not None:
+            raise error
 
     # ------------------------------------------------------------------ protocol
     def finish_rank(self) -> None:
-        """Publish this rank's part marker (atomically): its chunks are written."""
+        """Publish this rank's part marker (atomically) once its chunks are written."""
+        self._wait_puts()
         marker = {"header": self.header, "tp_rank": self.tp_rank, "chunks": self.checksums,
                   "shards": self.shards}
         path = part_marker(self.write_id, self.tp_rank, self.tp_size)
@@ -270,7 +308,11 @@ class EntryWriter:
         return commit_staged(self.backend, self.write_id, self._on_commit)
 
     def abort(self) -> None:
-        """Drop everything this write staged (all ranks' parts)."""
+        """Drop everything this write staged (all ranks' parts), once no write of it is in flight."""
+        try:
+            self._wait_puts()
+        except BaseException:  # (the failure being cleaned up is the caller's to report)
+            pass
         self.backend.delete_tree(staging_path(self.write_id))
         if not self.backend.atomic_publish:
             self.backend.delete_tree(self.data)

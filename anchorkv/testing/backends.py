@@ -47,6 +47,7 @@ class BackendTests:
         assert isinstance(backend, Backend)
         assert isinstance(backend.url, str) and backend.url
         assert isinstance(backend.atomic_publish, bool)
+        assert isinstance(backend.write_concurrency, int) and backend.write_concurrency >= 1
 
     def test_check_store_needs_a_root_group(self, backend: Backend) -> None:
         backend.ensure_root()

@@ -27,6 +27,7 @@ class LocalBackend:
     staging directory is invisible until `publish` renames it)."""
 
     atomic_publish = True
+    write_concurrency = 1
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root).expanduser().resolve()

@@ -30,6 +30,9 @@ class ObjectBackend:
     """
 
     atomic_publish = False
+    #: a save's shard puts in flight at once: each is a round trip, so one after the other a
+    #: Kimi-Linear save (47 shards) waited 47 of them
+    write_concurrency = 8
 
     def __init__(self, url: str, **options: Any) -> None:
         parsed = urlparse(url)

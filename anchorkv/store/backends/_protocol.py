@@ -29,6 +29,10 @@ class Backend(Protocol):
     #: publishes of one entry gets False. False: objects cannot be renamed, so an entry's data
     #: goes straight under a prefix unique to the write and the manifest put publishes it.
     atomic_publish: bool
+    #: How many shard writes of one save may be in flight at once: 1, the writing thread writes
+    #: each in turn (a local write is a copy into the page cache); more, each write a round trip
+    #: (an object store's put), they go on threads of their own, this many at once.
+    write_concurrency: int
 
     # ------------------------------------------------------------------ the store itself
     def ensure_root(self) -> None:
