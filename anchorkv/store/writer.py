@@ -7,7 +7,8 @@ Protocol (multi-process safe; ranks may be separate processes or machines):
    with its own slice, written as whole shards (one file per layer and rank slice; see
    `anchorkv.store.format`). Shards land in a place no reader looks at: the staging directory
    ``.staging/<write id>/data`` (local) or ``entries/<key>/<name>.<write id>/`` (object store);
-2. `finish_rank` puts the rank's part marker ``.staging/<write id>/parts/rank-R-of-T.json``
+2. `finish_rank` waits for the rank's shard writes still in flight (an object store's puts),
+   then puts the rank's part marker ``.staging/<write id>/parts/rank-R-of-T.json``
    (the entry header plus the crc32c, size and offset of each inner chunk the rank wrote and
    the crc32c and size of each shard file), atomically;
 3. one process (rank 0, or the scheduler with `Store.commit_staged`) calls `commit`
@@ -18,7 +19,8 @@ Protocol (multi-process safe; ranks may be separate processes or machines):
 
 Paths are those of `anchorkv.store.paths`; which chunks and shards a rank writes, those of
 `anchorkv.store.plan`. The writer knows nothing of `Store`: it gets a `Backend`, where to compute
-checksums (`chunk_submit`) and what to call once the entry is committed (`on_commit`).
+checksums (`chunk_submit`), where to write shards several at once when the backend's writes are
+round trips (`put_submit`) and what to call once the entry is committed (`on_commit`).
 
 A kill -9 anywhere before the publication leaves only staging garbage, which lookups never
 see and `Store.gc` removes. Two writers of the same entry: locally the second rename fails and
