@@ -135,7 +135,7 @@ class ObjectBackend:
     def write(self, path: str, buffers: Buffers, *, atomic: bool = False) -> None:
         import obstore
 
-        obstore.put(self.store, path, b"".join(bytes(memoryview(b).cast("B")) for b in buffers))
+        obstore.put(self.store, path, b"".join(memoryview(b).cast("B") for b in buffers))  # (one copy)
 
     def exists(self, path: str) -> bool:
         import obstore
