@@ -372,6 +372,21 @@ def test_host_path_runs_on_a_cpu_and_names_every_step(tmp_path):
     assert steps["kernels.pack_many"] > steps["kernels.pack_many: check the block ids"]
 
 
+def test_store_puts_saves_one_put_at_a_time_and_several_to_s3():
+    """`python -m benchmarks.store_puts` (a save's shard writes to moto on loopback, one at a
+    time against the object backend's concurrency) runs without a GPU and prints a time per
+    round for each."""
+    from anchorkv.store.backends._object import ObjectBackend
+
+    res = subprocess.run([sys.executable, "-m", "benchmarks.store_puts", "--rounds", "1", "--tokens", "1920"],
+                         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.strip().splitlines()
+    assert [line.split(":")[1].strip() for line in lines] == [
+        f"{n} put(s) at a time" for n in sorted({1, ObjectBackend.write_concurrency})], lines
+    assert all(float(line.rsplit(":", 1)[1].split()[0]) > 0 for line in lines), lines
+
+
 def test_restore_reads_runs_both_ways_on_a_local_store():
     """`python -m benchmarks.restore_reads` (a restore's reads, one thread against several)
     runs without a GPU and prints a time per round for each."""
