@@ -96,9 +96,8 @@ class Store:
         self.backend = backend
         self.capacity_bytes = capacity_bytes
         self._io_threads = io_threads
-        self._pool: ThreadPoolExecutor | None = None
-        self._chunk_pool: ThreadPoolExecutor | None = None
-        self._put_pool: ThreadPoolExecutor | None = None  # a backend's concurrent shard writes
+        #: thread pools by name ("io", "chunk", "put"), each made at its first task (`_executor`)
+        self._pools: dict[str, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
         self._infos: dict[str, EntryInfo] = {}
         self._arrays: dict[str, dict[str, ArrayLayout]] = {}
@@ -574,10 +573,15 @@ class Store:
     # ------------------------------------------------------------------ threads
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
         """Run `fn(*args, **kwargs)` on the store's I/O threads."""
+        return self._executor("io", self._io_threads).submit(fn, *args, **kwargs)
+
+    def _executor(self, name: str, threads: int) -> ThreadPoolExecutor:
+        """The pool `name` (threads `anchorkv-<name>`), made with `threads` threads at its first use."""
         with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="anchorkv-io")
-        return self._pool.submit(fn, *args, **kwargs)
+            pool = self._pools.get(name)
+            if pool is None:
+                pool = self._pools[name] = ThreadPoolExecutor(threads, thread_name_prefix=f"anchorkv-{name}")
+        return pool
 
     def _chunk_submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """`fn(*args)` on a chunk thread (not the I/O pool, whose tasks call this); the caller
@@ -589,29 +593,19 @@ class Store:
             except BaseException as e:
                 f.set_exception(e)
             return f
-        with self._lock:
-            if self._chunk_pool is None:
-                self._chunk_pool = ThreadPoolExecutor(CHUNK_THREADS, thread_name_prefix="anchorkv-chunk")
-        return self._chunk_pool.submit(fn, *args)
+        return self._executor("chunk", CHUNK_THREADS).submit(fn, *args)
 
     def _put_submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """`fn(*args)` on one of the backend's `write_concurrency` put threads (their tasks
         submit nothing)."""
-        with self._lock:
-            if self._put_pool is None:
-                self._put_pool = ThreadPoolExecutor(self.backend.write_concurrency, thread_name_prefix="anchorkv-put")
-        return self._put_pool.submit(fn, *args)
+        return self._executor("put", self.backend.write_concurrency).submit(fn, *args)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        if self._put_pool is not None:
-            self._put_pool.shutdown(wait=True)
-            self._put_pool = None
-        if self._chunk_pool is not None:
-            self._chunk_pool.shutdown(wait=True)
-            self._chunk_pool = None
+        for name in ("io", "put", "chunk"):  # (in this order: a task of one may queue work on the next)
+            with self._lock:
+                pool = self._pools.pop(name, None)
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     def __enter__(self) -> Store:
         return self

@@ -313,7 +313,7 @@ class EntryWriter:
         """Drop everything this write staged (all ranks' parts), once no write of it is in flight."""
         try:
             self._wait_puts()
-        except BaseException:  # (the failure being cleaned up is the caller's to report)
+        except Exception:  # (the failure being cleaned up is the caller's to report)
             pass
         self.backend.delete_tree(staging_path(self.write_id))
         if not self.backend.atomic_publish:

@@ -374,20 +374,27 @@ def test_host_pool_reuses_the_smallest_fitting_free_buffer():
         pool.take(-1)
 
 
-def test_a_page_locked_pool_takes_whole_power_of_two_blocks(monkeypatch):
+@pytest.fixture
+def asked(monkeypatch) -> list[tuple[int, bool]]:
+    """(size, pin_memory) of every `torch.empty` call of the test; the tensors are pageable (no
+    CUDA here to page-lock them)."""
+    calls: list[tuple[int, bool]] = []
+    real_empty = torch.empty
+
+    def empty(*size, pin_memory=False, **kwargs):
+        calls.append((size[0], pin_memory))
+        return real_empty(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    return calls
+
+
+def test_a_page_locked_pool_takes_whole_power_of_two_blocks(asked):
     """Page-locked, a new buffer is the power-of-two block torch's host allocator would hold for
     it anyway: a conversation's saves, each a little larger than the last, reuse one buffer (by
     granules they took four, and four blocks of page-locked memory)."""
     from anchorkv.codec import HostPool
 
-    asked = []
-    real_empty = torch.empty
-
-    def empty(*size, pin_memory=False, **kwargs):  # (no CUDA here: record the request, allocate pageable)
-        asked.append((size[0], pin_memory))
-        return real_empty(*size, **kwargs)
-
-    monkeypatch.setattr(torch, "empty", empty)
     pool = HostPool(pin=True)
     mib = HostPool.GRANULE
     for n in (100 * mib + 5, 104 * mib, 112 * mib, 128 * mib):
@@ -399,20 +406,12 @@ def test_a_page_locked_pool_takes_whole_power_of_two_blocks(monkeypatch):
     assert pool.size_for(3) == mib and HostPool(pin=False).size_for(100 * mib + 5) == 101 * mib
 
 
-def test_a_page_locked_arena_takes_whole_power_of_two_blocks(monkeypatch):
+def test_a_page_locked_arena_takes_whole_power_of_two_blocks(asked):
     """A restore a little larger than the last one (the next turn of a conversation) still fits
     the page-locked slab: the slab is all of its power-of-two block (by the bytes asked: a second
     slab, twice as large, then both replaced by a third at the next reset)."""
     from anchorkv.codec import HostArena
 
-    asked = []
-    real_empty = torch.empty
-
-    def empty(*size, pin_memory=False, **kwargs):  # (no CUDA here: record the request, allocate pageable)
-        asked.append((size[0], pin_memory))
-        return real_empty(*size, **kwargs)
-
-    monkeypatch.setattr(torch, "empty", empty)
     arena = HostArena(pin=True)
     mib = 1 << 20
     for parts in ([60 * mib, 40 * mib + 3], [60 * mib, 44 * mib], [60 * mib, 50 * mib, 3 * mib]):
