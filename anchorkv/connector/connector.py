@@ -54,6 +54,7 @@ from anchorkv.connector.vllm_layout import (
     config_dict,
     groups_of,
     model_layout,
+    no_prefill_after_restore,
     opaque_kv_layout,
 )
 from anchorkv.connector.worker import WorkerSide
@@ -132,12 +133,14 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
         # attention pages whose in-block token order anchorkv cannot read: whole blocks only
         opaque = opaque_kv_layout(kv_cache_config)
         granularity = self.model_layout.block_size if opaque else 1
+        # an engine that cannot prefill after restored tokens: restore only what leaves one token
+        no_prefill = no_prefill_after_restore(vllm_config)
         # one side per process: the other stays None (see `_scheduler_side`, `_worker_side`)
         self.scheduler: SchedulerSide | None
         self.worker: WorkerSide | None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.config, self.groups, self.mode, self.store,
-                                           granularity=granularity)
+                                           granularity=granularity, decode_only=no_prefill is not None)
             self.worker = None
         else:
             self.scheduler = None
@@ -146,6 +149,10 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
         if opaque and role == KVConnectorRole.SCHEDULER:
             log.info("anchorkv: K/V pages in %s token order: whole %d-token blocks are saved and "
                      "restored (entries restore on engines with the same layout only)", opaque, granularity)
+        if no_prefill is not None and role == KVConnectorRole.SCHEDULER:
+            log.warning("anchorkv: %s: a request is restored only when the entry leaves its last token "
+                        "to compute, otherwise computed in full (counted as miss 'needs_prefill'); saves "
+                        "are unaffected", no_prefill)
         log.info("anchorkv: %s side, store %s, codecs %s, lookup %s, mamba cache mode %s",
                  role.name.lower(), self.config.store,
                  {k: str(v) for k, v in self.config.codec.items()}, self.config.lookup, self.mode)

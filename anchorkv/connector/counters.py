@@ -50,6 +50,8 @@ class Miss(str, Enum):
     UNCACHEABLE = "uncacheable"  # multimodal inputs or prompt embeddings
     UNALIGNED = "unaligned"  # vLLM's local hit does not end on a block boundary
     DECLINED = "declined"  # vLLM admitted the request without the offered tokens
+    NEEDS_PREFILL = "needs_prefill"  # the entry leaves more than the last token to compute and this
+    #   engine cannot prefill after restored tokens (vLLM's reference CPU MLA backend)
     # decided when a planned load fails (worker side, rank 0): vLLM recomputes the request
     TIMEOUT = "timeout"  # not read within load_timeout_s
     ENTRY_GONE = "entry_gone"  # deleted or evicted between the lookup and the load
@@ -61,7 +63,7 @@ class Miss(str, Enum):
 
 LOOKUP_MISSES = (Miss.NO_ENTRY, Miss.PREFIX_MISMATCH, Miss.TOO_LONG, Miss.PLUGIN_MISSING, Miss.TOO_SHORT,
                  Miss.COVERED_LOCALLY, Miss.BAD_ENTRY, Miss.STORE_ERROR, Miss.UNCACHEABLE, Miss.UNALIGNED,
-                 Miss.DECLINED)
+                 Miss.DECLINED, Miss.NEEDS_PREFILL)
 LOAD_MISSES = (Miss.TIMEOUT, Miss.ENTRY_GONE, Miss.CORRUPT, Miss.FINGERPRINT_MISMATCH, Miss.PREEMPTED,
                Miss.FAILED_LOAD)
 MISS_PREFIX = "miss:"

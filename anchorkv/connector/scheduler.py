@@ -88,8 +88,12 @@ class _Tracked:
 
 class SchedulerSide:
     def __init__(self, config: ConnectorConfig, groups: list[GroupInfo], mode: str,
-                 store: EntryStore, *, granularity: int = 1) -> None:
+                 store: EntryStore, *, granularity: int = 1, decode_only: bool = False) -> None:
         self.config = config
+        #: restore only entries that leave the prompt's last token to compute (the decode
+        #: kernel's path): the engine cannot prefill after restored tokens, see
+        #: `vllm_layout.no_prefill_after_restore`
+        self.decode_only = decode_only
         #: restorable entry lengths are multiples of this (the attention block where the
         #: platform's in-block token order is opaque, see `vllm_layout.opaque_kv_layout`)
         self.granularity = granularity
@@ -133,6 +137,8 @@ class SchedulerSide:
         ref, miss = self._lookup(request)
         if ref is not None and ref.num_tokens <= num_computed_tokens:
             ref, miss = None, Miss.COVERED_LOCALLY
+        if ref is not None and self.decode_only and len(request.prompt_token_ids or ()) - ref.num_tokens > 1:
+            ref, miss = None, Miss.NEEDS_PREFILL
         self._outcome[request.request_id] = miss
         if ref is None:
             self._found.pop(request.request_id, None)

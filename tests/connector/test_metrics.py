@@ -275,7 +275,7 @@ def _admit(eng, req, num_computed: int):
     return matched
 
 
-@pytest.mark.parametrize("reason", ["covered_locally", "unaligned", "uncacheable", "declined"])
+@pytest.mark.parametrize("reason", ["covered_locally", "unaligned", "uncacheable", "declined", "needs_prefill"])
 def test_admission_misses_by_reason(model_dir, tmp_path, stats_engine, reason):
     """Misses decided from vLLM's local hit or the request's inputs, on the scheduler-side
     connector the real scheduler built (its admission calls made directly)."""
@@ -291,6 +291,9 @@ def test_admission_misses_by_reason(model_dir, tmp_path, stats_engine, reason):
         want = _admit(eng, req, 17)
     elif reason == "uncacheable":
         req.prompt_embeds = object()
+        want = _admit(eng, req, 0)
+    elif reason == "needs_prefill":  # the 302-token entry leaves 50 tokens to prefill
+        c.scheduler.decode_only = True
         want = _admit(eng, req, 0)
     else:  # offered 302 tokens, vLLM allocated none of them
         want = _admit(eng, req, 0)

@@ -405,3 +405,27 @@ def test_cpu_kv_pages_are_saved_as_whole_blocks():
     assert hybrid._whole_blocks(SaveSpec("r", None, tuple(range(40)), 40, ((3,), (7, 8, 9)))) is None
     whole = SaveSpec("r", None, tuple(range(32)), 32, ((3,), (7, 8)))
     assert hybrid._whole_blocks(whole) is whole
+
+
+# ----------------------------------------------------------------------------- MLA on vLLM's CPU backend
+
+
+def test_an_mla_model_on_vllms_reference_cpu_backend_restores_single_token_remainders(model_dir):
+    """vLLM's CPU platform turns prefix caching and chunked prefill off for an MLA model (its
+    reference CPU MLA backend cannot prefill after cached tokens; an AMX CPU's backend can):
+    anchorkv then restores only entries that leave the prompt's last token, and says why. With
+    them kept on (a GPU, or the harness undoing the override) nothing is restricted."""
+    from vllm.platforms import current_platform
+
+    from tests.connector.vllm_harness import make_vllm_config
+
+    cfg = make_vllm_config(model_dir, enable_prefix_caching=True)
+    assert cfg.model_config.use_mla
+    assert VL.no_prefill_after_restore(cfg) is None
+    type(current_platform).check_and_update_config(cfg)  # vLLM's own decision on this CPU
+    reason = VL.no_prefill_after_restore(cfg)
+    if torch.cpu._is_amx_tile_supported():
+        assert cfg.cache_config.enable_prefix_caching and reason is None
+    else:
+        assert not cfg.cache_config.enable_prefix_caching and not cfg.scheduler_config.enable_chunked_prefill
+        assert reason is not None and "cannot prefill after cached tokens" in reason

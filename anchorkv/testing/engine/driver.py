@@ -65,7 +65,8 @@ HIT_COUNTERS = {"local_hits": "vllm:prefix_cache_hits", "external_hits": "vllm:e
 
 def counters(llm) -> dict[str, int]:
     """vLLM's prefix-cache counters and the connector's own (``vllm:anchorkv_*``), summed over
-    engines and labels; 0 where a prefix-cache counter is absent."""
+    engines and labels, misses also per reason (``anchorkv_misses:<reason>``); 0 where a
+    prefix-cache counter is absent."""
     from vllm.v1.metrics.reader import Counter
 
     out = dict.fromkeys(HIT_COUNTERS, 0)
@@ -78,6 +79,9 @@ def counters(llm) -> dict[str, int]:
         elif metric.name.startswith("vllm:anchorkv_"):
             key = metric.name.removeprefix("vllm:")
             out[key] = out.get(key, 0) + int(metric.value)
+            reason = (metric.labels or {}).get("reason")
+            if reason is not None:
+                out[f"{key}:{reason}"] = out.get(f"{key}:{reason}", 0) + int(metric.value)
     return out
 
 

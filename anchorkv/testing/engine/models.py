@@ -2,6 +2,7 @@
 
     .venv-engine/bin/python -m anchorkv.testing.engine.models qwen3_next DIR ['{"num_hidden_layers": 6}']
     .venv-engine/bin/python -m anchorkv.testing.engine.models llama DIR
+    .venv-engine/bin/python -m anchorkv.testing.engine.models deepseek_v2 DIR
 
 Runs in the engine environment (its transformers writes the config vLLM reads). Weights come
 from a seeded initialization and are saved with `save_pretrained`, so every engine process of a
@@ -29,7 +30,17 @@ LLAMA = dict(
     num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=16384,
     initializer_range=0.1, tie_word_embeddings=False,
 )
-KINDS = ("qwen3_next", "llama")
+#: DeepSeek-V2-style MLA (Kimi-Linear's attention): vLLM's CPU MLA kernels take only a 576-wide
+#: latent row (kv_lora_rank 512 + rope 64), so those two are the real ones; one dense layer, then MoE
+DEEPSEEK_V2 = dict(
+    vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None,
+    qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=4,
+    num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1, first_k_dense_replace=1,
+    topk_method="greedy", n_group=1, topk_group=1, max_position_embeddings=16384,
+    initializer_range=0.1, tie_word_embeddings=False,
+)
+KINDS = ("qwen3_next", "llama", "deepseek_v2")
 
 
 def make(kind: str, path: str | Path, seed: int = 0, **overrides) -> Path:
@@ -45,6 +56,9 @@ def make(kind: str, path: str | Path, seed: int = 0, **overrides) -> Path:
     elif kind == "llama":
         config = transformers.LlamaConfig(**{**LLAMA, **overrides})
         cls = transformers.LlamaForCausalLM
+    elif kind == "deepseek_v2":
+        config = transformers.DeepseekV2Config(**{**DEEPSEEK_V2, **overrides})
+        cls = transformers.DeepseekV2ForCausalLM
     else:
         raise ValueError(f"model kind must be one of {KINDS}, found {kind!r}")
     torch.manual_seed(seed)
