@@ -102,8 +102,14 @@ class SchedulerSide:
         self.store = store
         self.block_size = next(g.block_size for g in groups if g.kind is GroupKind.PAGED)
         self.state_groups = tuple(g.index for g in groups if g.kind is GroupKind.STATE)
-        # req id -> (entry matched by the last lookup, tokens vLLM had computed locally then)
-        self._found: dict[str, tuple[EntryRef, int]] = {}
+        #: a model without recurrent state (attention, MLA) holds the state after k tokens in an
+        #: entry's first k rows, so a prompt restores the first n - 1 tokens of an entry of its
+        #: own n tokens (the same prompt again: a retry, a prefill/decode split); a hybrid's
+        #: state exists only at the entry's end
+        self.prefix_loads = not self.state_groups
+        # req id -> (entry matched by the last lookup, tokens vLLM had computed locally then,
+        # tokens of the entry to restore)
+        self._found: dict[str, tuple[EntryRef, int, int]] = {}
         self._pending_loads: list[LoadSpec] = []
         self._pending_saves: list[SaveSpec] = []
         self._requests: dict[str, _Tracked] = {}
@@ -135,29 +141,44 @@ class SchedulerSide:
             self._outcome[request.request_id] = Miss.UNALIGNED
             return 0, False
         ref, miss = self._lookup(request)
-        if ref is not None and ref.num_tokens <= num_computed_tokens:
+        n = len(request.prompt_token_ids or ())
+        take = 0 if ref is None else self._tokens_to_load(ref.num_tokens, n)
+        if ref is not None and take == 0:
+            ref, miss = None, Miss.TOO_LONG
+        if ref is not None and take <= num_computed_tokens:
             ref, miss = None, Miss.COVERED_LOCALLY
-        if ref is not None and self.decode_only and len(request.prompt_token_ids or ()) - ref.num_tokens > 1:
+        if ref is not None and self.decode_only and n - take > 1:
             ref, miss = None, Miss.NEEDS_PREFILL
         self._outcome[request.request_id] = miss
         if ref is None:
             self._found.pop(request.request_id, None)
             return 0, False
-        self._found[request.request_id] = (ref, num_computed_tokens)
-        return ref.num_tokens - num_computed_tokens, self.config.async_load
+        self._found[request.request_id] = (ref, num_computed_tokens, take)
+        return take - num_computed_tokens, self.config.async_load
+
+    def _tokens_to_load(self, entry_tokens: int, prompt_len: int) -> int:
+        """Tokens of an entry a prompt of `prompt_len` tokens restores: all of them, or for an
+        entry of the whole prompt (`prefix_loads` only) its first tokens short of the last,
+        whole `granularity` blocks; 0: none."""
+        if entry_tokens < prompt_len:
+            return entry_tokens
+        return (prompt_len - 1) // self.granularity * self.granularity
 
     def _lookup(self, request: Any) -> tuple[EntryRef | None, Miss | None]:
         """The longest entry this engine can restore for `request` that has not failed to load
         recently: any length in both mamba modes (align mode reads the state of a request
         that starts with n computed tokens from the block of token n - 1, whatever n), below
-        the prompt's length (vLLM must compute one token to sample from). With it, why there
-        is none (None when an entry was found)."""
+        the prompt's length (vLLM must compute one token to sample from), or as long as it
+        with `prefix_loads` (`_tokens_to_load`). With it, why there is none (None when an entry
+        was found)."""
         prompt = list(request.prompt_token_ids or [])
         limit = len(prompt) - 1
         scope = scope_of(request)
         anchor = anchor_of(request)
         if limit < 1 or (anchor is None and len(prompt) < TOKEN_BLOCK):  # the store keys neither
             return None, Miss.TOO_SHORT
+        if self.prefix_loads:
+            limit = len(prompt)
         miss = Miss.NO_ENTRY
         for _ in range(64):  # each round excludes one bad entry; a bound, not a retry count
             if limit < 1:
@@ -192,27 +213,26 @@ class SchedulerSide:
         # The local hit as presented to the lookup: vLLM 0.33 sets request.num_computed_tokens
         # only after this call (it is 0 here for a new request, local + external for a
         # deferred load), so it cannot tell where the load starts.
-        ref, start = found
-        if start + num_external_tokens != ref.num_tokens:
+        ref, start, take = found
+        if start + num_external_tokens != take:
             raise RuntimeError(
                 f"anchorkv: vLLM accepted {num_external_tokens} external tokens for request "
-                f"{request.request_id} after a local hit of {start}; the entry holds the state "
-                f"after {ref.num_tokens} tokens only; this is a bug"
+                f"{request.request_id} after a local hit of {start}; the load restores the state "
+                f"after {take} tokens only; this is a bug"
             )
-        blocks = select_blocks(self.groups, block_ids, start, ref.num_tokens, self.mode)
+        blocks = select_blocks(self.groups, block_ids, start, take, self.mode)
         if blocks is None:
             raise RuntimeError(
-                f"anchorkv: no blocks allocated for the state after {ref.num_tokens} tokens of "
+                f"anchorkv: no blocks allocated for the state after {take} tokens of "
                 f"request {request.request_id} (block ids {block_ids}); this is a bug"
             )
         sync = not self.config.async_load
-        self._pending_loads.append(LoadSpec(request.request_id, ref.entry_id, start, ref.num_tokens,
-                                            blocks, sync=sync))
+        self._pending_loads.append(LoadSpec(request.request_id, ref.entry_id, start, take, blocks, sync=sync))
         if not sync:
             self._loading[request.request_id] = ref.entry_id
         tracked = self._requests.get(request.request_id)
         if tracked is not None:
-            tracked.loaded = ref.num_tokens
+            tracked.loaded = take
 
     def _count_lookup(self, request: Any, num_external_tokens: int) -> None:
         """Count the lookup of a request vLLM admits now, once per admission (vLLM may ask

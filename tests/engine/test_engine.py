@@ -13,7 +13,8 @@ prefix caching on, i.e. mamba `align` mode; hybrid with it off; Llama), two engi
 On vLLM's CPU platform the attention kernels keep a block's tokens in an ISA-specific order,
 so anchorkv saves and restores whole attention blocks only there (`opaque_kv_layout`): the
 hybrid's state is saved at block boundaries (align mode's boundary entries; without align mode
-there are none, so nothing is saved), Llama keeps its prompts' whole blocks.
+there are none, so nothing is saved), Llama keeps its prompts' whole blocks (and, keeping no
+recurrent state, restores the whole blocks of an entry as long as the prompt short of its last token).
 
 Greedy tokens must be identical to the baseline everywhere (exact codecs); what was restored is
 read three ways and must agree: the connector's log, `RequestOutput.num_cached_tokens`, and
@@ -41,7 +42,9 @@ CONFIGS = {
 }
 # each past the first 256-token block (the hybrid's block here; anchor-less entries need 256
 # tokens); "c" alone reaches 512 tokens, the length its (whole-block) entries are found by
-PROMPTS = {"a": H.prompt(1, 280), "b": H.prompt(2, 330), "c": H.prompt(3, 600)}
+# "d" is whole Llama blocks (128 tokens here): its own entry is as long as it, and Llama (no
+# recurrent state) restores that entry's first blocks short of the last token
+PROMPTS = {"a": H.prompt(1, 280), "b": H.prompt(2, 330), "c": H.prompt(3, 600), "d": H.prompt(4, 384)}
 CORRUPT_ENTRY_TOKENS = 512
 CORRUPT = "c"  # its conversation's entries are corrupted before the warm run
 # a new message per conversation: after one shared message a random model's answers fall into a
@@ -135,13 +138,15 @@ def _restorable(config: str, n: int, block: int, finished: int | None = None) ->
     """Tokens a request of `n` prompt tokens restores when its conversation's earlier turn had
     `finished` tokens computed (None: the same prompt again), on the CPU platform's whole
     attention blocks: align mode saved the block boundary below the first prompt; Llama its
-    prompt's and prompt + answer's whole blocks; the hybrid without align mode nothing."""
+    prompt's and prompt + answer's whole blocks, and restores the whole blocks of an entry of
+    the prompt's own length short of its last token (no recurrent state: an entry's first rows
+    are the state after that many tokens); the hybrid without align mode nothing."""
     first = n if finished is None else finished - MAX_TOKENS + 1
     if CONFIGS[config][2] == "align":
         return (first - 1) // block * block
     if config == "llama":
         saved = {first // block * block} | ({finished // block * block} if finished else set())
-        return max(t for t in saved if t <= n - 1)
+        return max(min(t, (n - 1) // block * block) for t in saved if t <= n)
     return 0
 
 

