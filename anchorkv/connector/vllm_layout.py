@@ -172,9 +172,9 @@ def no_prefill_after_restore(vllm_config: Any) -> str | None:
     is enabled on a non-GPU platform"), so vLLM itself never prefills after cached tokens
     there; forced to, it answers otherwise than a full prefill (measured with vLLM alone and its
     own prefix cache switched back on: a DeepSeek-V2-style model's greedy tokens differ from the
-    first). A request with one token left runs the decode kernel, which reads restored rows
-    exactly as it reads its own (the tokens match, `tests/engine/test_engine_mla.py`): on such an
-    engine only those are restored."""
+    first, `anchorkv/testing/engine/cpu_mla_probe.py`). A request with one token left runs the
+    decode kernel, which reads restored rows exactly as it reads its own (the tokens match,
+    `tests/engine/test_engine_mla.py`): on such an engine only those are restored."""
     try:
         from vllm.platforms import current_platform
 

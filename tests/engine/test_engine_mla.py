@@ -140,3 +140,20 @@ def test_a_restore_that_would_leave_a_prefill_is_computed_instead(runs):
     turn2 = [b for b in warm["batches"] if b["requests"][0]["id"] in ids]
     misses = [(b.get("anchorkv_misses", 0), b.get("anchorkv_misses:needs_prefill", 0)) for b in turn2]
     assert misses == [(1, 1)] * 2, turn2
+
+
+def test_vllms_cpu_mla_backend_still_cannot_prefill_after_cached_tokens(engine_env, tmp_path):
+    """The premise of `no_prefill_after_restore`, with vLLM alone: its own prefix cache
+    switched back on, a prompt reusing cached tokens answers otherwise than computed in full
+    (`anchorkv/testing/engine/cpu_mla_probe.py`). Should a vLLM release fix that backend, this
+    fails: then restores may leave prefills there too."""
+    import subprocess
+
+    out = tmp_path / "probe.txt"
+    proc = subprocess.run([str(H.engine_python()), str(H.ROOT / "anchorkv/testing/engine/cpu_mla_probe.py"),
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=H.ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = out.read_text().splitlines()
+    assert "prefix caching True (forced on)" in lines[0]
+    context = next(line for line in lines if line.startswith("1. context prefill"))
+    assert "DIFFERENT" in context and "(0 cached" not in context, context
