@@ -228,7 +228,8 @@ class Engine:
     def _check_reads(self, rank: Rank, out) -> None:
         """Every byte the model reads this step: MLA rows [0, computed) as a recompute leaves
         them, no NaN (stale) row in the request's blocks from `computed` to the end of the block
-        of its last scheduled token, and the state block holding the state after `computed`."""
+        of its last scheduled token (where vLLM zeroes new blocks: `needs_kv_cache_zeroing`),
+        and the state block holding the state after `computed`."""
         bs = self.block_size
         kinds = self.group_kinds()
         for rid, start, n in self._computed_ranges(out):
@@ -270,7 +271,9 @@ class Engine:
                             bad = int((got != exp).any(dim=1).sum())
                             raise WrongRead(f"request {rid}, rank {rank.connector.worker.tp_rank}: "
                                             f"{name} latent rows [0, {start}): {bad} rows wrong")
-                    stale = int(rows[start:].isnan().any(dim=1).sum())
+                    # where vLLM zeroes new blocks (a model with Mamba-type state, or mixed precision)
+                    # a kernel may read a whole block; otherwise attention masks rows past the sequence
+                    stale = int(rows[start:].isnan().any(dim=1).sum()) if self.kv.needs_kv_cache_zeroing else 0
                     if stale:
                         raise WrongRead(f"request {rid}: {name} holds {stale} stale (NaN) rows in "
                                         f"[{start}, {end_row}) that attention may read")

@@ -99,3 +99,38 @@ def test_a_hybrid_never_cuts_an_entry():
     assert store.asked == [319]
     spec, _ = _plan(_side(Entries(256, 320), hybrid=True), PROMPT)
     assert spec.num_tokens == 256
+
+
+# ----------------------------------------------------------------------------- the real scheduler
+
+
+@pytest.fixture(scope="module")
+def mla_only_model_dir(tmp_path_factory):
+    """Kimi-Linear with every layer MLA (no KDA): a model without recurrent state."""
+    lin = dict(H.KIMI_LINEAR_48B_VLLM_CONFIG["linear_attn_config"])
+    layers = lin["kda_layers"] + lin["full_attn_layers"]
+    lin["kda_layers"], lin["full_attn_layers"] = [], sorted(layers)
+    return H.write_kimi_linear_model_dir(tmp_path_factory.mktemp("mla_only"), linear_attn_config=lin)
+
+
+def test_the_same_prompt_after_a_restart_restores_its_own_entry_short_of_the_last_token(mla_only_model_dir,
+                                                                                        tmp_path):
+    """Through vLLM 0.33's scheduler and allocator with the worker hooks in execute_model
+    order: the first turn saves its prompt (300 tokens); a new engine given the same prompt
+    restores its first 299 tokens, every byte in place and nothing else touched, and the
+    simulated model reads the restored rows as the ones it computed."""
+    from tests.connector import engine as E
+    from tests.connector.engine import ANCHOR
+    from tests.connector.test_connector import NONE_PROMPT, RAW, check_load, entries, first_turn, start_load
+
+    store = tmp_path / "store"
+    eng = E.make_engine(mla_only_model_dir, str(store), mode="none", num_blocks=8, extra=RAW)
+    assert eng.scheduler.connector.scheduler.prefix_loads
+    first_turn(eng, NONE_PROMPT, ANCHOR)
+    assert entries(store) == [300, 302]
+    eng = E.make_engine(mla_only_model_dir, str(store), mode="none", num_blocks=8, extra=RAW)  # a restart
+    spec, snaps = start_load(eng, "again", NONE_PROMPT, ANCHOR)
+    assert spec is not None and (spec.start, spec.num_tokens) == (0, 299)
+    check_load(eng, spec, snaps, NONE_PROMPT)
+    eng.run()
+    assert len(eng.tokens["again"]) == len(NONE_PROMPT) + 3

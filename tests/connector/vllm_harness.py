@@ -230,13 +230,15 @@ def kimi_linear_layer_specs(vllm_config) -> dict:
 
 def kimi_linear_kv_cache_groups(vllm_config) -> list:
     """The 4 groups vLLM forms for Kimi-Linear: 3 KDA groups (layers 0,4,..,24 / 1,5,..,25 /
-    2,6,..,22) and 1 MLA group (3,7,..,23,26), built by hand so that any block size works."""
+    2,6,..,22) and 1 MLA group (3,7,..,23,26), built by hand so that any block size works
+    (with no KDA layer in the config, the MLA group alone)."""
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
 
     specs = kimi_linear_layer_specs(vllm_config)
     kda = [i for i in range(KIMI_NUM_LAYERS) if isinstance(specs[layer_name(i)], MambaSpec)]
     mla = [i for i in range(KIMI_NUM_LAYERS) if i not in kda]
-    groups = [KVCacheGroupSpec([layer_name(i) for i in kda[j::3]], specs[layer_name(kda[j])]) for j in range(3)]
+    groups = [KVCacheGroupSpec([layer_name(i) for i in kda[j::3]], specs[layer_name(kda[j])])
+              for j in range(min(3, len(kda)))]  # none: every layer MLA (a model without state)
     groups.append(KVCacheGroupSpec([layer_name(i) for i in mla], specs[layer_name(mla[0])]))
     return groups
 
