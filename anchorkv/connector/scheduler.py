@@ -103,9 +103,9 @@ class SchedulerSide:
         self.block_size = next(g.block_size for g in groups if g.kind is GroupKind.PAGED)
         self.state_groups = tuple(g.index for g in groups if g.kind is GroupKind.STATE)
         #: a model without recurrent state (attention, MLA) holds the state after k tokens in an
-        #: entry's first k rows, so a prompt restores the first n - 1 tokens of an entry of its
-        #: own n tokens (the same prompt again: a retry, a prefill/decode split); a hybrid's
-        #: state exists only at the entry's end
+        #: entry's first k rows, so a prompt restores an entry of its own n tokens short of the
+        #: last token (the same prompt again: a retry, a prefill/decode split; see
+        #: `_tokens_to_load`); a hybrid's state exists only at the entry's end
         self.prefix_loads = not self.state_groups
         # req id -> (entry matched by the last lookup, tokens vLLM had computed locally then,
         # tokens of the entry to restore)
@@ -158,11 +158,17 @@ class SchedulerSide:
 
     def _tokens_to_load(self, entry_tokens: int, prompt_len: int) -> int:
         """Tokens of an entry a prompt of `prompt_len` tokens restores: all of them, or for an
-        entry of the whole prompt (`prefix_loads` only) its first tokens short of the last,
-        whole `granularity` blocks; 0: none."""
+        entry of the whole prompt (`prefix_loads` only) its whole blocks short of the last token
+        (a store read for the rows of a partial block would cost more than computing them, and
+        the same prompt on the same engine finds those blocks in vLLM's own prefix cache: then
+        nothing is read); an engine restoring single-token remainders (`decode_only`) takes all
+        but the last token. 0: none."""
         if entry_tokens < prompt_len:
             return entry_tokens
-        return (prompt_len - 1) // self.granularity * self.granularity
+        if self.decode_only:
+            return (prompt_len - 1) // self.granularity * self.granularity
+        step = max(self.granularity, self.block_size)
+        return (prompt_len - 1) // step * step
 
     def _lookup(self, request: Any) -> tuple[EntryRef | None, Miss | None]:
         """The longest entry this engine can restore for `request` that has not failed to load

@@ -1,10 +1,11 @@
-"""Prefix loads: a model without recurrent state (attention, MLA) restores the first n - 1
-tokens of an entry of a prompt's own n tokens (`SchedulerSide.prefix_loads`); a hybrid does not.
+"""Prefix loads: a model without recurrent state (attention, MLA) restores an entry of a
+prompt's own n tokens short of its last token, whole blocks (`SchedulerSide.prefix_loads`,
+`_tokens_to_load`); a hybrid does not.
 
 The scheduler side's arithmetic against a store that holds given entries (their lookups are the
-store's, tested in tests/store); that the rows restored are the ones a model reads is checked in
-a real engine (`tests/engine/test_engine.py`, the Llama prompt of whole blocks;
-`tests/engine/test_engine_mla.py`).
+store's, tested in tests/store); then through vLLM 0.33's scheduler and allocator with an
+MLA-only model, bytes checked. In a real engine: `tests/engine/test_engine.py` (the Llama prompt
+of whole blocks) and `tests/engine/test_engine_mla.py`.
 """
 
 from __future__ import annotations
@@ -40,12 +41,12 @@ class Entries:
         return EntryRef(f"e{max(fit)}", max(fit)) if fit else None
 
 
-def _side(store: Entries, *, hybrid: bool = False, granularity: int = 1) -> SchedulerSide:
+def _side(store: Entries, *, hybrid: bool = False, granularity: int = 1, decode_only: bool = False) -> SchedulerSide:
     groups = [GroupInfo(0, GroupKind.PAGED, BLOCK, ("attn",))]
     if hybrid:
         groups.append(GroupInfo(1, GroupKind.STATE, BLOCK, ("kda",)))
     return SchedulerSide(ConnectorConfig.from_extra_config({"store": "/nonexistent"}), groups, "none", store,
-                         granularity=granularity)
+                         granularity=granularity, decode_only=decode_only)
 
 
 def _plan(side: SchedulerSide, prompt: list[int], computed: int = 0, anchor: str | None = None):
@@ -62,11 +63,19 @@ def _plan(side: SchedulerSide, prompt: list[int], computed: int = 0, anchor: str
     return spec, miss
 
 
-def test_the_same_prompt_restores_all_but_its_last_token_of_its_own_entry():
+def test_the_same_prompt_restores_its_own_entry_in_whole_blocks_short_of_the_last_token():
     store = Entries(320)
     spec, miss = _plan(_side(store), PROMPT)
     assert store.asked == [320]  # entries as long as the prompt are candidates
-    assert miss is None and (spec.start, spec.num_tokens, spec.entry_id) == (0, 319, "e320")
+    assert miss is None and (spec.start, spec.num_tokens, spec.entry_id) == (0, 304, "e320")
+    assert spec.blocks == (tuple(range(1, 20)),)  # the blocks of tokens [0, 304)
+    spec, _ = _plan(_side(Entries(320)), PROMPT[:-3])  # 317 tokens: the entry is too long
+    assert spec is None
+
+
+def test_an_engine_restoring_single_token_remainders_takes_all_but_the_last_token():
+    spec, miss = _plan(_side(Entries(320), decode_only=True), PROMPT)
+    assert miss is None and (spec.start, spec.num_tokens) == (0, 319)
     assert spec.blocks == (tuple(range(1, 21)),)  # the blocks of tokens [0, 319)
 
 
@@ -77,19 +86,21 @@ def test_a_shorter_entry_restores_whole_and_a_longer_prompt_takes_the_whole_entr
     assert (spec.num_tokens, spec.entry_id) == (320, "e320")
 
 
-def test_whole_blocks_only_where_the_platform_needs_them():
+def test_whole_blocks_where_the_platform_needs_them_even_for_single_token_remainders():
     """An opaque in-block order (vLLM's CPU attention): the restore ends on a block boundary."""
     spec, _ = _plan(_side(Entries(320), granularity=BLOCK), PROMPT)
     assert spec.num_tokens == 304
+    assert _plan(_side(Entries(320), granularity=BLOCK, decode_only=True), PROMPT) == (None, Miss.NEEDS_PREFILL)
     # a one-block prompt keeps no whole block short of its last token
     assert _plan(_side(Entries(16), granularity=BLOCK), PROMPT[:16], anchor="x") == (None, Miss.TOO_LONG)
 
 
-def test_a_local_hit_loads_the_rest_of_the_prefix_or_covers_it():
-    spec, _ = _plan(_side(Entries(320)), PROMPT, computed=304)
-    assert (spec.start, spec.num_tokens) == (304, 319)
-    side = _side(Entries(320), granularity=BLOCK)
-    assert _plan(side, PROMPT, computed=304) == (None, Miss.COVERED_LOCALLY)
+def test_the_same_prompt_on_the_same_engine_reads_nothing():
+    """vLLM's prefix cache holds the prompt's whole blocks (304 tokens): the entry adds no whole
+    block, and the store is not read for the rows of the partial one."""
+    assert _plan(_side(Entries(320)), PROMPT, computed=304) == (None, Miss.COVERED_LOCALLY)
+    spec, _ = _plan(_side(Entries(320)), PROMPT, computed=256)
+    assert (spec.start, spec.num_tokens) == (256, 304)
 
 
 def test_a_hybrid_never_cuts_an_entry():
@@ -116,21 +127,23 @@ def mla_only_model_dir(tmp_path_factory):
 def test_the_same_prompt_after_a_restart_restores_its_own_entry_short_of_the_last_token(mla_only_model_dir,
                                                                                         tmp_path):
     """Through vLLM 0.33's scheduler and allocator with the worker hooks in execute_model
-    order: the first turn saves its prompt (300 tokens); a new engine given the same prompt
-    restores its first 299 tokens, every byte in place and nothing else touched, and the
-    simulated model reads the restored rows as the ones it computed."""
+    order: the first turn saves its prompt (2 blocks and 100 tokens); a new engine given the same prompt
+    restores its whole blocks short of the last token, every byte in place and nothing else
+    touched, and the simulated model reads the restored rows as the ones it computed."""
     from tests.connector import engine as E
     from tests.connector.engine import ANCHOR
-    from tests.connector.test_connector import NONE_PROMPT, RAW, check_load, entries, first_turn, start_load
+    from tests.connector.test_connector import RAW, check_load, entries, first_turn, start_load
 
     store = tmp_path / "store"
     eng = E.make_engine(mla_only_model_dir, str(store), mode="none", num_blocks=8, extra=RAW)
     assert eng.scheduler.connector.scheduler.prefix_loads
-    first_turn(eng, NONE_PROMPT, ANCHOR)
-    assert entries(store) == [300, 302]
+    # the harness aligns the block as for the hybrid (1920 tokens here): two blocks and a part
+    prompt = list(range(1000, 1000 + 2 * eng.block_size + 100))
+    first_turn(eng, prompt, ANCHOR)
+    assert entries(store) == [len(prompt), len(prompt) + 2]
     eng = E.make_engine(mla_only_model_dir, str(store), mode="none", num_blocks=8, extra=RAW)  # a restart
-    spec, snaps = start_load(eng, "again", NONE_PROMPT, ANCHOR)
-    assert spec is not None and (spec.start, spec.num_tokens) == (0, 299)
-    check_load(eng, spec, snaps, NONE_PROMPT)
+    spec, snaps = start_load(eng, "again", prompt, ANCHOR)
+    assert spec is not None and (spec.start, spec.num_tokens) == (0, 2 * eng.block_size)
+    check_load(eng, spec, snaps, prompt)
     eng.run()
-    assert len(eng.tokens["again"]) == len(NONE_PROMPT) + 3
+    assert len(eng.tokens["again"]) == len(prompt) + 3
