@@ -140,9 +140,13 @@ class SchedulerSide:
             self._found.pop(request.request_id, None)
             self._outcome[request.request_id] = Miss.UNALIGNED
             return 0, False
-        ref, miss = self._lookup(request)
         n = len(request.prompt_token_ids or ())
+        ref, miss = self._lookup(request, n if self.prefix_loads else n - 1)
         take = 0 if ref is None else self._tokens_to_load(ref.num_tokens, n)
+        if ref is not None and ref.num_tokens >= n:  # the prompt's own entry, cut: a shorter one may give more
+            shorter, _ = self._lookup(request, n - 1)
+            if shorter is not None and shorter.num_tokens > take:
+                ref, take = shorter, shorter.num_tokens
         if ref is not None and take == 0:
             ref, miss = None, Miss.TOO_LONG
         if ref is not None and take <= num_computed_tokens:
@@ -170,21 +174,18 @@ class SchedulerSide:
         step = max(self.granularity, self.block_size)
         return (prompt_len - 1) // step * step
 
-    def _lookup(self, request: Any) -> tuple[EntryRef | None, Miss | None]:
-        """The longest entry this engine can restore for `request` that has not failed to load
-        recently: any length in both mamba modes (align mode reads the state of a request
-        that starts with n computed tokens from the block of token n - 1, whatever n), below
-        the prompt's length (vLLM must compute one token to sample from), or as long as it
-        with `prefix_loads` (`_tokens_to_load`). With it, why there is none (None when an entry
-        was found)."""
+    def _lookup(self, request: Any, limit: int) -> tuple[EntryRef | None, Miss | None]:
+        """The longest entry of at most `limit` tokens this engine can restore for `request`
+        that has not failed to load recently: any length in both mamba modes (align mode reads
+        the state of a request that starts with n computed tokens from the block of token
+        n - 1, whatever n). `limit` is below the prompt's length (vLLM must compute one token to
+        sample from), or as long as it with `prefix_loads` (`_tokens_to_load` cuts it). With it,
+        why there is none (None when an entry was found)."""
         prompt = list(request.prompt_token_ids or [])
-        limit = len(prompt) - 1
         scope = scope_of(request)
         anchor = anchor_of(request)
-        if limit < 1 or (anchor is None and len(prompt) < TOKEN_BLOCK):  # the store keys neither
+        if len(prompt) < 2 or (anchor is None and len(prompt) < TOKEN_BLOCK):  # the store keys neither
             return None, Miss.TOO_SHORT
-        if self.prefix_loads:
-            limit = len(prompt)
         miss = Miss.NO_ENTRY
         for _ in range(64):  # each round excludes one bad entry; a bound, not a retry count
             if limit < 1:

@@ -66,12 +66,24 @@ def _plan(side: SchedulerSide, prompt: list[int], computed: int = 0, anchor: str
 def test_the_same_prompt_restores_its_own_entry_in_whole_blocks_short_of_the_last_token():
     store = Entries(320)
     spec, miss = _plan(_side(store), PROMPT)
-    assert store.asked == [320]  # entries as long as the prompt are candidates
+    assert store.asked == [320, 319]  # entries as long as the prompt, then a shorter one that may give more
     assert miss is None and (spec.start, spec.num_tokens, spec.entry_id) == (0, 304, "e320")
     assert spec.blocks == (tuple(range(1, 20)),)  # the blocks of tokens [0, 304)
     spec, _ = _plan(_side(Entries(320)), PROMPT[:-3])  # 317 tokens: the entry is too long
     assert spec is None
 
+
+
+def test_a_shorter_entry_that_restores_more_than_the_cut_one_wins():
+    """The prompt's own entry cut to whole blocks (304) against a shorter entry of 312 tokens,
+    and a one-block prompt whose own entry keeps no whole block against one of 10 tokens."""
+    store = Entries(312, 320)
+    spec, _ = _plan(_side(store), PROMPT)
+    assert (spec.num_tokens, spec.entry_id) == (312, "e312") and store.asked == [320, 319]
+    spec, _ = _plan(_side(Entries(10, 16)), PROMPT[:16], anchor="x")
+    assert (spec.num_tokens, spec.entry_id) == (10, "e10")
+    spec, _ = _plan(_side(Entries(300, 320)), PROMPT)
+    assert (spec.num_tokens, spec.entry_id) == (304, "e320")
 
 def test_an_engine_restoring_single_token_remainders_takes_all_but_the_last_token():
     spec, miss = _plan(_side(Entries(320), decode_only=True), PROMPT)
