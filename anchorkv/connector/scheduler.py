@@ -143,7 +143,7 @@ class SchedulerSide:
         n = len(request.prompt_token_ids or ())
         ref, miss = self._lookup(request, n if self.prefix_loads else n - 1)
         take = 0 if ref is None else self._tokens_to_load(ref.num_tokens, n)
-        if ref is not None and ref.num_tokens >= n:  # the prompt's own entry, cut: a shorter one may give more
+        if ref is not None and ref.num_tokens >= n and take < n - 1:  # the own entry, cut: a shorter one may give more
             shorter, _ = self._lookup(request, n - 1)
             if shorter is not None and shorter.num_tokens > take:
                 ref, take = shorter, shorter.num_tokens

@@ -139,23 +139,36 @@ def mla_only_model_dir(tmp_path_factory):
 def test_the_same_prompt_after_a_restart_restores_its_own_entry_short_of_the_last_token(mla_only_model_dir,
                                                                                         tmp_path):
     """Through vLLM 0.33's scheduler and allocator with the worker hooks in execute_model
-    order: the first turn saves its prompt (2 blocks and 100 tokens); a new engine given the same prompt
-    restores its whole blocks short of the last token, every byte in place and nothing else
-    touched, and the simulated model reads the restored rows as the ones it computed."""
+    order, prefills chunked at 1024 tokens: the first turn saves its prompt (2 blocks and 100
+    tokens). A new engine admits, in one step, the same prompt (its own entry's whole blocks
+    short of the last token) and a longer one (that entry whole): every byte in place, nothing
+    else touched, and the simulated model reads the restored rows as the ones it computed."""
+    from tests.connector import cache_checks as C
     from tests.connector import engine as E
     from tests.connector.engine import ANCHOR
-    from tests.connector.test_connector import RAW, check_load, entries, first_turn, start_load
+    from tests.connector.test_connector import EXTRA, RAW, entries, first_turn
 
     store = tmp_path / "store"
-    eng = E.make_engine(mla_only_model_dir, str(store), mode="none", num_blocks=8, extra=RAW)
+    chunked = dict(mode="none", num_blocks=8, extra=RAW, max_num_batched_tokens=1024)
+    eng = E.make_engine(mla_only_model_dir, str(store), **chunked)
     assert eng.scheduler.connector.scheduler.prefix_loads
     # the harness aligns the block as for the hybrid (1920 tokens here): two blocks and a part
     prompt = list(range(1000, 1000 + 2 * eng.block_size + 100))
     first_turn(eng, prompt, ANCHOR)
     assert entries(store) == [len(prompt), len(prompt) + 2]
-    eng = E.make_engine(mla_only_model_dir, str(store), mode="none", num_blocks=8, extra=RAW)  # a restart
-    spec, snaps = start_load(eng, "again", prompt, ANCHOR)
-    assert spec is not None and (spec.start, spec.num_tokens) == (0, 2 * eng.block_size)
-    check_load(eng, spec, snaps, prompt)
+    eng = E.make_engine(mla_only_model_dir, str(store), **chunked)  # a restart
+    snaps = [C.snapshot(r) for r in eng.ranks]
+    eng.add("again", prompt, anchor=ANCHOR)
+    eng.add("longer", prompt + EXTRA, anchor=ANCHOR)
+    loads = {s.req_id: s for s in eng.step().kv_connector_metadata.plan.loads}
+    eng.flush()
+    assert {r: (s.start, s.num_tokens) for r, s in loads.items()} == {
+        "again": (0, 2 * eng.block_size), "longer": (0, len(prompt))}
+    for rank, before in zip(eng.ranks, snaps, strict=True):
+        a, b = (C.touched(eng, rank, loads[r]) for r in ("again", "longer"))
+        C.assert_only_touched(rank, before, {k: a[k] | b[k] for k in a})  # the two loads' bytes only
+        C.assert_restored(eng, rank, loads["again"], prompt)
+        C.assert_restored(eng, rank, loads["longer"], prompt + EXTRA)
     eng.run()
     assert len(eng.tokens["again"]) == len(prompt) + 3
+    assert len(eng.tokens["longer"]) == len(prompt) + len(EXTRA) + 3

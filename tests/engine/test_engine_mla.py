@@ -30,6 +30,8 @@ one by one gave 731; in fp32 too), so only what it restored is checked.
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from anchorkv.testing.engine import harness as H
@@ -147,8 +149,6 @@ def test_vllms_cpu_mla_backend_still_cannot_prefill_after_cached_tokens(engine_e
     switched back on, a prompt reusing cached tokens answers otherwise than computed in full
     (`anchorkv/testing/engine/cpu_mla_probe.py`). Should a vLLM release fix that backend, this
     fails: then restores may leave prefills there too."""
-    import subprocess
-
     out = tmp_path / "probe.txt"
     proc = subprocess.run([str(H.engine_python()), str(H.ROOT / "anchorkv/testing/engine/cpu_mla_probe.py"),
                            "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=H.ROOT)

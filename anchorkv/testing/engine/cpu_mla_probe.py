@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -35,7 +34,6 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.platforms import cpu as cpu_platform
@@ -70,7 +68,8 @@ def main() -> None:
             out = llm.generate([prompt_in], params, use_tqdm=False)[0]
             return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
 
-        first, second = H.prompt(1, 280), H.prompt(1, 280) + H.prompt(100, 56)
+        first = H.prompt(1, 280)
+        second = first + H.prompt(100, 56)
         llm.reset_prefix_cache()
         full, _ = greedy(second, 16)
         llm.reset_prefix_cache()
