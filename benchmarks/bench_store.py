@@ -32,7 +32,10 @@ dirty pages left by earlier rounds, so no round is throttled by the kernel's wri
 another round's (or provider's) data.
 
 A second table scales the MLA latent alone (7 layers) from 1920 to 122,880 tokens (quick mode:
-the two smallest), store-raw against plain. Results: `benchmarks/results/<machine>-store.json`
+the two smallest), store-raw against plain; a third holds short entries of the latent alone
+(280 to 2100 tokens, one block each; quick mode: the smallest), where `size_vs_raw` shows the
+zero-padded edge chunk (format 5 sizes the token chunks to the entry: 1.15x for 280 tokens,
+3.66x with format 3's 1024-token chunks). Results: `benchmarks/results/<machine>-store.json`
 (`benchmarks.machine`; the recorded run: `cpu-x86-64-2c-store.json`).
 
     .venv/bin/python -m pytest benchmarks/bench_store.py --benchmark-only --benchmark-json=/tmp/store.json
@@ -41,6 +44,7 @@ the two smallest), store-raw against plain. Results: `benchmarks/results/<machin
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -53,6 +57,7 @@ import pytest
 import torch
 
 from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, CacheView, LayerKind, Region, kimi_linear_layout, pack
+from anchorkv.codec.layout import Field, PageLayout, dense_strides
 from anchorkv.codec.models import custom_layout
 from anchorkv.store import store as store_module
 from anchorkv.store.store import Store
@@ -66,6 +71,7 @@ CODEC_SETS = {
     "quant": {"conv": "int8:128", "recurrent": "int8:128", "latent": "fp8:64"},
 }
 SCALE_TOKENS = [1920, 7680, 30720, 122880]
+SHORT_TOKENS = [280, 600, 1100, 2100]
 COMMAND = "python -m pytest benchmarks/bench_store.py --benchmark-only --benchmark-json=/tmp/store.json"
 _rows: list[dict] = []
 _plain: dict[tuple, float] = {}
@@ -74,15 +80,16 @@ _plain: dict[tuple, float] = {}
 class Request:
     """The packed fields of one request (per codec set) and its raw bytes per (layer, field)."""
 
-    def __init__(self, tokens: int, kinds: tuple[str, ...] = ("state", "paged")) -> None:
+    def __init__(self, tokens: int, kinds: tuple[str, ...] = ("state", "paged"), block: int = BLOCK) -> None:
         self.tokens = tokens
         self.layout = kimi_linear_layout(KIMI_LINEAR_48B_CONFIG, tp_size=1, block_size=BLOCK)
         if kinds != ("state", "paged"):  # an entry holds every layer of its layout: keep only these
             self.layout = custom_layout("KimiLinear-" + "+".join(kinds), [
-                (layer.name, layer.kind.value, layer.page) for layer in self.layout.layers if layer.kind.value in kinds
-            ], block_size=BLOCK, tp_size=1, tp_rank=0)
+                (layer.name, layer.kind.value, layer.page if block == BLOCK else _latent_page(layer.page, block))
+                for layer in self.layout.layers if layer.kind.value in kinds
+            ], block_size=block, tp_size=1, tp_rank=0)
         page = self.layout.layers[0].page.page_bytes
-        blocks = -(-tokens // BLOCK)
+        blocks = -(-tokens // block)
         g = torch.Generator().manual_seed(0)
         self.views: dict[str, tuple[CacheView, list[int]]] = {}
         for layer in self.layout.layers:
@@ -97,8 +104,8 @@ class Request:
             self.views[layer.name] = (view, list(range(n)))
         self.packed = {name: self._pack(codecs) for name, codecs in CODEC_SETS.items()}
         self.raw = {k: p.payload.numpy() for k, p in self.packed["raw"].items()}
-        # bytes of state the request holds (a multiple of BLOCK tokens: no padding rows)
-        assert tokens % BLOCK == 0, "sizes are whole MLA blocks, so every provider moves the same bytes"
+        # bytes of state the request holds (a multiple of the block: no padding rows)
+        assert tokens % block == 0, "sizes are whole MLA blocks, so every provider moves the same bytes"
         self.raw_bytes = sum(a.nbytes for a in self.raw.values())
         self.token_ids = np.arange(tokens, dtype=np.int64)
 
@@ -114,13 +121,21 @@ class Request:
         return {f: c for f, c in CODEC_SETS[kind].items() if f in fields}
 
 
+def _latent_page(page: PageLayout, rows: int) -> PageLayout:
+    """An MLA page of `rows` tokens (a latent-only layout is free of the KDA state's minimum block)."""
+    (f,) = page.fields
+    shape = (rows, *f.shape[1:])
+    return PageLayout((Field(f.name, f.dtype, shape, dense_strides(shape), 0, role=f.role),),
+                      rows * math.prod(f.shape[1:]) * f.dtype.itemsize)
+
+
 _requests: dict[tuple, Request] = {}
 
 
-def request(tokens: int, kinds=("state", "paged")) -> Request:
-    key = (tokens, kinds)
+def request(tokens: int, kinds=("state", "paged"), block: int = BLOCK) -> Request:
+    key = (tokens, kinds, block)
     if key not in _requests:
-        _requests[key] = Request(tokens, kinds)
+        _requests[key] = Request(tokens, kinds, block)
     return _requests[key]
 
 
@@ -314,3 +329,16 @@ def test_latent_scaling(benchmark, op, tokens, provider, quick, rounds, tmp_path
     req = request(tokens, ("paged",))
     _run(benchmark, op, provider, req, tmp_path_factory.mktemp("lat"), rounds,
          f"mla latent x7 {tokens} tokens {op}")
+
+
+@pytest.mark.parametrize("provider", ["plain", "store-raw"])
+@pytest.mark.parametrize("tokens", SHORT_TOKENS)
+@pytest.mark.parametrize("op", ["save", "load"])
+def test_short_entries(benchmark, op, tokens, provider, quick, rounds, tmp_path_factory):
+    """The MLA latent alone (7 layers x tokens x 576 bf16) of short prompts, one block of `tokens`:
+    the padded edge chunk in `size_vs_raw` (format 5 sizes the token chunks to the entry)."""
+    if quick and tokens != SHORT_TOKENS[0]:
+        pytest.skip("quick mode: the smallest size only")
+    req = request(tokens, ("paged",), block=tokens)
+    _run(benchmark, op, provider, req, tmp_path_factory.mktemp("short"), rounds,
+         f"mla latent x7 {tokens} tokens (short) {op}")

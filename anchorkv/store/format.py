@@ -5,9 +5,11 @@ Axis letters: L layers of one field kind, T tokens, F the field's logical axes.
 * A **state** field (``conv``, ``recurrent``) is stored as `[L, *F]`, one chunk per layer and
   per `1/MAX_TP` of the shard axis (``recurrent`` `[20, 32, 128, 128]` in chunks of
   `[1, 4, 128, 128]`), so the slice of any rank at tp in {1, 2, 4, 8} is whole chunks.
-* A **paged** field (``latent``) is stored as `[L, T, *row]`, chunked by `TOKEN_CHUNK` tokens:
-  quantization groups lie within a row, so re-cutting token rows is a reshape and the entry
-  does not depend on vLLM's block size (which changes with tp).
+* A **paged** field (``latent``) is stored as `[L, T, *row]`, chunked by `token_chunk(T)`
+  tokens (`TOKEN_CHUNK`, 1024, past 7680 tokens; for shorter entries the smallest multiple of 64
+  that cuts T into at most 8 chunks, so the zero-padded edge chunk adds little to a short entry;
+  format version 5): quantization groups lie within a row, so re-cutting token rows is a reshape
+  and the entry does not depend on vLLM's block size (which changes with tp).
 
 A chunk's bytes are exactly `anchorkv.kernels.reference.quantize` of the chunk's values in the
 source dtype: the payload (codes) and, for a quantized codec, the fp32 little-endian scales
@@ -31,7 +33,7 @@ above are its *inner* chunks; a *shard* (one file / object, the key of the outer
   it wrote whole chunks of its own; a reader at any tp in {1, 2, 4, 8} reads only the inner chunks
   it needs by byte range;
 * paged field (written by rank 0): one layer x up to `SHARD_TOKEN_CHUNKS` inner token chunks
-  (`min(8, ceil(T / 1024))` chunks: one shard per layer up to 8192 tokens, so a typical request
+  (`min(8, ceil(T / token_chunk(T)))` chunks: one shard per layer up to 8192 tokens, so a typical request
   is one file per layer, while a very long context is cut into 8192-token files, which keeps a
   save of a layer from building one huge file and bounds what a short window read has to skip).
   Inner chunks wholly past the last token (only in the last shard of an entry longer than 8192
@@ -92,12 +94,18 @@ FORMAT_VERSION = 3
 #: plus plug-in arrays; an older anchorkv lists such an entry as ``newer-format`` and leaves it
 #: alone instead of calling it damaged).
 PLUGIN_FORMAT_VERSION = 4
+#: The format version of an entry whose paged fields are chunked by fewer than `TOKEN_CHUNK`
+#: tokens (`token_chunk`: entries of up to 7680 tokens; version 4 plus chunks sized to the entry,
+#: plug-in arrays allowed). Entries chunked as version 3 or 4 are still written as those.
+SIZED_CHUNK_FORMAT_VERSION = 5
 #: Format versions this anchorkv can read (older ones are listed as ``old-format``, never loaded).
-READABLE_VERSIONS = (3, 4)
+READABLE_VERSIONS = (3, 4, 5)
 #: The largest tensor-parallel size whose rank slices are whole chunks.
 MAX_TP = 8
-#: Tokens per chunk of a paged field.
+#: Tokens per chunk of a paged field, at most (and always, in format versions 3 and 4).
 TOKEN_CHUNK = 1024
+#: A paged field's token chunk is a multiple of this many tokens (format version 5).
+TOKEN_CHUNK_STEP = 64
 #: Inner token chunks per shard of a paged field (at most).
 SHARD_TOKEN_CHUNKS = 8
 #: zarr's marker of an empty inner chunk in a shard index.
@@ -108,7 +116,31 @@ SCALES_SUFFIX = "_scales"
 
 def entry_format_version(arrays: dict[str, ArrayLayout]) -> int:
     """The version an entry of these arrays is written as: the lowest that can represent them."""
+    if any(a.kind == "paged" and a.chunks[1] != TOKEN_CHUNK for a in arrays.values()):
+        return SIZED_CHUNK_FORMAT_VERSION
     return PLUGIN_FORMAT_VERSION if any(a.codec.plugin for a in arrays.values()) else FORMAT_VERSION
+
+
+def describe_version(version: int) -> str:
+    """What sets an entry's format version apart (for the manifest checks' messages)."""
+    return {FORMAT_VERSION: "built-in codecs, 1024-token chunks",
+            PLUGIN_FORMAT_VERSION: "codec plug-in arrays, 1024-token chunks",
+            SIZED_CHUNK_FORMAT_VERSION: "token chunks sized to the entry"}.get(version, "unknown")
+
+
+def token_chunk(num_tokens: int, version: int = SIZED_CHUNK_FORMAT_VERSION) -> int:
+    """Tokens per inner chunk of the paged fields of an entry of `num_tokens` tokens.
+
+    Format version 5: the smallest multiple of `TOKEN_CHUNK_STEP` that cuts the entry into at
+    most `SHARD_TOKEN_CHUNKS` chunks, at most `TOKEN_CHUNK`; the edge chunk, padded as zarr pads
+    it, then holds fewer than min(512, num_tokens / 8 + 64) rows past the entry's end instead of
+    up to 1023 (a 280-token entry stored 1024 rows). Entries of more than 7680 tokens keep
+    `TOKEN_CHUNK`, and every entry up to 8192 tokens stays one shard per layer. Versions 3 and 4:
+    always `TOKEN_CHUNK`."""
+    if version < SIZED_CHUNK_FORMAT_VERSION:
+        return TOKEN_CHUNK
+    per_chunk = -(-max(num_tokens, 1) // SHARD_TOKEN_CHUNKS)
+    return min(TOKEN_CHUNK, -(-per_chunk // TOKEN_CHUNK_STEP) * TOKEN_CHUNK_STEP)
 
 
 @dataclass(frozen=True)
@@ -555,15 +587,18 @@ def shard_chunk(n: int) -> int:
 
 
 def geometry(name: str, kind: str, num_layers: int, logical: tuple[int, ...], axis: int | None,
-             num_tokens: int, tp_size: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(shape, chunks, shards) of the array of a field (see the module docstring): `logical` is
-    the field's logical shape (paged: the per-token row), `axis` the array axis tp splits."""
+             num_tokens: int, tp_size: int, version: int = SIZED_CHUNK_FORMAT_VERSION,
+             ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(shape, chunks, shards) of the array of a field (see the module docstring) in an entry of
+    format `version`: `logical` is the field's logical shape (paged: the per-token row), `axis`
+    the array axis tp splits."""
+    rows = token_chunk(num_tokens, version)
     if kind == "state":
         shape = (num_layers, *logical)
         chunks = [1, *logical]
     else:
         shape = (num_layers, num_tokens, *logical)
-        chunks = [1, TOKEN_CHUNK, *logical]
+        chunks = [1, rows, *logical]
     if axis is not None:
         chunks[axis] = shard_chunk(shape[axis])
     shards = list(chunks)
@@ -578,7 +613,7 @@ def geometry(name: str, kind: str, num_layers: int, logical: tuple[int, ...], ax
                 )
             shards[axis] = shape[axis] // tp_size
     else:
-        shards[1] = TOKEN_CHUNK * min(SHARD_TOKEN_CHUNKS, -(-num_tokens // TOKEN_CHUNK))
+        shards[1] = rows * min(SHARD_TOKEN_CHUNKS, -(-num_tokens // rows))
     return tuple(shape), tuple(chunks), tuple(shards)
 
 

@@ -34,9 +34,9 @@ from typing import Any, NamedTuple
 
 from anchorkv.store.errors import CorruptEntry, OtherFormat
 from anchorkv.store.format import (
-    FORMAT_VERSION,
     READABLE_VERSIONS,
     ArrayLayout,
+    describe_version,
     encoding_from_config,
     entry_format_version,
     part_attrs,
@@ -336,8 +336,8 @@ def _check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:
         return out + [f"arrays cannot be read ({e})"]
     version = entry_format_version(arrays)
     if m["format_version"] != version:
-        out.append(f"format_version is {m['format_version']}, its arrays' codecs make {version} (version "
-                   f"{version} {'has' if version > FORMAT_VERSION else 'has no'} codec plug-in arrays)")
+        out.append(f"format_version is {m['format_version']}, its arrays make {version} (version {version}: "
+                   f"{describe_version(version)})")
     sums, shards = m["checksums"], m["shards"]
     want_chunks: set[str] = set()
     want_shards: set[str] = set()
@@ -360,7 +360,7 @@ def _check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:
             out.append(f"{where}: shard_axis {a.shard_axis} is not an axis tp can split")
             continue
         try:
-            geo = geometry(fname, a.kind, len(layers), fshape, a.shard_axis, n, tp)
+            geo = geometry(fname, a.kind, len(layers), fshape, a.shard_axis, n, tp, m["format_version"])
         except Exception as e:
             out.append(f"{where}: {e}")
             continue

@@ -49,13 +49,14 @@ def plugin_runs(engine_env, tmp_path_factory):
 
 
 def test_entries_record_the_plugin(plugin_runs):
-    """The saved entry is format version 4 and names the plug-in and its resolved options
-    (the projection inline) for k and v; the connector announced the lossy plug-in codec."""
+    """The saved entry is format version 5 (plug-in arrays, token chunks sized to the short
+    entry) and names the plug-in and its resolved options (the projection inline) for k and v;
+    the connector announced the lossy plug-in codec."""
     runs, store = plugin_runs
     manifests = [json.loads((d / "zarr.json").read_text())["attributes"]["anchorkv"] for d in H.entry_dirs(store)]
     assert manifests, "nothing was saved"
     for m in manifests:
-        assert m["format_version"] == 4
+        assert m["format_version"] == 5
         for field in ("k", "v"):
             codec = m["codecs"][field]
             assert codec["plugin"] == "lowrank" and codec["config"]["rank"] == HEAD

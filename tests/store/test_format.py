@@ -12,6 +12,7 @@ import zarr
 
 from anchorkv.codec import CodecSpec
 from anchorkv.kernels import reference
+from anchorkv.store import format as F
 from anchorkv.store.errors import FormatError
 from anchorkv.store.format import MAX_TP, TOKEN_CHUNK, QuantChunkEncoding, crc32c
 from anchorkv.store.store import Store
@@ -248,6 +249,62 @@ def test_shard_layout(tmp_path):
         if key.startswith(("recurrent/c.2.", "recurrent_scales/c.2.")):  # layer 2, heads h: shard h // 4, slot h % 4
             h = int(key.split(".")[2])
             assert offset == (h % 4) * size
+
+
+def test_token_chunk_pads_a_short_entry_little():
+    """Format 5 cuts a paged field of up to 7680 tokens into at most 8 chunks, each a multiple of
+    64 tokens: the padded edge chunk adds fewer than min(512, n / 8 + 64) rows (up to 1023 before,
+    e.g. a 280-token entry stored 1024 rows); past 7680 tokens the chunks are format 3's 1024;
+    every entry up to 8192 tokens stays one shard per layer."""
+    for n in [*range(1, 2100), *range(2100, 20000, 37), 7679, 7680, 7681, 8191, 8192, 8193, 122_880]:
+        c = F.token_chunk(n)
+        rows = -(-n // c) * c
+        assert c % 64 == 0 and 64 <= c <= TOKEN_CHUNK, (n, c)
+        assert rows - n < (min(512, n / 8 + 64) if n <= 7680 else TOKEN_CHUNK), (n, c)
+        assert (c == TOKEN_CHUNK) == (n > 7680), (n, c)
+        assert F.token_chunk(n, version=3) == F.token_chunk(n, version=4) == TOKEN_CHUNK
+        _, chunks, shards = F.geometry("latent", "paged", 2, (72,), None, n, 1)
+        assert chunks == (1, c, 72) and shards == (1, c * min(8, -(-n // c)), 72), n
+        if n <= 8192:
+            assert shards[1] >= n, n  # one shard per layer
+    assert [F.token_chunk(n) for n in (280, 600, 1100, 3000, 5000)] == [64, 128, 192, 384, 640]
+
+
+def test_entries_chunked_by_1024_tokens_still_load(tmp_path, monkeypatch):
+    """An entry written before format 5 (version 3: a 700-token latent in one 1024-token chunk)
+    is listed ok, verifies and loads the same bytes as the new, smaller version 5 entry."""
+    layout = tiny_layout()
+    n = 700
+    with monkeypatch.context() as m:
+        m.setattr(F, "token_chunk", lambda num_tokens, version=5: TOKEN_CHUNK)  # the writer before format 5
+        old = Store.open(tmp_path / "old").save(layout, CODECS, tokens(n), all_packed(layout, CODECS, n), anchor="a")
+    new = Store.open(tmp_path / "new").save(layout, CODECS, tokens(n), all_packed(layout, CODECS, n), anchor="a")
+    assert (old.manifest["format_version"], old.arrays()["latent"].chunks[1]) == (3, 1024)
+    assert (new.manifest["format_version"], new.arrays()["latent"].chunks[1]) == (5, 128)
+    assert new.stored_bytes < old.stored_bytes
+    stores = {"old": Store.open(tmp_path / "old", create=False), "new": Store.open(tmp_path / "new", create=False)}
+    assert [e.state for e in stores["old"].scan()] == ["ok"] and stores["old"].verify(old.id) == []
+    for layer, field in [("model.layers.2.attn", "latent"), ("model.layers.1.attn", "recurrent")]:
+        a = stores["old"].load(old.id, layout, layer, field)
+        b = stores["new"].load(new.id, layout, layer, field)
+        assert torch.equal(a.payload, b.payload) and torch.equal(a.scales, b.scales), (layer, field)
+    window = [s.load(e.id, layout, "model.layers.4.attn", "latent", start_token=192, num_blocks=3)
+              for s, e in ((stores["old"], old), (stores["new"], new))]
+    assert torch.equal(window[0].payload, window[1].payload)
+
+
+def test_an_older_reader_leaves_sized_chunk_entries_alone(tmp_path, monkeypatch):
+    """An anchorkv that reads versions 3 and 4 lists a version 5 entry as newer-format, which its
+    gc keeps, never as damaged."""
+    import anchorkv.store.manifest as M
+
+    layout = tiny_layout()
+    info = Store.open(tmp_path / "s").save(layout, CODECS, tokens(300), all_packed(layout, CODECS, 300), anchor="a")
+    assert info.manifest["format_version"] == 5
+    monkeypatch.setattr(M, "READABLE_VERSIONS", (3, 4))
+    store = Store.open(tmp_path / "s", create=False)
+    assert [e.state for e in store.scan()] == ["newer-format"]
+    assert store.gc(stale_after=0)["removed"] == []
 
 
 def test_crc32c_check_value():

@@ -18,7 +18,13 @@ from anchorkv.codec.packed import Packed
 from anchorkv.store import format as F
 from anchorkv.store import plugin_format as PF
 from anchorkv.store.errors import FormatError, OtherFormat, StoreError
-from anchorkv.store.format import FORMAT_VERSION, PLUGIN_FORMAT_VERSION, array_layouts
+from anchorkv.store.format import (
+    FORMAT_VERSION,
+    PLUGIN_FORMAT_VERSION,
+    SIZED_CHUNK_FORMAT_VERSION,
+    TOKEN_CHUNK,
+    array_layouts,
+)
 from anchorkv.store.manifest import manifest_checksum
 from anchorkv.store.plugin_format import MissingCodec
 from anchorkv.store.store import Store
@@ -26,7 +32,7 @@ from anchorkv.testing.metrics import sqnr_db
 from tests.codec.test_plugin_codec import install_example, uninstall_plugins
 from tests.store import helpers as H
 
-N = 1500  # tokens: two latent chunks (1024 each), the second partial
+N = 1500  # tokens: eight latent chunks of 192 (format version 5), the last partial
 
 
 @pytest.fixture
@@ -76,15 +82,15 @@ def _rank_values(layout, layer, f, n: int) -> torch.Tensor:
     return torch.cat([full, pad]).reshape(blocks, bs, H.ROW)
 
 
-def _save(store, lowrank, tp: int = 1, anchor: str = "plug-in-entry"):
+def _save(store, lowrank, tp: int = 1, anchor: str = "plug-in-entry", n: int = N):
     layout1 = H.tiny_layout()
     codecs = _resolved(layout1, _specs(lowrank))
     info = None
     writers = []
     for r in range(tp):
         layout = H.tiny_layout(tp, r)
-        w = store.begin_entry(layout, codecs, H.tokens(N), anchor=anchor, write_id=f"plugin{tp}")
-        for (layer, field), p in _packed(layout, codecs).items():
+        w = store.begin_entry(layout, codecs, H.tokens(n), anchor=anchor, write_id=f"plugin{tp}")
+        for (layer, field), p in _packed(layout, codecs, n).items():
             w.write_layer(layer, field, p)
         w.finish_rank()
         writers.append(w)
@@ -104,7 +110,7 @@ def _expected(layout, layer_name: str, field: str, spec: CodecSpec, n: int = N) 
 def test_round_trip_against_the_plugins_own_decode(tmp_path, lowrank, write_tp, read_tp):
     with Store.open(tmp_path / "store") as store:
         info, codecs = _save(store, lowrank, tp=write_tp)
-        assert info.manifest["format_version"] == PLUGIN_FORMAT_VERSION
+        assert info.manifest["format_version"] == SIZED_CHUNK_FORMAT_VERSION
         for r in range(read_tp):
             layout = H.tiny_layout(read_tp, r)
             for name, field in [("model.layers.2.attn", "latent"), ("model.layers.3.attn", "recurrent"),
@@ -153,11 +159,24 @@ def test_manifest_records_the_plugin(tmp_path, lowrank):
         assert arrays["latent"].parts[0].shape == (2, N, 12)
 
 
-def test_builtin_entries_stay_version_3(tmp_path):
+@pytest.mark.parametrize("plugin", [False, True], ids=["builtin", "plugin"])
+@pytest.mark.parametrize("n,chunk", [(N, 192), (7680, 960), (7681, 1024), (8300, 1024)])
+def test_version_is_the_lowest_that_holds_the_entry(tmp_path, lowrank, plugin, n, chunk):
+    """Latent chunks sized to the entry (up to 7680 tokens) make version 5; entries chunked by
+    1024 tokens stay version 3 (built-in codecs) or 4 (a plug-in array), which older readers
+    read; every one verifies."""
     with Store.open(tmp_path / "store") as store:
-        layout = H.tiny_layout()
-        info = store.save(layout, H.CODECS, H.tokens(N), H.all_packed(layout, H.CODECS, N), anchor="x")
-        assert info.manifest["format_version"] == FORMAT_VERSION == 3
+        if plugin:
+            info, _ = _save(store, lowrank, n=n)
+        else:
+            layout = H.tiny_layout()
+            info = store.save(layout, H.CODECS, H.tokens(n), H.all_packed(layout, H.CODECS, n), anchor="x")
+        assert info.arrays()["latent"].chunks[1] == chunk
+        if chunk < TOKEN_CHUNK:
+            assert info.manifest["format_version"] == SIZED_CHUNK_FORMAT_VERSION == 5
+        else:
+            assert info.manifest["format_version"] == (PLUGIN_FORMAT_VERSION if plugin else FORMAT_VERSION)
+        assert store.verify(info) == []
 
 
 def test_plugin_arrays_are_standard_zarr(tmp_path, lowrank):
@@ -219,7 +238,7 @@ def test_ls_and_inspect_show_the_plugin_and_mark_it_missing(tmp_path, lowrank):
     ins = _cli("inspect", "--store", str(store_dir), "plug-in-entry")
     assert ins.returncode == 0, ins.stderr
     assert "latent: lowrank:code_dtype=float16,digest=" in ins.stdout and "NOT INSTALLED here" in ins.stdout
-    assert "version 4" in ins.stdout
+    assert "version 5" in ins.stdout
     js = json.loads(_cli("inspect", "--store", str(store_dir), "plug-in-entry", "--json").stdout)
     assert js["missing_plugins"] == ["lowrank"]
     assert _cli("verify", "--store", str(store_dir)).returncode == 0
@@ -285,10 +304,12 @@ def test_version_must_match_the_arrays(tmp_path, lowrank):
 
     with Store.open(tmp_path / "store") as store:
         info, _ = _save(store, lowrank)
-    m = dict(info.manifest, format_version=3)
-    m["checksum"] = manifest_checksum(m)
-    problems = check_manifest(info.id, m)
-    assert any("format_version is 3, its arrays' codecs make 4" in p for p in problems)
+    for stamped in (3, 4):
+        m = dict(info.manifest, format_version=stamped)
+        m["checksum"] = manifest_checksum(m)
+        problems = check_manifest(info.id, m)
+        assert any(f"format_version is {stamped}, its arrays make 5 (version 5: token chunks sized to the entry)" in p
+                   for p in problems), problems
 
 
 def test_an_older_reader_leaves_plugin_entries_alone(tmp_path, lowrank, monkeypatch):
