@@ -142,11 +142,11 @@ class SchedulerSide:
             return 0, False
         n = len(request.prompt_token_ids or ())
         ref, miss = self._lookup(request, n if self.prefix_loads else n - 1)
-        take = 0 if ref is None else self._tokens_to_load(ref.num_tokens, n)
-        if ref is not None and ref.num_tokens >= n and take < n - 1:  # the own entry, cut: a shorter one may give more
+        take = 0 if ref is None else self._tokens_to_load(ref, n)
+        if ref is not None and ref.tokens >= n and take < n - 1:  # the own entry, cut: a shorter one may give more
             shorter, _ = self._lookup(request, n - 1)
-            if shorter is not None and shorter.num_tokens > take:
-                ref, take = shorter, shorter.num_tokens
+            if shorter is not None and self._tokens_to_load(shorter, n) > take:
+                ref, take = shorter, self._tokens_to_load(shorter, n)
         if ref is not None and take == 0:
             ref, miss = None, Miss.TOO_LONG
         if ref is not None and take <= num_computed_tokens:
@@ -160,19 +160,19 @@ class SchedulerSide:
         self._found[request.request_id] = (ref, num_computed_tokens, take)
         return take - num_computed_tokens, self.config.async_load
 
-    def _tokens_to_load(self, entry_tokens: int, prompt_len: int) -> int:
-        """Tokens of an entry a prompt of `prompt_len` tokens restores: all of them, or for an
-        entry of the whole prompt (`prefix_loads` only) its whole blocks short of the last token
-        (a store read for the rows of a partial block would cost more than computing them, and
-        the same prompt on the same engine finds those blocks in vLLM's own prefix cache: then
-        nothing is read); an engine restoring single-token remainders (`decode_only`) takes all
-        but the last token. 0: none."""
-        if entry_tokens < prompt_len:
-            return entry_tokens
-        if self.decode_only:
-            return (prompt_len - 1) // self.granularity * self.granularity
-        step = max(self.granularity, self.block_size)
-        return (prompt_len - 1) // step * step
+    def _tokens_to_load(self, ref: EntryRef, prompt_len: int) -> int:
+        """Tokens of an entry a prompt of `prompt_len` tokens restores: all of a shorter entry
+        it matches whole, or (`prefix_loads` only: an entry of the whole prompt, or the first
+        whole 256-token blocks of one it shares) whole blocks short of the last token and of
+        the shared part (a store read for the rows of a partial block would cost more than
+        computing them, and the same prompt on the same engine finds those blocks in vLLM's own
+        prefix cache: then nothing is read); an engine restoring single-token remainders
+        (`decode_only`) takes all but the last token. 0: none."""
+        if ref.tokens < prompt_len and ref.shared_tokens is None:
+            return ref.tokens
+        cap = min(ref.tokens, prompt_len - 1)
+        step = self.granularity if self.decode_only else max(self.granularity, self.block_size)
+        return cap // step * step
 
     def _lookup(self, request: Any, limit: int) -> tuple[EntryRef | None, Miss | None]:
         """The longest entry of at most `limit` tokens this engine can restore for `request`
@@ -194,7 +194,7 @@ class SchedulerSide:
             try:
                 ref = self.store.lookup(anchor=anchor, token_ids=prompt, max_tokens=limit,
                                         multiple_of=self.granularity, mode=self.config.lookup, scope=scope,
-                                        why=why)
+                                        shared=self.prefix_loads, why=why)
             except Exception as e:  # a store outage is a cache miss, never a failed request
                 log.warning("anchorkv: lookup for request %s failed (%s); computing it", request.request_id, e)
                 return None, Miss.STORE_ERROR
@@ -206,7 +206,7 @@ class SchedulerSide:
             if not self._is_bad(ref.entry_id):
                 return ref, None
             log.debug("anchorkv: entry %s failed to load recently; trying shorter entries", ref.entry_id)
-            limit, miss = ref.num_tokens - 1, Miss.BAD_ENTRY
+            limit, miss = ref.tokens - 1, Miss.BAD_ENTRY
         return None, miss
 
     def update_state_after_alloc(self, request: Any, block_ids: tuple[list[int], ...],

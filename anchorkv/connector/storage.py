@@ -18,20 +18,30 @@ from anchorkv.connector.plan import SaveSpec
 
 @dataclass(frozen=True)
 class EntryRef:
-    """A committed entry: its id (picklable, sent to the workers) and its prefix length."""
+    """A committed entry: its id (picklable, sent to the workers), its prefix length, and how
+    many of its first tokens the request it was found for shares (`shared` lookups; None: all)."""
 
     entry_id: str
     num_tokens: int
+    shared_tokens: int | None = None
+
+    @property
+    def tokens(self) -> int:
+        """The entry's tokens the request can use."""
+        return self.num_tokens if self.shared_tokens is None else self.shared_tokens
 
 
 class EntryStore(Protocol):
     def lookup(self, *, anchor: str | None, token_ids: list[int], max_tokens: int,
-               multiple_of: int, mode: str, scope: str | None = None,
+               multiple_of: int, mode: str, scope: str | None = None, shared: bool = False,
                why: list[str] | None = None) -> EntryRef | None:
         """The longest usable entry: prefix length <= max_tokens, a multiple of `multiple_of`,
         whose prefix tokens match `token_ids` (exact mode) or that shares the anchor (semantic),
         saved under the same isolation `scope` (entries of another scope are never read).
-        `why` gets the reasons entries were passed over (`Miss` values) when none is found."""
+        `shared` (exact mode, models without recurrent state): or an entry of any length whose
+        first whole 256-token blocks `token_ids` shares, when those are more tokens
+        (`EntryRef.shared_tokens`). `why` gets the reasons entries were passed over (`Miss`
+        values) when none is found."""
 
     def load(self, entry_id: str, layer: str, field: str, *, tp_size: int, tp_rank: int,
              rows: tuple[int, int] | None, host: Callable[[int], torch.Tensor] | None = None) -> Packed:

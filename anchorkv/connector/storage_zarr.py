@@ -164,23 +164,26 @@ class ZarrEntryStore:
     # ------------------------------------------------------------------ lookup
 
     def lookup(self, *, anchor: str | None, token_ids: list[int], max_tokens: int, multiple_of: int,
-               mode: str, scope: str | None = None, why: list[str] | None = None) -> EntryRef | None:
+               mode: str, scope: str | None = None, shared: bool = False,
+               why: list[str] | None = None) -> EntryRef | None:
         """The longest usable committed entry (see `EntryStore.lookup`); reads manifests only."""
         for _ in range(16):  # each round skips one entry this host cannot decode; a bound
-            info = self.store.lookup(
+            semantic = mode == "semantic" and anchor is not None
+            found = self.store.match(
                 fingerprint_hash=self.fingerprint_hash, tokens=token_ids,
-                anchor=anchor,
-                mode="semantic" if mode == "semantic" and anchor is not None else "exact",
-                max_tokens=max_tokens, multiple_of=multiple_of, scope=scope, why=why)
-            if info is None:
+                anchor=anchor, mode="semantic" if semantic else "exact",
+                max_tokens=max_tokens, multiple_of=multiple_of, scope=scope, shared=shared and not semantic, why=why)
+            if found is None:
                 return None
+            info = found.info
             missing = sorted({a.codec.id for a in info.arrays().values()
                               if a.codec.plugin and not a.codec.installed})
             if not missing:
-                return EntryRef(info.id, info.num_tokens)
+                return EntryRef(info.id, info.num_tokens,
+                                None if found.tokens == info.num_tokens else found.tokens)
             log.info("anchorkv: entry %s (%d tokens) needs codec plug-in(s) %s, not installed here; "
                      "looking for a shorter one", info.id, info.num_tokens, missing)
-            max_tokens = info.num_tokens - 1
+            max_tokens = found.tokens - 1
             if why is not None:
                 why.append("plugin_missing")
             if max_tokens < 1:

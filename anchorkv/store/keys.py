@@ -138,6 +138,12 @@ class PrefixHasher:
             digest = self._link(digest, self.tokens[full * TOKEN_BLOCK : n])
         return blake3.blake3(digest + n.to_bytes(8, "little")).hexdigest()
 
+    def boundaries(self, n: int) -> list[str]:
+        """`hash(k * TOKEN_BLOCK)` for k = 1 .. n // TOKEN_BLOCK: what an entry of `n` tokens
+        records so that a prompt sharing only its first whole blocks can find them (a chain
+        hash: a prompt that matches boundary k matches every boundary before it)."""
+        return [self.hash(k * TOKEN_BLOCK) for k in range(1, n // TOKEN_BLOCK + 1)]
+
 
 def prefix_hash(tokens: Sequence[int] | np.ndarray, n: int, fingerprint_hash: str, scope: str | None = None) -> str:
     """Hash of the first `n` of `tokens` (see `PrefixHasher`)."""

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from anchorkv.codec.layout import Field
-from anchorkv.codec.models import ModelLayout
+from anchorkv.codec.models import LayerKind, ModelLayout
 from anchorkv.codec.packed import Packed, dtype_name
 from anchorkv.codec.spec import CodecSpec
 from anchorkv.store import eviction
@@ -205,7 +205,7 @@ class Store:
         if not wid.isalnum() or not wid.islower() and not wid.isdigit() or len(wid) > 64:
             raise ValueError(f"write_id must be 1-64 lowercase letters/digits, found {write_id!r}")
         manifest_arrays, manifest_codecs = arrays_to_manifest(arrays)
-        header = {
+        header: dict[str, Any] = {
             "format_version": FORMAT_VERSION, "anchor": norm, "key": key,
             "name": entry_name(n, phash), "num_tokens": n, "prefix_hash": phash,
             "model_fingerprint": layout.fingerprint(), "fingerprint_hash": fp,
@@ -213,6 +213,10 @@ class Store:
             "arrays": manifest_arrays, "codecs": manifest_codecs, "compressor": compressor,
             "write_id": wid, "created": now(),
         }
+        if all(layer.kind is LayerKind.PAGED for layer in layout.layers):
+            # no recurrent state: the state after any k tokens is the entry's first k rows, so a
+            # prompt that shares only the first whole 256-token blocks can restore them (`match`)
+            header["boundary_hashes"] = hasher.boundaries(n)
         writer = EntryWriter(self.backend, layout, header, arrays, chunk_submit=self._chunk_submit,
                              on_commit=self._after_commit,
                              put_submit=self._put_submit if self.backend.write_concurrency > 1 else None)
@@ -250,7 +254,17 @@ class Store:
                anchor: str | None = None, mode: Mode = "exact", max_tokens: int | None = None,
                multiple_of: int = 1, scope: str | None = None,
                why: list[str] | None = None) -> EntryInfo | None:
-        """The best committed entry for a request, or None. No side effects.
+        """The best committed entry for a request, or None (`match` without shared prefixes)."""
+        found = self.match(fingerprint_hash=fingerprint_hash, tokens=tokens, anchor=anchor, mode=mode,
+                           max_tokens=max_tokens, multiple_of=multiple_of, scope=scope, why=why)
+        return None if found is None else found.info
+
+    def match(self, *, fingerprint_hash: str, tokens: Sequence[int] | np.ndarray | None = None,
+              anchor: str | None = None, mode: Mode = "exact", max_tokens: int | None = None,
+              multiple_of: int = 1, scope: str | None = None, shared: bool = False,
+              why: list[str] | None = None) -> Match | None:
+        """The best committed entry for a request and the tokens of it the request can use, or
+        None. No side effects.
 
         exact (default): the longest entry under the key whose prefix hash equals the hash of
         the same number of the request's tokens. semantic (opt-in, needs an anchor): the
@@ -263,6 +277,13 @@ class Store:
         nothing is found: ``"no_entry"`` (nothing under the key), ``"prefix_mismatch"`` (the
         key's entries hold other tokens: an anchor's conversation that was edited) or
         ``"too_long"`` (its entries are longer than `max_tokens` or off `multiple_of`).
+
+        `shared` (exact mode): an entry that records its boundary hashes (a model without
+        recurrent state) also counts for the first k x 256 tokens it shares with the request
+        (k x 256 <= `max_tokens`, floored to `multiple_of`), when that is more than the longest
+        whole match gives: a prompt sharing a system prompt or the start of an edited
+        conversation with a saved one. Manifests not read before are read for it, at most
+        `SHARED_READS` a lookup (the longest candidates first).
         """
         if mode not in ("exact", "semantic"):
             raise ValueError(f"mode must be 'exact' or 'semantic', found {mode!r}")
@@ -305,10 +326,42 @@ class Store:
                 continue
             same = [self._try_info(f"{key}/{c.name}") for c in cands
                     if c.num_tokens == n and c.hash16 == h16 and c.name != name]
-            return min([info, *[s for s in same if s is not None]], key=lambda e: (e.created, e.id))
-        if why is not None:
+            best = Match(min([info, *[s for s in same if s is not None]], key=lambda e: (e.created, e.id)), n)
+            break
+        else:
+            best = None
+        if shared and exact is not None:
+            best = self._shared_match(key, cands, exact, fingerprint_hash, max_tokens, multiple_of, best)
+        if best is None and why is not None:
             why.append(reason)
-        return None
+        return best
+
+    def _shared_match(self, key: str, cands: list[_Candidate], exact: PrefixHasher, fingerprint_hash: str,
+                      max_tokens: int | None, multiple_of: int, best: Match | None) -> Match | None:
+        """`best`, or an entry whose first whole 256-token blocks the request shares if that
+        gives more tokens (see `match`)."""
+        limit = len(exact) if max_tokens is None else min(max_tokens, len(exact))
+        reads = 0
+        for c in cands:  # longest first
+            top = min(c.num_tokens, limit) // TOKEN_BLOCK
+            if top * TOKEN_BLOCK // multiple_of * multiple_of <= (0 if best is None else best.tokens):
+                continue
+            entry_id = f"{key}/{c.name}"
+            if entry_id not in self._infos:
+                if reads == SHARED_READS:
+                    continue
+                reads += 1
+            info = self._try_info(entry_id)
+            if info is None or info.fingerprint_hash != fingerprint_hash:
+                continue
+            hashes = info.manifest.get("boundary_hashes")
+            if not hashes:
+                continue
+            k = next((k for k in range(top, 0, -1) if hashes[k - 1] == exact.hash(k * TOKEN_BLOCK)), 0)
+            tokens = k * TOKEN_BLOCK // multiple_of * multiple_of
+            if tokens > (0 if best is None else best.tokens):
+                best = Match(info, tokens)
+        return best
 
     def _try_info(self, entry_id: str) -> EntryInfo | None:
         """The entry, or None if it is gone or unusable (a damaged one is logged once)."""
@@ -612,6 +665,18 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: Manifests a `match` with `shared` reads beyond those read before (each is cached).
+SHARED_READS = 8
+
+
+class Match(NamedTuple):
+    """A lookup's entry and how many of its first tokens the request can use (all of them but
+    for a shared match)."""
+
+    info: EntryInfo
+    tokens: int
 
 
 class _Candidate(NamedTuple):

@@ -1,6 +1,7 @@
 """Prefix loads: a model without recurrent state (attention, MLA) restores an entry of a
 prompt's own n tokens short of its last token, whole blocks (`SchedulerSide.prefix_loads`,
-`_tokens_to_load`); a hybrid does not.
+`_tokens_to_load`), and the first whole 256-token blocks it shares with an entry of any length
+(`shared` lookups); a hybrid does neither.
 
 The scheduler side's arithmetic against a store that holds given entries (their lookups are the
 store's, tested in tests/store); then through vLLM 0.33's scheduler and allocator with an
@@ -29,16 +30,27 @@ PROMPT = list(range(1000, 1320))  # 320 tokens: 20 whole blocks
 
 class Entries:
     """A store holding entries of these lengths, all matching the prompt's tokens: `lookup`
-    returns the longest within `max_tokens` and `multiple_of`, as the real store does."""
+    returns the longest within `max_tokens` and `multiple_of`, as the real store does; and
+    `shared` = (length, tokens): an entry sharing its first `tokens` with the prompt, returned
+    by a `shared` lookup when those (within the limits) are more."""
 
-    def __init__(self, *lengths: int) -> None:
+    def __init__(self, *lengths: int, shared: tuple[int, int] | None = None) -> None:
         self.lengths = lengths
+        self.shared = shared
         self.asked: list[int] = []
+        self.asked_shared: list[bool] = []
 
-    def lookup(self, *, max_tokens: int, multiple_of: int, **_) -> EntryRef | None:
+    def lookup(self, *, max_tokens: int, multiple_of: int, shared: bool = False, **_) -> EntryRef | None:
         self.asked.append(max_tokens)
+        self.asked_shared.append(shared)
         fit = [n for n in self.lengths if n <= max_tokens and n % multiple_of == 0]
-        return EntryRef(f"e{max(fit)}", max(fit)) if fit else None
+        best = EntryRef(f"e{max(fit)}", max(fit)) if fit else None
+        if shared and self.shared is not None:
+            length, tokens = self.shared
+            tokens = min(tokens, max_tokens) // multiple_of * multiple_of
+            if tokens > (0 if best is None else best.tokens):
+                best = EntryRef(f"e{length}", length, tokens)
+        return best
 
 
 def _side(store: Entries, *, hybrid: bool = False, granularity: int = 1, decode_only: bool = False) -> SchedulerSide:
@@ -115,11 +127,34 @@ def test_the_same_prompt_on_the_same_engine_reads_nothing():
     assert (spec.start, spec.num_tokens) == (256, 304)
 
 
+def test_a_prompt_sharing_the_first_blocks_of_an_entry_restores_them():
+    """An entry the prompt shares only its first 256 tokens with (a system prompt, an edited
+    conversation) restores those, in whole blocks short of the prompt's last token; more than
+    a shorter entry the prompt matches whole, less than a whole one that holds more."""
+    store = Entries(shared=(900, 256))
+    spec, miss = _plan(_side(store), PROMPT)
+    assert miss is None and (spec.start, spec.num_tokens, spec.entry_id) == (0, 256, "e900")
+    assert store.asked_shared == [True]
+    assert spec.blocks == (tuple(range(1, 17)),)  # the blocks of tokens [0, 256)
+    spec, _ = _plan(_side(Entries(shared=(900, 300))), PROMPT)  # a store that shares 300: whole blocks
+    assert spec.num_tokens == 288
+    spec, _ = _plan(_side(Entries(100, shared=(900, 256))), PROMPT)
+    assert (spec.num_tokens, spec.entry_id) == (256, "e900")
+    spec, _ = _plan(_side(Entries(300, shared=(900, 256))), PROMPT)
+    assert (spec.num_tokens, spec.entry_id) == (300, "e300")
+    spec, _ = _plan(_side(Entries(shared=(900, 256))), PROMPT, computed=256)  # vLLM holds them already
+    assert spec is None
+    # the prompt is the entry's first 320 tokens: as its own entry, cut short of the last token
+    spec, _ = _plan(_side(Entries(shared=(900, 320))), PROMPT)
+    assert (spec.num_tokens, spec.entry_id) == (304, "e900")
+    assert _plan(_side(Entries(shared=(900, 256)), decode_only=True), PROMPT) == (None, Miss.NEEDS_PREFILL)
+
+
 def test_a_hybrid_never_cuts_an_entry():
     """A hybrid's state exists only at an entry's end: the prompt's own entry is too long."""
-    store = Entries(320)
+    store = Entries(320, shared=(900, 256))
     assert _plan(_side(store, hybrid=True), PROMPT) == (None, Miss.NO_ENTRY)
-    assert store.asked == [319]
+    assert store.asked == [319] and store.asked_shared == [False]  # nor restores a shared prefix
     spec, _ = _plan(_side(Entries(256, 320), hybrid=True), PROMPT)
     assert spec.num_tokens == 256
 
@@ -172,3 +207,36 @@ def test_the_same_prompt_after_a_restart_restores_its_own_entry_short_of_the_las
     eng.run()
     assert len(eng.tokens["again"]) == len(prompt) + 3
     assert len(eng.tokens["longer"]) == len(prompt) + len(EXTRA) + 3
+
+
+def test_an_edited_conversation_restores_the_blocks_it_shares_after_a_restart(mla_only_model_dir, tmp_path):
+    """Through vLLM 0.33's scheduler (prefills chunked at 1024 tokens): the first turn saves its
+    prompt (3940 tokens); after a restart the same anchor's conversation, edited at token 3000,
+    restores the whole blocks of the 2816 tokens (11 x 256) it shares with that entry (one
+    1920-token block): every byte in place, nothing else touched, and read back by the
+    simulated model as the ones it computed; a request of another anchor restores nothing."""
+    from tests.connector import cache_checks as C
+    from tests.connector import engine as E
+    from tests.connector.engine import ANCHOR
+    from tests.connector.test_connector import RAW, entries, first_turn
+
+    store = tmp_path / "store"
+    chunked = dict(mode="none", num_blocks=8, extra=RAW, max_num_batched_tokens=1024)
+    eng = E.make_engine(mla_only_model_dir, str(store), **chunked)
+    prompt = list(range(1000, 1000 + 2 * eng.block_size + 100))
+    first_turn(eng, prompt, ANCHOR)
+    assert entries(store) == [len(prompt), len(prompt) + 2]
+    edited = prompt[:3000] + list(range(20_000, 20_500))
+    eng = E.make_engine(mla_only_model_dir, str(store), **chunked)  # a restart
+    snaps = [C.snapshot(r) for r in eng.ranks]
+    eng.add("edited", edited, anchor=ANCHOR)
+    loads = {s.req_id: s for s in eng.step().kv_connector_metadata.plan.loads}
+    eng.flush()
+    assert {r: (s.start, s.num_tokens) for r, s in loads.items()} == {"edited": (0, eng.block_size)}
+    for rank, before in zip(eng.ranks, snaps, strict=True):
+        C.assert_only_touched(rank, before, C.touched(eng, rank, loads["edited"]))
+        C.assert_restored(eng, rank, loads["edited"], edited)
+    eng.add("other", list(range(40_000, 40_400)), anchor="someone-else")
+    assert not eng.step().kv_connector_metadata.plan.loads
+    eng.run()
+    assert len(eng.tokens["edited"]) == len(edited) + 3

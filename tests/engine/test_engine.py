@@ -52,6 +52,10 @@ CORRUPT = "c"  # its conversation's entries are corrupted before the warm run
 NEW_MESSAGES = {k: H.prompt(100 + i, 40) for i, k in enumerate(PROMPTS)}
 # the same as "a" but for its first 8 tokens: the model must answer differently
 A_EDITED = H.prompt(7, 8) + PROMPTS["a"][8:]
+# "d"'s first 300 tokens, then others: it shares one whole 256-token block with "d"'s entry (384
+# tokens), which Llama (no recurrent state) restores; the hybrid in align mode restores its own
+# 256-token boundary entry of "d", which it matches whole
+D_SHARED = PROMPTS["d"][:300] + H.prompt(8, 100)
 
 
 def _singles(requests):
@@ -72,7 +76,8 @@ def engine(engine_env, tmp_path_factory):
         base_turn1 = turn1 + ([{"id": "a_edited", "prompt": A_EDITED}] if name != "qwen3_next-none" else [])
         runs.append({"name": f"{name}/base", **common, "connector": None,
                      "batches": _singles(base_turn1) + _singles(
-                         [{"id": f"{k}.2", "extend": k, "append": NEW_MESSAGES[k]} for k in PROMPTS])})
+                         [{"id": f"{k}.2", "extend": k, "append": NEW_MESSAGES[k]} for k in PROMPTS])
+                     + _singles([{"id": "d_shared", "prompt": D_SHARED}])})
         runs.append({"name": f"{name}/cold", **common, "connector": {"store": str(stores[name])},
                      "batches": _singles(turn1)})
     cold = H.run_driver({"models": {"dir": str(models), "kinds": {"qwen3_next": {}, "llama": {}}}, "runs": runs},
@@ -89,7 +94,8 @@ def engine(engine_env, tmp_path_factory):
         runs.append({"name": f"{name}/warm", "model": str(models / kind), "prefix_caching": prefix_caching,
                      "connector": {"store": str(stores[name])},
                      "batches": _singles(turn1) + _singles(
-                         [{"id": f"{k}.2", "prompt": base[f"{k}.2"]["prompt"]} for k in PROMPTS])})
+                         [{"id": f"{k}.2", "prompt": base[f"{k}.2"]["prompt"]} for k in PROMPTS])
+                     + _singles([{"id": "d_shared", "prompt": D_SHARED}])})
     warm = H.run_driver({"runs": runs}, work, "warm")
     return {"cold": cold_runs, "warm": {r["name"].split("/")[0]: r for r in warm["runs"]},
             "corrupted": corrupted, "no_entries": no_entries,
@@ -182,6 +188,19 @@ def test_warm_second_turn(engine, config):
     assert {k: got[k] for k in expected} == {k: base[k] for k in expected}
     if config != "qwen3_next-none":
         assert all(v > 0 for v in expected.values()), expected  # the test restores something
+
+
+def test_warm_prompt_sharing_the_start_of_a_saved_one(engine, config):
+    """A prompt sharing "d"'s first 300 tokens: Llama restores the whole 256-token block it shares
+    with "d"'s 384-token entry (it saved no shorter one), the hybrid in align mode its
+    256-token boundary entry; both answer as the baseline did."""
+    base, warm = _tokens(engine["cold"][config]["base"]), engine["warm"][config]
+    want = {"qwen3_next-align": 256, "llama": 256, "qwen3_next-none": 0}[config]
+    assert H.restored(warm).get("d_shared", 0) == want
+    assert H.requests_of(warm)["d_shared"]["num_cached_tokens"] == want
+    assert _tokens(warm)["d_shared"] == base["d_shared"]
+    if config == "llama":
+        assert base["d_shared"] != base["d"]  # the shared block alone does not decide the answer
 
 
 def test_hybrid_without_align_mode_saves_nothing_on_cpu(engine):
