@@ -341,6 +341,7 @@ class Store:
         """`best`, or an entry whose first whole 256-token blocks the request shares if that
         gives more tokens (see `match`)."""
         limit = len(exact) if max_tokens is None else min(max_tokens, len(exact))
+        mine: list[str] | None = None  # the request's own boundary hashes, made when first needed
         reads = 0
         for c in cands:  # longest first
             top = min(c.num_tokens, limit) // TOKEN_BLOCK
@@ -357,7 +358,9 @@ class Store:
             hashes = info.manifest.get("boundary_hashes")
             if not hashes:
                 continue
-            k = next((k for k in range(top, 0, -1) if hashes[k - 1] == exact.hash(k * TOKEN_BLOCK)), 0)
+            if mine is None:
+                mine = exact.boundaries(limit)
+            k = next((k for k in range(min(top, len(hashes)), 0, -1) if hashes[k - 1] == mine[k - 1]), 0)
             tokens = k * TOKEN_BLOCK // multiple_of * multiple_of
             if tokens > (0 if best is None else best.tokens):
                 best = Match(info, tokens)
