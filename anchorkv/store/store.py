@@ -341,18 +341,25 @@ class Store:
         """`best`, or an entry whose first whole 256-token blocks the request shares if that
         gives more tokens (see `match`)."""
         limit = len(exact) if max_tokens is None else min(max_tokens, len(exact))
+
+        def could_beat(c: _Candidate) -> bool:
+            most = min(c.num_tokens, limit) // TOKEN_BLOCK * TOKEN_BLOCK // multiple_of * multiple_of
+            return most > (0 if best is None else best.tokens)
+
+        # the manifests not read before, longest first, at most SHARED_READS: read at once from an
+        # object store (a round trip each), in turn from a local one
+        new = [f"{key}/{c.name}" for c in cands if could_beat(c) and f"{key}/{c.name}" not in self._infos]
+        new = new[:SHARED_READS]
+        if len(new) > 1 and self.backend.write_concurrency > 1:
+            read = dict(zip(new, self._executor("manifest", SHARED_READS).map(self._try_info, new), strict=True))
+        else:
+            read = {entry_id: self._try_info(entry_id) for entry_id in new}
         mine: list[str] | None = None  # the request's own boundary hashes, made when first needed
-        reads = 0
         for c in cands:  # longest first
-            top = min(c.num_tokens, limit) // TOKEN_BLOCK
-            if top * TOKEN_BLOCK // multiple_of * multiple_of <= (0 if best is None else best.tokens):
+            if not could_beat(c):
                 continue
             entry_id = f"{key}/{c.name}"
-            if entry_id not in self._infos:
-                if reads == SHARED_READS:
-                    continue
-                reads += 1
-            info = self._try_info(entry_id)
+            info = read[entry_id] if entry_id in read else self._infos.get(entry_id)
             if info is None or info.fingerprint_hash != fingerprint_hash:
                 continue
             hashes = info.manifest.get("boundary_hashes")
@@ -360,6 +367,7 @@ class Store:
                 continue
             if mine is None:
                 mine = exact.boundaries(limit)
+            top = min(c.num_tokens, limit) // TOKEN_BLOCK
             k = next((k for k in range(min(top, len(hashes)), 0, -1) if hashes[k - 1] == mine[k - 1]), 0)
             tokens = k * TOKEN_BLOCK // multiple_of * multiple_of
             if tokens > (0 if best is None else best.tokens):

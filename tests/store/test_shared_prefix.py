@@ -181,3 +181,32 @@ def test_restoring_the_shared_rows_reads_the_entry_s_first_rows(store):
     whole = store.load(found.info, layout, layout.layers[0].name, "latent")
     assert torch.equal(got.payload, whole.payload[: got.payload.numel()])
     assert got.payload.numel() == found.tokens * 72 * 2  # bf16 rows of 72
+
+
+def test_an_object_store_reads_the_new_manifests_at_once(tmp_path, monkeypatch):
+    """Each manifest read from an object store is a round trip: a shared match issues its new
+    ones together (here a local store standing in for one, each read held 200 ms)."""
+    import threading
+    import time
+
+    store = Store.open(tmp_path / "s")
+    for i in range(6):
+        save(store, np.concatenate([BASE[:300], toks(400 + 10 * i, 10 + i)]))
+    fresh = Store.open(tmp_path / "s", create=False)
+    monkeypatch.setattr(fresh.backend, "write_concurrency", 8)  # as an object store's backend says
+    lock, state = threading.Lock(), {"now": 0, "most": 0, "reads": 0}
+    real = fresh.backend.read
+
+    def slow(path, *a, **kw):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+            state["reads"] += path.endswith("zarr.json")
+        time.sleep(0.2)
+        with lock:
+            state["now"] -= 1
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(fresh.backend, "read", slow)
+    assert match(fresh, np.concatenate([BASE[:300], toks(500, 99)]), shared=True).tokens == 256
+    assert state["reads"] == 6 and state["most"] == 6
