@@ -187,6 +187,7 @@ class SchedulerSide:
         if len(prompt) < 2 or (anchor is None and len(prompt) < TOKEN_BLOCK):  # the store keys neither
             return None, Miss.TOO_SHORT
         miss = Miss.NO_ENTRY
+        bad: set[str] = set()
         for _ in range(64):  # each round excludes one bad entry; a bound, not a retry count
             if limit < 1:
                 return None, miss
@@ -194,7 +195,7 @@ class SchedulerSide:
             try:
                 ref = self.store.lookup(anchor=anchor, token_ids=prompt, max_tokens=limit,
                                         multiple_of=self.granularity, mode=self.config.lookup, scope=scope,
-                                        shared=self.prefix_loads, why=why)
+                                        shared=self.prefix_loads, exclude=frozenset(bad), why=why)
             except Exception as e:  # a store outage is a cache miss, never a failed request
                 log.warning("anchorkv: lookup for request %s failed (%s); computing it", request.request_id, e)
                 return None, Miss.STORE_ERROR
@@ -205,8 +206,11 @@ class SchedulerSide:
                 return None, miss
             if not self._is_bad(ref.entry_id):
                 return ref, None
-            log.debug("anchorkv: entry %s failed to load recently; trying shorter entries", ref.entry_id)
-            limit, miss = ref.tokens - 1, Miss.BAD_ENTRY
+            log.debug("anchorkv: entry %s failed to load recently; trying other entries", ref.entry_id)
+            bad.add(ref.entry_id)
+            miss = Miss.BAD_ENTRY
+            if ref.shared_tokens is None:  # a whole match: then look below its length, as always
+                limit = ref.num_tokens - 1
         return None, miss
 
     def update_state_after_alloc(self, request: Any, block_ids: tuple[list[int], ...],

@@ -34,14 +34,14 @@ class EntryRef:
 class EntryStore(Protocol):
     def lookup(self, *, anchor: str | None, token_ids: list[int], max_tokens: int,
                multiple_of: int, mode: str, scope: str | None = None, shared: bool = False,
-               why: list[str] | None = None) -> EntryRef | None:
+               exclude: frozenset[str] = frozenset(), why: list[str] | None = None) -> EntryRef | None:
         """The longest usable entry: prefix length <= max_tokens, a multiple of `multiple_of`,
         whose prefix tokens match `token_ids` (exact mode) or that shares the anchor (semantic),
         saved under the same isolation `scope` (entries of another scope are never read).
         `shared` (exact mode, models without recurrent state): or an entry of any length whose
         first whole 256-token blocks `token_ids` shares, when those are more tokens
-        (`EntryRef.shared_tokens`). `why` gets the reasons entries were passed over (`Miss`
-        values) when none is found."""
+        (`EntryRef.shared_tokens`). Never an entry of `exclude` (ids). `why` gets the reasons
+        entries were passed over (`Miss` values) when none is found."""
 
     def load(self, entry_id: str, layer: str, field: str, *, tp_size: int, tp_rank: int,
              rows: tuple[int, int] | None, host: Callable[[int], torch.Tensor] | None = None) -> Packed:

@@ -165,14 +165,16 @@ class ZarrEntryStore:
 
     def lookup(self, *, anchor: str | None, token_ids: list[int], max_tokens: int, multiple_of: int,
                mode: str, scope: str | None = None, shared: bool = False,
-               why: list[str] | None = None) -> EntryRef | None:
+               exclude: frozenset[str] = frozenset(), why: list[str] | None = None) -> EntryRef | None:
         """The longest usable committed entry (see `EntryStore.lookup`); reads manifests only."""
+        skipped = set(exclude)
         for _ in range(16):  # each round skips one entry this host cannot decode; a bound
             semantic = mode == "semantic" and anchor is not None
             found = self.store.match(
                 fingerprint_hash=self.fingerprint_hash, tokens=token_ids,
                 anchor=anchor, mode="semantic" if semantic else "exact",
-                max_tokens=max_tokens, multiple_of=multiple_of, scope=scope, shared=shared and not semantic, why=why)
+                max_tokens=max_tokens, multiple_of=multiple_of, scope=scope, shared=shared and not semantic,
+                exclude=skipped, why=why)
             if found is None:
                 return None
             info = found.info
@@ -183,11 +185,9 @@ class ZarrEntryStore:
                                 None if found.tokens == info.num_tokens else found.tokens)
             log.info("anchorkv: entry %s (%d tokens) needs codec plug-in(s) %s, not installed here; "
                      "looking for a shorter one", info.id, info.num_tokens, missing)
-            max_tokens = found.tokens - 1
+            skipped.add(info.id)
             if why is not None:
                 why.append("plugin_missing")
-            if max_tokens < 1:
-                return None
         return None
 
     # ------------------------------------------------------------------ load

@@ -16,9 +16,10 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Literal, NamedTuple
+from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -99,13 +100,16 @@ class Store:
         #: thread pools by name ("io", "chunk", "put"), each made at its first task (`_executor`)
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
-        self._infos: dict[str, EntryInfo] = {}
-        self._arrays: dict[str, dict[str, ArrayLayout]] = {}
+        # what this process learned of entries, bounded: a serving process looks up, saves and
+        # loads entries for as long as it runs (a manifest costs ~240 KiB of memory for a
+        # Kimi-Linear entry); what drops out is read again when needed
+        self._infos: _Recent[str, EntryInfo] = _Recent(CACHED_MANIFESTS)
+        self._arrays: _Recent[str, dict[str, ArrayLayout]] = _Recent(CACHED_MANIFESTS)
         self._fingerprints: dict[int, tuple[Any, str]] = {}
-        self._checked: set[tuple] = set()
+        self._checked: _Recent[tuple, bool] = _Recent(8 * CACHED_MANIFESTS)
         self._warned: set[str] = set()
         self.pins = eviction.Pins()
-        self._touched: dict[str, float] = {}
+        self._touched: _Recent[str, float] = _Recent(8 * CACHED_MANIFESTS)
         self._warned_semantic = False
 
     @classmethod
@@ -262,7 +266,7 @@ class Store:
     def match(self, *, fingerprint_hash: str, tokens: Sequence[int] | np.ndarray | None = None,
               anchor: str | None = None, mode: Mode = "exact", max_tokens: int | None = None,
               multiple_of: int = 1, scope: str | None = None, shared: bool = False,
-              why: list[str] | None = None) -> Match | None:
+              exclude: Collection[str] = (), why: list[str] | None = None) -> Match | None:
         """The best committed entry for a request and the tokens of it the request can use, or
         None. No side effects.
 
@@ -283,7 +287,9 @@ class Store:
         (k x 256 <= `max_tokens`, floored to `multiple_of`), when that is more than the longest
         whole match gives: a prompt sharing a system prompt or the start of an edited
         conversation with a saved one. Manifests not read before are read for it, at most
-        `SHARED_READS` a lookup (the longest candidates first).
+        `SHARED_READS` a lookup (the longest candidates first); one that cannot be read (a store
+        error) is passed over. `exclude`: entry ids never to return (e.g. ones that failed to
+        load, or need a codec plug-in this host lacks).
         """
         if mode not in ("exact", "semantic"):
             raise ValueError(f"mode must be 'exact' or 'semantic', found {mode!r}")
@@ -309,7 +315,8 @@ class Store:
             key_tokens = hasher.tokens
         key = self.key_for(fingerprint_hash, anchor=anchor, tokens=key_tokens, scope=scope)
         names = [(parse_entry_name(n), n) for n in self.backend.list_dir(key_path(key))]
-        cands = sorted((_Candidate(p.num_tokens, p.hash16, n) for p, n in names if p), key=lambda c: -c.num_tokens)
+        cands = sorted((_Candidate(p.num_tokens, p.hash16, n) for p, n in names
+                        if p and f"{key}/{n}" not in exclude), key=lambda c: -c.num_tokens)
         reason = "no_entry"
         for n, h16, name in cands:
             if (max_tokens is not None and n > max_tokens) or n % multiple_of:
@@ -351,9 +358,9 @@ class Store:
         new = [f"{key}/{c.name}" for c in cands if could_beat(c) and f"{key}/{c.name}" not in self._infos]
         new = new[:SHARED_READS]
         if len(new) > 1 and self.backend.write_concurrency > 1:
-            read = dict(zip(new, self._executor("manifest", SHARED_READS).map(self._try_info, new), strict=True))
+            read = dict(zip(new, self._executor("manifest", SHARED_READS).map(self._shared_info, new), strict=True))
         else:
-            read = {entry_id: self._try_info(entry_id) for entry_id in new}
+            read = {entry_id: self._shared_info(entry_id) for entry_id in new}
         mine: list[str] | None = None  # the request's own boundary hashes, made when first needed
         for c in cands:  # longest first
             if not could_beat(c):
@@ -373,6 +380,15 @@ class Store:
             if tokens > (0 if best is None else best.tokens):
                 best = Match(info, tokens)
         return best
+
+    def _shared_info(self, entry_id: str) -> EntryInfo | None:
+        """`_try_info` for a shared match's extra candidates: a store error reading one passes it
+        over (the lookup keeps what it found), never fails the lookup."""
+        try:
+            return self._try_info(entry_id)
+        except Exception as e:
+            log.debug("anchorkv: could not read the manifest of %s for a shared match (%s)", entry_id, e)
+            return None
 
     def _try_info(self, entry_id: str) -> EntryInfo | None:
         """The entry, or None if it is gone or unusable (a damaged one is logged once)."""
@@ -534,7 +550,7 @@ class Store:
             problems.append(f"it is split along axis {array.shard_axis}, the reader along {axis}")
         if problems:
             raise CorruptEntry(info.id, f"field {array.field!r}: " + "; ".join(problems) + "; recompute")
-        self._checked.add(ok_key)
+        self._checked[ok_key] = True
 
     def load_async(self, *args: Any, **kwargs: Any) -> Future:
         """`load` on the I/O pool: a future of the `Packed`."""
@@ -552,7 +568,8 @@ class Store:
     def _touch(self, entry_id: str) -> None:
         """Record a use for LRU eviction, at most once a minute per entry and process."""
         t = now()
-        if t - self._touched.get(entry_id, 0.0) > 60.0:
+        last = self._touched.get(entry_id)
+        if last is None or t - last > 60.0:
             self._touched[entry_id] = t
             self.backend.touch_entry(entry_path(entry_id))
 
@@ -665,7 +682,7 @@ class Store:
         return self._executor("put", self.backend.write_concurrency).submit(fn, *args)
 
     def close(self) -> None:
-        for name in ("io", "put", "chunk"):  # (in this order: a task of one may queue work on the next)
+        for name in ("io", "put", "chunk", "manifest"):  # (in order: a task of one may queue work on the next)
             with self._lock:
                 pool = self._pools.pop(name, None)
             if pool is not None:
@@ -680,6 +697,49 @@ class Store:
 
 #: Manifests a `match` with `shared` reads beyond those read before (each is cached).
 SHARED_READS = 8
+#: Entries whose manifest (and arrays) a `Store` keeps in memory, the most recently used.
+CACHED_MANIFESTS = 512
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class _Recent(Generic[K, V]):
+    """A map that keeps its `size` most recently used items (thread-safe: the store's pools
+    read manifests concurrently)."""
+
+    def __init__(self, size: int) -> None:
+        self._items: OrderedDict[K, V] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def get(self, key: K, default: V | None = None) -> V | None:
+        with self._lock:
+            if key not in self._items:
+                return default
+            self._items.move_to_end(key)
+            return self._items[key]
+
+    def __setitem__(self, key: K, value: V) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def pop(self, key: K, default: V | None = None) -> V | None:
+        with self._lock:
+            return self._items.pop(key, default)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
 
 
 class Match(NamedTuple):

@@ -150,6 +150,29 @@ def test_a_prompt_sharing_the_first_blocks_of_an_entry_restores_them():
     assert _plan(_side(Entries(shared=(900, 256)), decode_only=True), PROMPT) == (None, Miss.NEEDS_PREFILL)
 
 
+def test_a_shared_entry_that_failed_to_load_is_passed_over_for_the_next_best():
+    """An entry that failed recently is excluded from the next lookup (a shared match of it
+    would come back block by block for as long as it is if the limit were only lowered)."""
+    import time
+
+    class Store:
+        def __init__(self) -> None:
+            self.excluded: list[set] = []
+
+        def lookup(self, *, max_tokens: int, shared: bool = False, exclude=frozenset(), **_):
+            self.excluded.append(set(exclude))
+            if shared and "e20000" not in exclude:
+                return EntryRef("e20000", 20000, 256)
+            return EntryRef("e100", 100) if max_tokens >= 100 else None
+
+    store = Store()
+    side = _side(store)
+    side._bad_entries["e20000"] = time.monotonic()
+    spec, miss = _plan(side, PROMPT)
+    assert miss is None and (spec.entry_id, spec.num_tokens) == ("e100", 100)
+    assert store.excluded == [set(), {"e20000"}]
+
+
 def test_a_hybrid_never_cuts_an_entry():
     """A hybrid's state exists only at an entry's end: the prompt's own entry is too long."""
     store = Entries(320, shared=(900, 256))

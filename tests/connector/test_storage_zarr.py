@@ -213,3 +213,29 @@ def test_codecs_are_resolved_and_checked_at_startup(tmp_path):
         ZarrEntryStore(raw_config(tmp_path, codec={"latent": "fp9:64"}), kimi)
     with pytest.raises(ValueError, match=r"names \['rope'\], neither roles .* nor fields of this model"):
         ZarrEntryStore(raw_config(tmp_path, codec={"rope": "raw"}), kimi)
+
+
+def test_an_entry_needing_a_missing_plugin_is_excluded_not_cut(tmp_path, monkeypatch):
+    """The lookup passes over an entry this host cannot decode by excluding it, so a long one
+    met as a shared match does not come back block by block until the rounds run out; the next
+    best is returned."""
+    from types import SimpleNamespace
+
+    from anchorkv.store.store import Match
+
+    es = ZarrEntryStore(raw_config(tmp_path), tiny())
+    save(es, 100)
+    usable = es.store.get(es.store.list()[0].id)
+    plugin = SimpleNamespace(id="k/t00020000-0", num_tokens=20000, arrays=lambda: {
+        "latent": SimpleNamespace(codec=SimpleNamespace(plugin=True, installed=False, id="lowrank"))})
+    asked: list[set] = []
+
+    def match(*, exclude=(), **_):
+        asked.append(set(exclude))
+        return Match(usable, 100) if plugin.id in exclude else Match(plugin, 19968)
+
+    monkeypatch.setattr(es.store, "match", match)
+    why: list[str] = []
+    ref = es.lookup(anchor="a", token_ids=TOKENS, max_tokens=399, multiple_of=1, mode="exact", shared=True, why=why)
+    assert (ref.entry_id, ref.num_tokens, ref.tokens) == (usable.id, 100, 100)
+    assert asked == [set(), {plugin.id}] and why == ["plugin_missing"]
