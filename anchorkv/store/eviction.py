@@ -76,7 +76,7 @@ class Entries(Protocol):
     capacity_bytes: int | None
     pins: Pins
 
-    def scan(self) -> list[Listing]: ...
+    def scan(self, *, sizes_only: bool = False) -> list[Listing]: ...
 
     def delete(self, entry: EntryInfo | str) -> None: ...
 
@@ -138,7 +138,7 @@ def evict(store: Entries, capacity: int, keep: Set[str] = frozenset(), *, dry_ru
     Every entry counts toward the total, whatever its state. Never removes an entry pinned in
     this process, leased by any process, or in `keep`. `dry_run`: only say what would go.
     """
-    entries = store.scan()
+    entries = store.scan(sizes_only=True)
     total = sum(e.stored_bytes for e in entries)
     if total <= capacity:
         return []

@@ -110,6 +110,9 @@ class Store:
         self._warned: set[str] = set()
         self.pins = eviction.Pins()
         self._touched: _Recent[str, float] = _Recent(8 * CACHED_MANIFESTS)
+        #: (stored bytes, created) of every ok entry the last scan found: eviction's scan after
+        #: each save needs no manifest again (~200 bytes an entry)
+        self._sizes: dict[str, tuple[int, float]] = {}
         self._warned_semantic = False
 
     @classmethod
@@ -422,12 +425,18 @@ class Store:
         self._infos[entry] = info
         return info
 
-    def scan(self) -> list[Listing]:
+    def scan(self, *, sizes_only: bool = False) -> list[Listing]:
         """Every entry in the store, whatever its state (`Listing.state`): ``ok``, ``damaged``
         (its manifest is unreadable or inconsistent), ``old-format`` / ``newer-format`` (another
         format version). Damaged and other-format entries are never loaded, but they are listed,
-        counted toward usage and capacity, and removable. Newest first."""
+        counted toward usage and capacity, and removable. Newest first.
+
+        `sizes_only` (eviction, usage): an ``ok`` entry whose manifest this process has read
+        before comes without it (`Listing.info` None; its size and creation time from memory),
+        so a scan after every save does not read again the manifests that fell out of the
+        bounded cache."""
         out = []
+        seen: dict[str, tuple[int, float]] = {}
         for key in self.backend.list_dir(ENTRIES):
             if not _HEX64.match(key):
                 continue
@@ -436,8 +445,15 @@ class Store:
                 if not parsed:
                     continue
                 entry_id = f"{key}/{name}"
+                known = self._sizes.get(entry_id) if sizes_only else None
+                if known is not None:
+                    seen[entry_id] = known
+                    out.append(Listing(entry_id, "ok", None, size=known[0], mtime=known[1]))
+                    continue
                 try:
-                    out.append(Listing(entry_id, "ok", self.get(entry_id)))
+                    info = self.get(entry_id)
+                    seen[entry_id] = (info.stored_bytes, info.created)
+                    out.append(Listing(entry_id, "ok", info))
                 except EntryNotFound:
                     if not self.backend.atomic_publish:
                         continue  # an object prefix without a manifest: a write in progress (gc: orphan)
@@ -447,6 +463,7 @@ class Store:
                     out.append(self._broken(entry_id, "newer-format" if newer else "old-format", str(e)))
                 except CorruptEntry as e:
                     out.append(self._broken(entry_id, "damaged", str(e)))
+        self._sizes = seen  # (entries gone from the store drop out)
         return sorted(out, key=lambda e: -e.created)
 
     def _broken(self, entry_id: str, state: str, problem: str) -> Listing:
@@ -628,7 +645,7 @@ class Store:
 
     def usage(self) -> int:
         """Bytes of all entries, damaged and other-format ones included."""
-        return sum(e.stored_bytes for e in self.scan())
+        return sum(e.stored_bytes for e in self.scan(sizes_only=True))
 
     def evict(self, capacity_bytes: int | None = None) -> builtins.list[str]:  # `list` is a method here
         """Delete least-recently-used entries until the store holds <= capacity bytes."""
