@@ -399,3 +399,17 @@ def test_restore_reads_runs_both_ways_on_a_local_store():
     assert [line.split(":")[1].strip() for line in lines] == [
         f"{n} read thread(s)" for n in sorted({1, READ_THREADS, 8})], lines
     assert all(float(line.rsplit(":", 1)[1].split()[0]) > 0 for line in lines), lines
+
+
+def test_lookups_runs_on_a_local_store(tmp_path):
+    """`python -m benchmarks.lookups` (exact against shared lookups) runs without a GPU, prints
+    its four rows and writes them where `--out` says."""
+    res = subprocess.run([sys.executable, "-m", "benchmarks.lookups", "--entries", "9", "--rounds", "2",
+                          "--out", str(tmp_path)],
+                         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [line.split(": ", 1)[1].rsplit(":", 1)[0] for line in res.stdout.splitlines() if " entries: " in line]
+    assert rows == ["fresh store, exact", "warm store, exact", "fresh store, shared", "warm store, shared"]
+    [path] = tmp_path.glob("*-lookups-local.json")
+    data = json.loads(path.read_text())
+    assert data["entries"] == 9 and all(v > 0 for v in data["median_ms"].values())
