@@ -104,9 +104,12 @@ class Store:
         # loads entries for as long as it runs (a manifest costs ~240 KiB of memory for a
         # Kimi-Linear entry); what drops out is read again when needed
         self._infos: _Recent[str, EntryInfo] = _Recent(CACHED_MANIFESTS)
-        self._arrays: _Recent[str, dict[str, ArrayLayout]] = _Recent(CACHED_MANIFESTS)
+        # arrays and layout checks are kept with the manifest object they came from: an entry
+        # re-read (its manifest dropped out, the id written again by another process meanwhile)
+        # is never decoded with the arrays or checks of the one before
+        self._arrays: _Recent[str, tuple[EntryInfo, dict[str, ArrayLayout]]] = _Recent(CACHED_MANIFESTS)
         self._fingerprints: dict[int, tuple[Any, str]] = {}
-        self._checked: _Recent[tuple, bool] = _Recent(8 * CACHED_MANIFESTS)
+        self._checked: _Recent[tuple, EntryInfo] = _Recent(8 * CACHED_MANIFESTS)
         self._warned: set[str] = set()
         self.pins = eviction.Pins()
         self._touched: _Recent[str, float] = _Recent(8 * CACHED_MANIFESTS)
@@ -253,6 +256,7 @@ class Store:
         """A commit published `info` (the writers' and `commit_staged`'s `on_commit`): cache it
         and evict down to the capacity, keeping it."""
         self._infos[info.id] = info
+        self._sizes[info.id] = (info.stored_bytes, info.created)
         if self.capacity_bytes is not None:
             eviction.evict(self, self.capacity_bytes, keep={info.id})
 
@@ -358,18 +362,24 @@ class Store:
 
         # the manifests not read before, longest first, at most SHARED_READS: read at once from an
         # object store (a round trip each), in turn from a local one
-        new = [f"{key}/{c.name}" for c in cands if could_beat(c) and f"{key}/{c.name}" not in self._infos]
-        new = new[:SHARED_READS]
+        known: dict[str, EntryInfo | None] = {}  # the cached ones, taken now (reads may push them out)
+        new: list[str] = []
+        for c in cands:
+            entry_id = f"{key}/{c.name}"
+            if could_beat(c):
+                known[entry_id] = self._infos.get(entry_id)
+                if known[entry_id] is None and len(new) < SHARED_READS:
+                    new.append(entry_id)
         if len(new) > 1 and self.backend.write_concurrency > 1:
-            read = dict(zip(new, self._executor("manifest", SHARED_READS).map(self._shared_info, new), strict=True))
+            known.update(zip(new, self._executor("manifest", SHARED_READS).map(self._shared_info, new), strict=True))
         else:
-            read = {entry_id: self._shared_info(entry_id) for entry_id in new}
+            known.update((entry_id, self._shared_info(entry_id)) for entry_id in new)
         mine: list[str] | None = None  # the request's own boundary hashes, made when first needed
         for c in cands:  # longest first
             if not could_beat(c):
                 continue
             entry_id = f"{key}/{c.name}"
-            info = read[entry_id] if entry_id in read else self._infos.get(entry_id)
+            info = known.get(entry_id)
             if info is None or info.fingerprint_hash != fingerprint_hash:
                 continue
             hashes = info.manifest.get("boundary_hashes")
@@ -548,7 +558,7 @@ class Store:
         """The entry's array agrees with the reader's layout (layers holding the field, logical
         shape, dtype, the axis tp splits), so no byte of one layer or slice lands in another."""
         ok_key = (info.id, array.field, self._fingerprint(layout), lf.shard_axis)
-        if ok_key in self._checked:
+        if self._checked.get(ok_key) is info:
             return
         names = tuple(layer.name for layer in layout.layers if any(f.name == array.field for f in layer.page.fields))
         full = lf.logical_shape
@@ -567,16 +577,19 @@ class Store:
             problems.append(f"it is split along axis {array.shard_axis}, the reader along {axis}")
         if problems:
             raise CorruptEntry(info.id, f"field {array.field!r}: " + "; ".join(problems) + "; recompute")
-        self._checked[ok_key] = True
+        self._checked[ok_key] = info
 
     def load_async(self, *args: Any, **kwargs: Any) -> Future:
         """`load` on the I/O pool: a future of the `Packed`."""
         return self.submit(self.load, *args, **kwargs)
 
     def _array(self, info: EntryInfo, field: str) -> ArrayLayout:
-        arrays = self._arrays.get(info.id)
-        if arrays is None:
-            arrays = self._arrays[info.id] = info.arrays()
+        cached = self._arrays.get(info.id)
+        if cached is not None and cached[0] is info:
+            arrays = cached[1]
+        else:
+            arrays = info.arrays()
+            self._arrays[info.id] = (info, arrays)
         try:
             return arrays[field]
         except KeyError:
@@ -612,6 +625,7 @@ class Store:
         self.backend.delete_tree(path)
         self._infos.pop(entry_id, None)
         self._arrays.pop(entry_id, None)
+        self._sizes.pop(entry_id, None)
         self._touched.pop(entry_id, None)
         self.backend.remove_empty_dir(key_path(key))
 

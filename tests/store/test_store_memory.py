@@ -57,3 +57,60 @@ def test_eviction_after_each_save_reads_no_manifest_again(tmp_path, monkeypatch)
     left = {e.id for e in store.list()}
     assert left == {e.id for e in infos[2:]}  # the two oldest evicted
     assert store.usage() == sum(e.stored_bytes for e in infos[2:])
+
+
+def test_an_entry_read_again_is_never_decoded_with_the_arrays_of_the_one_before(tmp_path, monkeypatch):
+    """Another process deletes an entry and writes the same id again with other codecs, while
+    this one's manifest of it has dropped out of the cache: the load reads the new manifest and
+    decodes with its codecs, not with arrays kept from the old one (found by review: the caches
+    aged apart, and the new checksums passed while the old codec decoded)."""
+    monkeypatch.setattr(store_module, "CACHED_MANIFESTS", 2)
+    layout = tiny_layout()
+    old_codecs, new_codecs = dict(CODECS, recurrent="int8:16"), dict(CODECS, recurrent="fp8:16")
+    a = Store.open(tmp_path / "s")
+    x = a.save(layout, old_codecs, tokens(300), all_packed(layout, old_codecs, 300), anchor="x")
+    others = [a.save(layout, old_codecs, tokens(300, seed=i), all_packed(layout, old_codecs, 300, seed=i),
+                     anchor=f"o{i}") for i in (1, 2)]
+    a.load(x.id, layout, "model.layers.1.attn", "recurrent")  # its arrays and checks cached
+    b = Store.open(tmp_path / "s")
+    b.delete(x.id)
+    assert b.save(layout, new_codecs, tokens(300), all_packed(layout, new_codecs, 300), anchor="x").id == x.id
+    for o in others:
+        a.get(o.id)  # x's manifest drops out of a's cache
+    got = a.load(x.id, layout, "model.layers.1.attn", "recurrent")
+    want = Store.open(tmp_path / "s", create=False).load(x.id, layout, "model.layers.1.attn", "recurrent")
+    assert str(got.codec) == str(want.codec) == "fp8:16"
+    assert torch.equal(got.payload, want.payload) and torch.equal(got.scales, want.scales)
+
+
+def test_a_shared_match_does_not_lose_a_cached_candidate_to_its_own_reads(tmp_path, monkeypatch):
+    """The manifests a shared match reads may push cached ones out of the cache: the candidates
+    it had cached are taken before it reads (found by review: the best one was skipped)."""
+    import numpy as np
+
+    from tests.store.test_shared_prefix import BASE, EDITED, match, save, toks
+
+    monkeypatch.setattr(store_module, "CACHED_MANIFESTS", 2)
+    store = Store.open(tmp_path / "s")
+    for i in (5, 6):
+        save(store, np.concatenate([BASE[:300], toks(700 + 100 * (i - 5), i)]))  # each shares one block
+    best = save(store, BASE)  # shares two blocks (512 tokens)
+    other = save(store, toks(400, 9))  # another key
+    store.get(best.id)
+    store.get(other.id)  # best cached, next to go
+    found = match(store, EDITED, shared=True)
+    assert (found.info.id, found.tokens) == (best.id, 512)
+
+
+def test_usage_after_this_process_deletes_and_writes_an_entry_again(tmp_path):
+    """The sizes eviction counts follow this process's own deletes and commits (found by review:
+    a re-written id was counted at its old size)."""
+    layout = tiny_layout()
+    raw = {"conv": "raw", "recurrent": "raw", "latent": "raw"}
+    store = Store.open(tmp_path / "s")
+    x = store.save(layout, CODECS, tokens(300), all_packed(layout, CODECS, 300), anchor="x")
+    assert store.usage() == x.stored_bytes
+    store.delete(x.id)
+    y = store.save(layout, raw, tokens(300), all_packed(layout, raw, 300), anchor="x")
+    assert y.id == x.id and y.stored_bytes != x.stored_bytes
+    assert store.usage() == y.stored_bytes == Store.open(tmp_path / "s", create=False).usage()
