@@ -145,8 +145,9 @@ class SchedulerSide:
         take = 0 if ref is None else self._tokens_to_load(ref, n)
         if ref is not None and ref.tokens >= n and take < n - 1:  # the own entry, cut: a shorter one may give more
             shorter, _ = self._lookup(request, n - 1)
-            if shorter is not None and self._tokens_to_load(shorter, n) > take:
-                ref, take = shorter, self._tokens_to_load(shorter, n)
+            shorter_take = 0 if shorter is None else self._tokens_to_load(shorter, n)
+            if shorter_take > take:
+                ref, take = shorter, shorter_take
         if ref is not None and take == 0:
             ref, miss = None, Miss.TOO_LONG
         if ref is not None and take <= num_computed_tokens:

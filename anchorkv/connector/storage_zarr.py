@@ -168,8 +168,8 @@ class ZarrEntryStore:
                exclude: frozenset[str] = frozenset(), why: list[str] | None = None) -> EntryRef | None:
         """The longest usable committed entry (see `EntryStore.lookup`); reads manifests only."""
         skipped = set(exclude)
+        semantic = mode == "semantic" and anchor is not None
         for _ in range(16):  # each round skips one entry this host cannot decode; a bound
-            semantic = mode == "semantic" and anchor is not None
             found = self.store.match(
                 fingerprint_hash=self.fingerprint_hash, tokens=token_ids,
                 anchor=anchor, mode="semantic" if semantic else "exact",

@@ -150,11 +150,12 @@ def prefix_hash(tokens: Sequence[int] | np.ndarray, n: int, fingerprint_hash: st
     return PrefixHasher(tokens, fingerprint_hash, scope).hash(n)
 
 
-_HEX = re.compile(r"^[0-9a-f]{64}$")
+#: 64 lowercase hex digits: a key, a prefix hash
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def check_key(key: str) -> str:
     """A key as the store accepts it in a path: exactly 64 lowercase hex digits."""
-    if not isinstance(key, str) or not _HEX.match(key):
+    if not isinstance(key, str) or not HEX64.match(key):
         raise ValueError(f"a store key is 64 lowercase hex digits, found {key!r}")
     return key

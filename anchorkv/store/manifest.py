@@ -41,6 +41,7 @@ from anchorkv.store.format import (
     entry_format_version,
     part_attrs,
 )
+from anchorkv.store.keys import HEX64, TOKEN_BLOCK
 from anchorkv.store.paths import ENTRIES, entry_path  # noqa: F401 (ENTRIES: re-exported, its old home)
 
 ATTR = "anchorkv"
@@ -290,22 +291,18 @@ def _is_int(v: Any) -> bool:
 def _check_boundaries(m: dict[str, Any], arrays: dict[str, ArrayLayout], n: int) -> list[str]:
     """Problems of the optional `boundary_hashes` (the prefix hash after each whole 256-token
     block, which a shared-prefix lookup trusts to restore an entry's first rows)."""
-    from anchorkv.store.keys import TOKEN_BLOCK
-
     hashes = m.get("boundary_hashes")
     if hashes is None:
         return []
     if any(a.kind != "paged" for a in arrays.values()):
         return ["boundary_hashes recorded for an entry with recurrent state (which exists only after all its tokens)"]
     if (type(hashes) is not list or len(hashes) != n // TOKEN_BLOCK
-            or not all(isinstance(h, str) and _HEX64.match(h) for h in hashes)):
+            or not all(isinstance(h, str) and HEX64.match(h) for h in hashes)):
         return [f"boundary_hashes is not the {n // TOKEN_BLOCK} prefix hashes of its whole {TOKEN_BLOCK}-token blocks"]
     if n % TOKEN_BLOCK == 0 and hashes and hashes[-1] != m["prefix_hash"]:
         return ["the last of boundary_hashes is not the prefix hash of all its tokens"]
     return []
 
-
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def _check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:

@@ -13,7 +13,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import threading
 import uuid
 from collections import OrderedDict
@@ -47,6 +46,7 @@ from anchorkv.store.format import (
     zero_chunk,
 )
 from anchorkv.store.keys import (
+    HEX64,
     TOKEN_BLOCK,
     PrefixHasher,
     anchor_key,
@@ -356,9 +356,11 @@ class Store:
         gives more tokens (see `match`)."""
         limit = len(exact) if max_tokens is None else min(max_tokens, len(exact))
 
-        def could_beat(c: _Candidate) -> bool:
-            most = min(c.num_tokens, limit) // TOKEN_BLOCK * TOKEN_BLOCK // multiple_of * multiple_of
-            return most > (0 if best is None else best.tokens)
+        def blocks(c: _Candidate) -> int:  # the most whole 256-token blocks it could share
+            return min(c.num_tokens, limit) // TOKEN_BLOCK
+
+        def beats(k: int) -> bool:  # k shared blocks restore more than `best`
+            return k * TOKEN_BLOCK // multiple_of * multiple_of > (0 if best is None else best.tokens)
 
         # the manifests not read before, longest first, at most SHARED_READS: read at once from an
         # object store (a round trip each), in turn from a local one
@@ -366,7 +368,7 @@ class Store:
         new: list[str] = []
         for c in cands:
             entry_id = f"{key}/{c.name}"
-            if could_beat(c):
+            if beats(blocks(c)):
                 known[entry_id] = self._infos.get(entry_id)
                 if known[entry_id] is None and len(new) < SHARED_READS:
                     new.append(entry_id)
@@ -376,10 +378,10 @@ class Store:
             known.update((entry_id, self._shared_info(entry_id)) for entry_id in new)
         mine: list[str] | None = None  # the request's own boundary hashes, made when first needed
         for c in cands:  # longest first
-            if not could_beat(c):
+            top = blocks(c)
+            if not beats(top):
                 continue
-            entry_id = f"{key}/{c.name}"
-            info = known.get(entry_id)
+            info = known.get(f"{key}/{c.name}")
             if info is None or info.fingerprint_hash != fingerprint_hash:
                 continue
             hashes = info.manifest.get("boundary_hashes")
@@ -387,11 +389,9 @@ class Store:
                 continue
             if mine is None:
                 mine = exact.boundaries(limit)
-            top = min(c.num_tokens, limit) // TOKEN_BLOCK
             k = next((k for k in range(min(top, len(hashes)), 0, -1) if hashes[k - 1] == mine[k - 1]), 0)
-            tokens = k * TOKEN_BLOCK // multiple_of * multiple_of
-            if tokens > (0 if best is None else best.tokens):
-                best = Match(info, tokens)
+            if beats(k):
+                best = Match(info, k * TOKEN_BLOCK // multiple_of * multiple_of)
         return best
 
     def _shared_info(self, entry_id: str) -> EntryInfo | None:
@@ -448,7 +448,7 @@ class Store:
         out = []
         seen: dict[str, tuple[int, float]] = {}
         for key in self.backend.list_dir(ENTRIES):
-            if not _HEX64.match(key):
+            if not HEX64.match(key):
                 continue
             for name in self.backend.list_dir(key_path(key)):
                 parsed = parse_entry_name(name)
@@ -617,7 +617,7 @@ class Store:
         nothing); the key's directory goes too once it holds no entry."""
         entry_id = entry.id if isinstance(entry, EntryInfo) else entry
         key, _, name = entry_id.partition("/")
-        if not _HEX64.match(key) or parse_entry_name(name) is None:
+        if not HEX64.match(key) or parse_entry_name(name) is None:
             raise EntryNotFound(f"{entry_id!r} is not an entry id ('<64 hex key>/t<tokens>-<hash>')")
         path = entry_path(entry_id)
         if not self.backend.exists(zarr_json(path)) and not self.backend.list_dir(path):
@@ -758,9 +758,6 @@ class _Recent(Generic[K, V]):
             while len(self._items) > self._size:
                 self._items.popitem(last=False)
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._items
-
     def __len__(self) -> int:
         return len(self._items)
 
@@ -789,7 +786,6 @@ class _Candidate(NamedTuple):
     name: str
 
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 #: What a Zarr reader takes from an array's zarr.json (`verify` compares them with the manifest's).
 _ARRAY_KEYS = ("zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
                "fill_value", "codecs")

@@ -76,3 +76,19 @@ def all_packed(layout, codecs: dict[str, str], num_tokens: int, seed: int = 0) -
 
 def tokens(n: int, seed: int = 0) -> np.ndarray:
     return (np.arange(n, dtype=np.int64) * 7919 + seed * 104729) % 151_000
+
+
+def record_reads(monkeypatch, store, before=None) -> list[str]:
+    """The paths `store.backend.read` is asked for from now on (a list that grows as it reads);
+    `before(path)`, if given, runs before each read (to hold it, or make it fail)."""
+    paths: list[str] = []
+    real = store.backend.read
+
+    def read(path, *args, **kwargs):
+        paths.append(path)
+        if before is not None:
+            before(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(store.backend, "read", read)
+    return paths

@@ -8,7 +8,7 @@ import torch
 
 from anchorkv.store import store as store_module
 from anchorkv.store.store import Store
-from tests.store.helpers import CODECS, all_packed, tiny_layout, tokens
+from tests.store.helpers import CODECS, all_packed, record_reads, tiny_layout, tokens
 
 
 def test_a_store_keeps_its_most_recently_used_manifests(tmp_path, monkeypatch):
@@ -41,14 +41,7 @@ def test_eviction_after_each_save_reads_no_manifest_again(tmp_path, monkeypatch)
     packed = {i: all_packed(layout, CODECS, 300, seed=i) for i in range(8)}
     probe = Store.open(tmp_path / "probe").save(layout, CODECS, tokens(300), packed[0], anchor="p")
     store = Store.open(tmp_path / "s", capacity_bytes=6 * probe.stored_bytes + probe.stored_bytes // 2)
-    reads: list[str] = []
-    real = store.backend.read
-
-    def spy(path, *a, **kw):
-        reads.append(path)
-        return real(path, *a, **kw)
-
-    monkeypatch.setattr(store.backend, "read", spy)
+    reads = record_reads(monkeypatch, store)
     infos = []
     for i in range(8):
         reads.clear()
