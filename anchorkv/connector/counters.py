@@ -13,7 +13,9 @@ Who counts what (each event once per request, whatever the tensor-parallel size)
 * scheduler side, when vLLM admits a request (`update_state_after_alloc`, once per
   admission, as vLLM counts its own external-cache queries): ``lookups``, ``hits`` and
   ``hit_tokens`` (a load is planned), or one ``miss:<reason>`` of `LOOKUP_MISSES`;
-  ``scoped_lookups`` / ``scoped_hits`` for requests with a ``cache_salt`` or LoRA adapter.
+  ``scoped_lookups`` / ``scoped_hits`` for requests with a ``cache_salt`` or LoRA adapter;
+  ``junction_saves``, when it plans a save at a shared-prefix junction (see
+  `SchedulerSide._maybe_save_boundary`).
 * rank 0 (every rank does the same work): ``saves``, ``saved_tokens``, ``save_failed``,
   ``save_skipped``, ``save_dropped`` (the store was behind: see ``save_backlog``), ``restores``,
   ``restored_tokens`` and the load failures (``miss:<reason>`` of `LOAD_MISSES`: a planned load
@@ -69,8 +71,8 @@ LOAD_MISSES = (Miss.TIMEOUT, Miss.ENTRY_GONE, Miss.CORRUPT, Miss.FINGERPRINT_MIS
 MISS_PREFIX = "miss:"
 #: Plain counters of a snapshot (the ``miss:<reason>`` counters come on top).
 COUNTERS = ("lookups", "hits", "hit_tokens", "scoped_lookups", "scoped_hits", "saves", "saved_tokens",
-            "saved_bytes", "save_failed", "save_skipped", "save_dropped", "restores", "restored_tokens",
-            "restored_bytes")
+            "saved_bytes", "save_failed", "save_skipped", "save_dropped", "junction_saves", "restores",
+            "restored_tokens", "restored_bytes")
 #: Latency series of a snapshot, in seconds.
 LATENCIES = ("save_seconds", "restore_seconds")
 
@@ -123,7 +125,7 @@ def summary(data: dict[str, Any]) -> dict[str, int | float]:
             if seconds:
                 out[f"{kind}_avg_s"] = round(sum(seconds) / len(seconds), 3)
                 out[f"{kind}_max_s"] = round(max(seconds), 3)
-    for key in ("save_failed", "save_skipped", "save_dropped"):
+    for key in ("save_failed", "save_skipped", "save_dropped", "junction_saves"):
         if data.get(key):
             out[key] = data[key]
     return out
@@ -186,6 +188,11 @@ class Counters:
     def save_dropped(self) -> None:
         if self.primary:
             self._add(save_dropped=1)
+
+    def junction_saved(self) -> None:
+        """(scheduler side) A save planned at a shared-prefix junction (also counted in
+        ``saves`` once written)."""
+        self._add(junction_saves=1)
 
     def take(self) -> dict[str, Any] | None:
         """The counts since the last call (None if nothing happened); starts a new interval."""

@@ -48,6 +48,7 @@ SAVED_BYTES = "vllm:anchorkv_saved_bytes_total"
 SAVE_FAILED = "vllm:anchorkv_save_failures_total"
 SAVE_SKIPPED = "vllm:anchorkv_saves_skipped_total"
 SAVE_DROPPED = "vllm:anchorkv_saves_dropped_total"
+JUNCTION_SAVES = "vllm:anchorkv_junction_saves_total"
 RESTORES = "vllm:anchorkv_restores_total"
 RESTORED_TOKENS = "vllm:anchorkv_restored_tokens_total"
 RESTORED_BYTES = "vllm:anchorkv_restored_bytes_total"
@@ -68,6 +69,8 @@ _COUNTERS = {
     "save_skipped": (SAVE_SKIPPED, "Saves with nothing to write (the entry exists, or too short to key)."),
     "save_dropped": (SAVE_DROPPED, "Saves dropped because the saves queued for the store held save_backlog "
                                    "bytes of host memory (the store is slower than the saves)."),
+    "junction_saves": (JUNCTION_SAVES, "Saves planned of the state where a prompt leaves a prefix it shares with "
+                                       "another request (a shared-prefix junction vLLM found)."),
     "restores": (RESTORES, "Entries restored into vLLM's KV cache."),
     "restored_tokens": (RESTORED_TOKENS, "Tokens restored from the store."),
     "restored_bytes": (RESTORED_BYTES, "Bytes read from the store by restores, all ranks."),

@@ -84,6 +84,10 @@ class _Tracked:
     loaded: int = 0  # tokens restored from the store (not saved again)
     prefill_saved: bool = False
     boundary_saved: bool = False
+    #: where the prompt leaves the prefix it shares with a request in vLLM's own prefix cache
+    #: (0: none), as vLLM found it when it admitted the request (`shared_prefix_boundary`)
+    junction: int = 0
+    junction_saved: bool = False
 
 
 class SchedulerSide:
@@ -216,6 +220,9 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, block_ids: tuple[list[int], ...],
                                  num_external_tokens: int) -> None:
+        tracked = self._requests.get(request.request_id)
+        if tracked is not None:  # vLLM sets it before this call, after its last say on the local hit
+            tracked.junction = int(getattr(request, "shared_prefix_boundary", 0) or 0)
         self._count_lookup(request, num_external_tokens)
         if num_external_tokens <= 0:
             return
@@ -379,20 +386,39 @@ class SchedulerSide:
         meta.saves.append(SaveSpec(req_id, tracked.anchor, tracked.prompt[:n], n, blocks, scope=tracked.scope))
 
     def _maybe_save_boundary(self, req_id: str, tracked: _Tracked, table, offers, meta: Metadata) -> None:
-        """Align mode: save the prompt's last block boundary *below* its length, from the state
-        blocks vLLM offers in the step that computes it. The same prompt sent again (a
-        prefill/decode split, a retry) can restore only an entry shorter than the prompt; an
-        entry at a block boundary restores at any tp (any entry length does)."""
-        if "prefill" not in self.config.save_points or tracked.boundary_saved or not tracked.cacheable:
+        """Align mode: save boundary states from the state blocks vLLM offers in the step that
+        computes them:
+
+        - the prompt's last block boundary *below* its length: the same prompt sent again (a
+          prefill/decode split, a retry) can restore only an entry shorter than the prompt; an
+          entry at a block boundary restores at any tp (any entry length does);
+        - the **junction**: where the prompt leaves the prefix it shares with a request vLLM
+          holds in its prefix cache (a system prompt, a conversation's common start). vLLM
+          stops the prefill there and keeps that state (`shared_prefix_boundary`, Marconi-style
+          retention), but only in its own memory; saved, every prompt that starts with that
+          prefix restores it after a restart or on another instance. A hybrid's state exists
+          only at an entry's end, so without this entry such prompts restore nothing."""
+        if "prefill" not in self.config.save_points or not tracked.cacheable:
             return
         target = (len(tracked.prompt) - 1) // self.block_size * self.block_size
-        if target <= tracked.loaded:
-            return
-        n, blocks = self._offered_boundary(table, [o for o in offers if int(o[2]) == target], target)
-        if blocks is None:
-            return
-        tracked.boundary_saved = True
-        meta.saves.append(SaveSpec(req_id, tracked.anchor, tracked.prompt[:n], n, blocks, scope=tracked.scope))
+        if not tracked.boundary_saved and target > tracked.loaded:
+            n, blocks = self._offered_boundary(table, [o for o in offers if int(o[2]) == target], target)
+            if blocks is not None:
+                tracked.boundary_saved = True
+                meta.saves.append(SaveSpec(req_id, tracked.anchor, tracked.prompt[:n], n, blocks,
+                                           scope=tracked.scope))
+        j = tracked.junction
+        if j and not tracked.junction_saved:
+            # vLLM stops at the junction floored to a block (at the junction itself where it can
+            # keep a state inside a block); the last block boundary is the save above
+            points = {j, j // self.block_size * self.block_size} - {0, target}
+            n, blocks = self._offered_boundary(table, [o for o in offers if int(o[2]) in points],
+                                               min(j, len(tracked.prompt) - 1))
+            if blocks is not None and n > tracked.loaded:
+                tracked.junction_saved = True
+                self.stats.junction_saved()
+                meta.saves.append(SaveSpec(req_id, tracked.anchor, tracked.prompt[:n], n, blocks,
+                                           scope=tracked.scope))
 
     def _offered_boundary(self, table, offers, limit: int) -> tuple[int, tuple | None]:
         """The longest boundary <= limit that vLLM offers for every state group this step,

@@ -468,6 +468,17 @@ def test_dropped_saves_are_counted_summarized_and_exported():
     assert set(Cn.COUNTERS) <= set(M._COUNTERS)
 
 
+def test_junction_saves_are_counted_summarized_and_exported():
+    """The scheduler side's saves at shared-prefix junctions (tests/connector/test_connector_junction.py
+    counts them through the real scheduler): a snapshot counter, in vLLM's log line and exported."""
+    c = Cn.Counters()
+    c.junction_saved()
+    assert c.take() == {"junction_saves": 1}
+    assert Cn.summary({"junction_saves": 3}) == {"junction_saves": 3}
+    assert "junction_saves" in Cn.COUNTERS
+    assert M._COUNTERS["junction_saves"][0] == M.JUNCTION_SAVES == "vllm:anchorkv_junction_saves_total"
+
+
 # ------------------------------------------------------------------ logs
 
 

@@ -56,11 +56,24 @@ A_EDITED = H.prompt(7, 8) + PROMPTS["a"][8:]
 # tokens), which Llama (no recurrent state) restores; the hybrid in align mode restores its own
 # 256-token boundary entry of "d", which it matches whole
 D_SHARED = PROMPTS["d"][:300] + H.prompt(8, 100)
+# a system prompt of 300 tokens, then three different questions: the second, sent while vLLM
+# still holds the first in its prefix cache, makes vLLM stop its prefill at the junction (256,
+# the block below 300) and keep the hybrid's state there, which anchorkv saves; after a restart
+# the third restores it (the first two's own entries end at 768, past what it shares)
+SYSTEM = H.prompt(9, 300)
+SIBLINGS = {"s1": SYSTEM + H.prompt(10, 500), "s2": SYSTEM + H.prompt(11, 500)}
+S3 = SYSTEM + H.prompt(12, 100)
 
 
 def _singles(requests):
     """One batch (generate call) per request, vLLM's prefix cache emptied before each."""
     return [{"reset_prefix_cache": True, "max_tokens": MAX_TOKENS, "requests": [r]} for r in requests]
+
+
+def _siblings():
+    """The two sibling prompts one after the other, vLLM's prefix cache kept between them."""
+    s1, s2 = ({"id": k, "prompt": p} for k, p in SIBLINGS.items())
+    return _singles([s1]) + [{"reset_prefix_cache": False, "max_tokens": MAX_TOKENS, "requests": [s2]}]
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +90,10 @@ def engine(engine_env, tmp_path_factory):
         runs.append({"name": f"{name}/base", **common, "connector": None,
                      "batches": _singles(base_turn1) + _singles(
                          [{"id": f"{k}.2", "extend": k, "append": NEW_MESSAGES[k]} for k in PROMPTS])
-                     + _singles([{"id": "d_shared", "prompt": D_SHARED}])})
+                     + _singles([{"id": "d_shared", "prompt": D_SHARED}])
+                     + _singles([{"id": k, "prompt": p} for k, p in SIBLINGS.items()] + [{"id": "s3", "prompt": S3}])})
         runs.append({"name": f"{name}/cold", **common, "connector": {"store": str(stores[name])},
-                     "batches": _singles(turn1)})
+                     "batches": _singles(turn1) + _siblings()})
     cold = H.run_driver({"models": {"dir": str(models), "kinds": {"qwen3_next": {}, "llama": {}}}, "runs": runs},
                         work, "cold")
     by_name = {r["name"]: r for r in cold["runs"]}
@@ -95,7 +109,7 @@ def engine(engine_env, tmp_path_factory):
                      "connector": {"store": str(stores[name])},
                      "batches": _singles(turn1) + _singles(
                          [{"id": f"{k}.2", "prompt": base[f"{k}.2"]["prompt"]} for k in PROMPTS])
-                     + _singles([{"id": "d_shared", "prompt": D_SHARED}])})
+                     + _singles([{"id": "d_shared", "prompt": D_SHARED}, {"id": "s3", "prompt": S3}])})
     warm = H.run_driver({"runs": runs}, work, "warm")
     return {"cold": cold_runs, "warm": {r["name"].split("/")[0]: r for r in warm["runs"]},
             "corrupted": corrupted, "no_entries": no_entries,
@@ -135,9 +149,12 @@ def test_connector_leaves_cold_tokens_unchanged(engine, config):
     """With an empty store the connector restores nothing and the greedy tokens are the
     baseline's (the same prompts without the connector)."""
     base, cold = _tokens(engine["cold"][config]["base"]), engine["cold"][config]["cold"]
-    assert _tokens(cold) == {k: base[k] for k in PROMPTS}
+    assert _tokens(cold) == {k: base[k] for k in [*PROMPTS, *SIBLINGS]}
     assert H.restored(cold) == {}
-    assert [r["num_cached_tokens"] for r in H.requests_of(cold).values()] == [0] * len(PROMPTS)
+    # the second sibling finds the first's whole blocks of the system prompt in vLLM's own
+    # cache (Llama; the hybrid computes them: its state is cached only where a prompt ended)
+    cached = {k: r["num_cached_tokens"] for k, r in H.requests_of(cold).items()}
+    assert cached == {**dict.fromkeys([*PROMPTS, "s1"], 0), "s2": 256 if config == "llama" else 0}
 
 
 def _restorable(config: str, n: int, block: int, finished: int | None = None) -> int:
@@ -201,6 +218,20 @@ def test_warm_prompt_sharing_the_start_of_a_saved_one(engine, config):
     assert _tokens(warm)["d_shared"] == base["d_shared"]
     if config == "llama":
         assert base["d_shared"] != base["d"]  # the shared block alone does not decide the answer
+
+
+def test_warm_prompt_after_a_junction_vllm_found(engine, config):
+    """A third question after the same 300-token system prompt, in a new process: the hybrid in
+    align mode restores the state at the junction (256) that vLLM kept when the second question
+    followed the first and anchorkv saved; Llama the block it shares with either (shared
+    prefixes); both answer as the baseline did."""
+    base, warm = _tokens(engine["cold"][config]["base"]), engine["warm"][config]
+    want = {"qwen3_next-align": 256, "llama": 256, "qwen3_next-none": 0}[config]
+    assert H.restored(warm).get("s3", 0) == want
+    assert H.requests_of(warm)["s3"]["num_cached_tokens"] == want
+    assert _tokens(warm)["s3"] == base["s3"]
+    if config != "qwen3_next-none":
+        assert base["s3"] != base["s1"]  # the system prompt alone does not decide the answer
 
 
 def test_hybrid_without_align_mode_saves_nothing_on_cpu(engine):
