@@ -190,8 +190,8 @@ class Counters:
             self._add(save_dropped=1)
 
     def junction_saved(self) -> None:
-        """(scheduler side) A save planned at a shared-prefix junction (also counted in
-        ``saves`` once written)."""
+        """(scheduler side) A save planned at a shared-prefix junction (the worker counts it
+        again as ``saves`` once written, or ``save_skipped`` when the entry exists)."""
         self._add(junction_saves=1)
 
     def take(self) -> dict[str, Any] | None:

@@ -85,8 +85,10 @@ class _Tracked:
     prefill_saved: bool = False
     boundary_saved: bool = False
     #: where the prompt leaves the prefix it shares with a request in vLLM's own prefix cache
-    #: (0: none), as vLLM found it when it admitted the request (`shared_prefix_boundary`)
-    junction: int = 0
+    #: (0: none), as vLLM found it when it first admitted the request (`shared_prefix_boundary`;
+    #: None: not admitted yet). Not read again when a preempted request resumes: vLLM then
+    #: reports the request's own cached progress as a junction
+    junction: int | None = None
     junction_saved: bool = False
 
 
@@ -221,7 +223,7 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Any, block_ids: tuple[list[int], ...],
                                  num_external_tokens: int) -> None:
         tracked = self._requests.get(request.request_id)
-        if tracked is not None:  # vLLM sets it before this call, after its last say on the local hit
+        if tracked is not None and tracked.junction is None:  # vLLM sets it before this call
             tracked.junction = int(getattr(request, "shared_prefix_boundary", 0) or 0)
         self._count_lookup(request, num_external_tokens)
         if num_external_tokens <= 0:
@@ -401,17 +403,22 @@ class SchedulerSide:
         if "prefill" not in self.config.save_points or not tracked.cacheable:
             return
         target = (len(tracked.prompt) - 1) // self.block_size * self.block_size
+        j = tracked.junction or 0
+        # vLLM stops at the junction floored to a block (at the junction itself where it can
+        # keep a state inside a block)
+        junction = {j, j // self.block_size * self.block_size} - {0} if not tracked.junction_saved else set()
         if not tracked.boundary_saved and target > tracked.loaded:
             n, blocks = self._offered_boundary(table, [o for o in offers if int(o[2]) == target], target)
             if blocks is not None:
                 tracked.boundary_saved = True
                 meta.saves.append(SaveSpec(req_id, tracked.anchor, tracked.prompt[:n], n, blocks,
                                            scope=tracked.scope))
-        j = tracked.junction
-        if j and not tracked.junction_saved:
-            # vLLM stops at the junction floored to a block (at the junction itself where it can
-            # keep a state inside a block); the last block boundary is the save above
-            points = {j, j // self.block_size * self.block_size} - {0, target}
+                if n in junction:  # the junction is the last boundary: one entry for both
+                    junction = set()
+                    tracked.junction_saved = True
+                    self.stats.junction_saved()
+        points = junction - {target}
+        if points:
             n, blocks = self._offered_boundary(table, [o for o in offers if int(o[2]) in points],
                                                min(j, len(tracked.prompt) - 1))
             if blocks is not None and n > tracked.loaded:

@@ -82,8 +82,10 @@ from anchorkv.store.writer import EntryWriter
 
 log = logging.getLogger("anchorkv.store")
 Mode = Literal["exact", "semantic"]
-#: Threads that compute a shard's crc32c while the writing thread writes it (os.writev and
-#: crc32c release the GIL); below 2 the writing thread computes them itself, before the write.
+#: Threads that compute a shard's crc32c while the writing thread writes it (os.writev releases
+#: the GIL; google-crc32c holds it during each call: two threads checksum no faster than one,
+#: measured, so the thread overlaps only the write in flight); below 2 the writing thread
+#: computes them itself, before the write.
 #: On 2 CPU cores that is faster: the concurrent checksum slows the page-cache copy by more than
 #: it costs (`bench_store.py`'s `crc-thread` / `crc-inline` rows, one run: raw 56.0 vs 45.1 ms,
 #: quant 44.1 vs 30.3 ms a Kimi-Linear save), so the thread is used only with more cores.

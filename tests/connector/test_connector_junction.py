@@ -97,18 +97,72 @@ def test_no_junction_is_saved_without_the_prefill_save_point(model_dir, tmp_path
     assert entries(store) == [len(a) + 2, len(b) + 2]
 
 
-def test_a_junction_below_what_was_restored_is_not_saved_again(model_dir, tmp_path):
-    """A request restored past the junction vLLM finds for it has nothing new to save there."""
+def _planned_saves(eng: E.Engine) -> list:
+    """(request, tokens) of every save the scheduler side plans from now on."""
+    planned: list = []
+    eng.forward_hook = lambda e, out: planned.extend(
+        (s.req_id, s.num_tokens) for s in out.kv_connector_metadata.plan.saves)
+    return planned
+
+
+def test_a_junction_at_the_last_boundary_is_one_entry(model_dir, tmp_path):
+    """A second prompt of 2220 tokens sharing 2020 with the first: its junction (1920) is also
+    its last block boundary, planned once (not twice in one step) and counted once."""
     store = tmp_path / "store"
-    opts = dict(mode="align", num_blocks=12, extra=RAW)
+    eng = E.make_engine(model_dir, str(store), mode="align", num_blocks=12, extra=RAW)
+    a, _, _ = _prompts(BS + 100)
+    b = a[:BS + 100] + list(range(50_000, 50_200))
+    first_turn(eng, a, None, "a")
+    counted, planned = _count_junction_saves(eng), _planned_saves(eng)
+    first_turn(eng, b, None, "b")
+    assert planned == [("b", BS), ("b", len(b)), ("b", len(b) + 2)]
+    assert len(counted) == 1
+    assert entries(store).count(BS) == 1
+
+
+def test_a_load_below_the_junction_still_saves_it(model_dir, tmp_path):
+    """The siblings restore an older, shorter entry (1000 tokens) of the prefix they share
+    (3000 tokens); vLLM's junction (1920) lies past it, so it is saved, and a third prompt
+    after a restart restores it whole."""
+    store = tmp_path / "store"
+    opts = dict(mode="align", num_blocks=14, extra=RAW)
+    shared = list(range(1000, 4000))
     eng = E.make_engine(model_dir, str(store), **opts)
-    a, b, _ = _prompts(BS + 100)
-    first_turn(eng, b, None, "b")  # b's entries: 2 blocks (its boundary), its prompt, + output
-    eng = E.make_engine(model_dir, str(store), **opts)  # a restart
-    first_turn(eng, a, None, "a")  # vLLM now holds a's blocks
-    n = len(entries(store))
+    first_turn(eng, shared[:1000], None, "e0")
+    eng = E.make_engine(model_dir, str(store), **opts)
+    counted, planned = _count_junction_saves(eng), _planned_saves(eng)
+    for i, tail in enumerate((50_000, 60_000)):
+        first_turn(eng, shared + list(range(tail, tail + 900)), None, f"p{i}")
+    assert len(counted) == 1 and ("p1", BS) in planned
+    eng = E.make_engine(model_dir, str(store), **opts)
+    c = shared[:2500] + list(range(70_000, 70_500))
+    snaps = [C.snapshot(r) for r in eng.ranks]
+    eng.add("c", c)
+    loads = {s.req_id: s for s in eng.step().kv_connector_metadata.plan.loads}
+    eng.flush()
+    assert {r: (s.start, s.num_tokens) for r, s in loads.items()} == {"c": (0, BS)}
+    for rank, before_bytes in zip(eng.ranks, snaps, strict=True):
+        C.assert_only_touched(rank, before_bytes, C.touched(eng, rank, loads["c"]))
+        C.assert_restored(eng, rank, loads["c"], c)
+    eng.run()
+    assert len(eng.tokens["c"]) == len(c) + 3
+
+
+def test_a_preempted_request_resuming_is_no_junction(model_dir, tmp_path):
+    """A request preempted midway through its prefill (a small pool, admitted before its prompt
+    fits) resumes with vLLM reporting its own cached progress as a shared-prefix junction
+    (1920): it shares nothing with another request, so nothing is saved there; its own entries
+    are, and the other request's."""
+    store = tmp_path / "store"
+    eng = E.make_engine(model_dir, str(store), mode="align", num_blocks=11, extra=RAW,
+                        max_num_batched_tokens=2 * BS, reserve_full_isl=False)
     counted = _count_junction_saves(eng)
-    first_turn(eng, b, None, "b2")  # restores its own 3840-token boundary entry: past the junction
+    preempted: set = set()
+    eng.forward_hook = lambda e, out: preempted.update(out.preempted_req_ids or ())
+    eng.add("a", list(range(1000, 1000 + BS - 5)), max_tokens=12)
+    eng.add("b", list(range(5000, 11_000)), anchor=ANCHOR, max_tokens=3)
+    eng.run(max_steps=60)
+    eng.flush()
+    assert "b" in preempted
     assert not counted
-    assert BS not in entries(store)
-    assert len(entries(store)) == n
+    assert entries(store) == [BS - 5, BS + 6, 3 * BS, 6000, 6002]
