@@ -16,7 +16,8 @@ Providers (all in the same process, on the same filesystem, none calls fsync):
                   the same save with each shard's crc32c computed on a chunk thread while the
                   shard is written, or by the writing thread before it
                   (`anchorkv.store.store.CHUNK_THREADS` 2 or 1; the plain rows use the
-                  machine's default, chosen by its cores): which one a machine should use
+                  machine's default, chosen by its cores and crc32c library, both recorded
+                  in the results): which one a machine should use
     plain         the same raw bytes as one file per (layer, field): open, write, close /
                   open, read (the baseline of the 0.8x target)
     safetensors   one safetensors file per layer (`save_file` / `load_file`), as vLLM's
@@ -218,6 +219,7 @@ def _write_results(quick):
     machine = machine_name()
     (RESULTS / f"{machine}-store.json").write_text(json.dumps({
         "device": machine, "cpus": os.cpu_count(), "torch": torch.__version__,
+        "crc32c": store_module.CRC32C_LIB, "chunk_threads": store_module.CHUNK_THREADS,
         "filesystem": fs[0].split()[1] if fs and fs[0] else "?",
         "command": ".venv/bin/" + COMMAND,
         "notes": "no fsync; reads hit the OS page cache (not dropped); ratio_vs_plain = plain median / "

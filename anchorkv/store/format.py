@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar, Literal
@@ -511,12 +511,31 @@ def parse_shard_index(data: bytes, chunks_per_shard: tuple[int, ...]) -> np.ndar
     return np.frombuffer(body, dtype="<u8").reshape(*chunks_per_shard, 2)
 
 
+def _gil_free_crc32c() -> Callable[..., int] | None:
+    """The `crc32c` package's function if it is installed and uses the CPU's crc32 instruction:
+    it releases the GIL while it computes (buffers of 32 KiB and more), google-crc32c (zarr's)
+    holds it. An optional dependency (the `fast-crc` extra; LGPL-2.1-or-later)."""
+    try:
+        import crc32c as icrar
+    except ImportError:
+        return None
+    return icrar.crc32c if getattr(icrar, "hardware_based", False) else None
+
+
+_CRC_FREE = _gil_free_crc32c()
+#: Which library computes crc32c here; both give the same values (tests/store/test_format.py).
+#: With "crc32c" a checksum thread overlaps the writing thread (see `store.CHUNK_THREADS`);
+#: google-crc32c holds the GIL for each call, so a thread computing it stalls the others.
+CRC32C_LIB = "crc32c" if _CRC_FREE is not None else "google-crc32c"
+
+
 def crc32c(data: bytes | bytearray | memoryview | np.ndarray, value: int = 0) -> int:
-    """The crc32c of `data` (any buffer), continuing from `value` (google-crc32c, which zarr
-    itself uses for its ``crc32c`` codec: one crc32c library)."""
+    """The crc32c of `data` (any buffer), continuing from `value` (`CRC32C_LIB`)."""
+    buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)  # no copy
+    if _CRC_FREE is not None:
+        return _CRC_FREE(buf, value)
     import google_crc32c
 
-    buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)  # no copy
     return google_crc32c.extend(value, buf) if value else google_crc32c.value(buf)
 
 

@@ -40,6 +40,7 @@ from anchorkv.store.errors import (
     explain,
 )
 from anchorkv.store.format import (
+    CRC32C_LIB,
     FORMAT_VERSION,
     ArrayLayout,
     array_layouts,
@@ -82,14 +83,22 @@ from anchorkv.store.writer import EntryWriter
 
 log = logging.getLogger("anchorkv.store")
 Mode = Literal["exact", "semantic"]
-#: Threads that compute a shard's crc32c while the writing thread writes it (os.writev releases
-#: the GIL; google-crc32c holds it during each call: two threads checksum no faster than one,
-#: measured, so the thread overlaps only the write in flight); below 2 the writing thread
-#: computes them itself, before the write.
-#: On 2 CPU cores that is faster: the concurrent checksum slows the page-cache copy by more than
-#: it costs (`bench_store.py`'s `crc-thread` / `crc-inline` rows, one run: raw 56.0 vs 45.1 ms,
-#: quant 44.1 vs 30.3 ms a Kimi-Linear save), so the thread is used only with more cores.
-CHUNK_THREADS = 2 if cores() > 2 else 1
+def chunk_threads(cores: int, crc_lib: str) -> int:
+    """Threads that compute a shard's crc32c while the writing thread writes it; below 2 the
+    writing thread computes them itself, before the write. os.writev releases the GIL; the
+    `crc32c` package releases it too, so on 2 cores the thread is faster (`bench_store.py`'s
+    `crc-thread` / `crc-inline` rows; one interleaved run of 25 rounds: raw 31.1 vs 39.0 ms a
+    Kimi-Linear save, plain files 22.6). google-crc32c holds the GIL for each call, so a
+    checksum thread overlaps only the write in flight and, on 2 cores, costs more than it gives
+    (raw 41.5 vs 40.6 ms, quant 44.1 vs 30.3 in an earlier run): there the thread is used only
+    with more cores."""
+    if crc_lib == "crc32c":
+        return 2 if cores >= 2 else 1
+    return 2 if cores > 2 else 1
+
+
+#: `chunk_threads` of this machine and crc32c library.
+CHUNK_THREADS = chunk_threads(cores(), CRC32C_LIB)
 
 
 class Store:
