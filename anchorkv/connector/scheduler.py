@@ -187,12 +187,27 @@ class SchedulerSide:
         the state of a request that starts with n computed tokens from the block of token
         n - 1, whatever n). `limit` is below the prompt's length (vLLM must compute one token to
         sample from), or as long as it with `prefix_loads` (`_tokens_to_load` cuts it). With it,
-        why there is none (None when an entry was found)."""
+        why there is none (None when an entry was found).
+
+        An anchored request whose anchor holds no entry it can use (a new conversation) looks
+        among the entries keyed by tokens (exact mode): a junction's, saved for every request
+        that starts with a shared prefix whatever its anchor (`_maybe_save_boundary`)."""
         prompt = list(request.prompt_token_ids or [])
-        scope = scope_of(request)
         anchor = anchor_of(request)
         if len(prompt) < 2 or (anchor is None and len(prompt) < TOKEN_BLOCK):  # the store keys neither
             return None, Miss.TOO_SHORT
+        ref, miss = self._lookup_under(request, prompt, anchor, limit)
+        if (ref is None and miss is not Miss.STORE_ERROR and anchor is not None and self.config.lookup == "exact"
+                and len(prompt) >= TOKEN_BLOCK):
+            by_tokens, _ = self._lookup_under(request, prompt, None, limit)
+            if by_tokens is not None:
+                return by_tokens, None
+        return ref, miss
+
+    def _lookup_under(self, request: Any, prompt: list[int], anchor: str | None,
+                      limit: int) -> tuple[EntryRef | None, Miss | None]:
+        """`_lookup` under one key: the anchor's, or the tokens' (`anchor` None)."""
+        scope = scope_of(request)
         miss = Miss.NO_ENTRY
         bad: set[str] = set()
         for _ in range(64):  # each round excludes one bad entry; a bound, not a retry count
@@ -424,8 +439,9 @@ class SchedulerSide:
             if blocks is not None and n > tracked.loaded:
                 tracked.junction_saved = True
                 self.stats.junction_saved()
-                meta.saves.append(SaveSpec(req_id, tracked.anchor, tracked.prompt[:n], n, blocks,
-                                           scope=tracked.scope))
+                # keyed by its tokens, not the request's anchor: requests of any anchor (or
+                # none) that share the prefix find it (`_lookup`); its cache_salt scope is kept
+                meta.saves.append(SaveSpec(req_id, None, tracked.prompt[:n], n, blocks, scope=tracked.scope))
 
     def _offered_boundary(self, table, offers, limit: int) -> tuple[int, tuple | None]:
         """The longest boundary <= limit that vLLM offers for every state group this step,

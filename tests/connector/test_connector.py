@@ -124,7 +124,8 @@ def test_no_anchor_is_a_token_prefix_cache(model_dir, tmp_path):
     assert entries(store) == [300, 302]
     prompt2 = NONE_PROMPT + GENERATED + EXTRA
     assert matched(eng, prompt2, None) == (302, True)
-    assert matched(eng, prompt2, ANCHOR) == (0, False)  # anchored entries live under the anchor
+    # an anchor holding no entry of its own finds the token-keyed ones (exact: the same tokens)
+    assert matched(eng, prompt2, ANCHOR) == (302, True)
     assert matched(eng, [5] + prompt2[1:], None) == (0, False)  # first token block differs
     spec, snaps = start_load(eng, "r2", prompt2, None)
     check_load(eng, spec, snaps, prompt2)

@@ -79,9 +79,14 @@ def test_a_junction_vllm_finds_is_saved_and_restored_after_a_restart(model_dir, 
     eng.run()
     assert len(eng.tokens["c"]) == len(c) + 3
     assert eng.reads_checked > 0
-    if anchor is not None:  # another anchor's prompt of the same tokens does not see it
-        eng.add("other", c, anchor="someone-else")
-        assert not eng.step().kv_connector_metadata.plan.loads
+    # the junction entry is keyed by its tokens: on a new engine, another anchor's new
+    # conversation with the same start restores it too; another tenant (cache_salt) does not
+    eng = E.make_engine(model_dir, str(store), **opts)
+    eng.add("other-anchor", c, anchor="someone-else")
+    eng.add("other-tenant", c, anchor=anchor, cache_salt="tenant-2")
+    loads = {s.req_id: (s.start, s.num_tokens) for s in eng.step().kv_connector_metadata.plan.loads}
+    assert loads == {"other-anchor": (0, BS)}
+    eng.flush()
 
 
 def test_no_junction_is_saved_without_the_prefill_save_point(model_dir, tmp_path):
@@ -195,3 +200,78 @@ def test_a_junction_saved_at_tp2_restores_at_another_tp(model_dir, tmp_path, mon
         C.assert_restored(eng, rank, loads["c"], c)
     eng.run()
     assert len(eng.tokens["c"]) == len(c) + 3
+
+
+def test_siblings_of_other_anchors_share_the_junction(model_dir, tmp_path):
+    """Two users' conversations (anchors alice, bob) start with the same system prompt: the
+    junction vLLM finds between them is saved once, keyed by its tokens; after a restart a third
+    user's first turn (anchor carol, nothing saved under it) restores it, and carol's second turn
+    restores her own longer entry."""
+    from tests.connector.test_connector import EXTRA, GENERATED
+
+    store = tmp_path / "store"
+    opts = dict(mode="align", num_blocks=12, extra=RAW)
+    eng = E.make_engine(model_dir, str(store), **opts)
+    a, b, c = _prompts(BS + 100)
+    counted = _count_junction_saves(eng)
+    first_turn(eng, a, "alice", "a")
+    first_turn(eng, b, "bob", "b")
+    assert len(counted) == 1
+    eng = E.make_engine(model_dir, str(store), **opts)
+    eng.add("c", c, anchor="carol")
+    loads = {s.req_id: (s.start, s.num_tokens) for s in eng.step().kv_connector_metadata.plan.loads}
+    assert loads == {"c": (0, BS)}
+    eng.run()
+    eng.flush()
+    eng = E.make_engine(model_dir, str(store), **opts)
+    turn2 = c + GENERATED + EXTRA
+    eng.add("c2", turn2, anchor="carol")
+    loads = {s.req_id: (s.start, s.num_tokens) for s in eng.step().kv_connector_metadata.plan.loads}
+    assert loads == {"c2": (0, len(c) + 2)}  # carol's own entry (prompt + output), not the junction
+
+
+class _Keyed:
+    """A store whose entries live under keys: an anchor, or None (keyed by tokens)."""
+
+    def __init__(self, entries: dict, fail: bool = False) -> None:
+        self.entries, self.fail, self.asked = entries, fail, []
+
+    def lookup(self, *, anchor, max_tokens, mode, **_):
+        self.asked.append((anchor, mode))
+        if self.fail:
+            raise OSError("store down")
+        from anchorkv.connector.storage import EntryRef
+
+        n = self.entries.get(anchor)
+        return EntryRef(f"{anchor}-{n}", n) if n is not None and n <= max_tokens else None
+
+
+def _side(store, lookup: str = "exact"):
+    from anchorkv.connector.config import ConnectorConfig
+    from anchorkv.connector.plan import GroupInfo, GroupKind
+    from anchorkv.connector.scheduler import SchedulerSide
+
+    groups = [GroupInfo(0, GroupKind.PAGED, 16, ("attn",)), GroupInfo(1, GroupKind.STATE, 16, ("kda",))]
+    cfg = ConnectorConfig.from_extra_config({"store": "/nonexistent", "lookup": lookup})
+    return SchedulerSide(cfg, groups, "align", store)
+
+
+@pytest.mark.parametrize("case,entries,lookup,fail,want,asked", [
+    ("anchor has one", {"carol": 320, None: 512}, "exact", False, 320, [("carol", "exact")]),
+    ("anchor has none", {None: 512}, "exact", False, 512, [("carol", "exact"), (None, "exact")]),
+    ("neither", {}, "exact", False, 0, [("carol", "exact"), (None, "exact")]),
+    ("semantic", {None: 512}, "semantic", False, 0, [("carol", "semantic")]),
+    ("store down", {None: 512}, "exact", True, 0, [("carol", "exact")]),
+])
+def test_an_anchor_without_entries_falls_back_to_token_keyed_ones(case, entries, lookup, fail, want, asked):
+    """Only when the anchor's key holds nothing usable, only in exact mode (semantic lookups
+    trust the anchor, not the tokens), and not after a store error (one warning, no second
+    round trip to a failing store)."""
+    from tests.connector import vllm_harness as H
+
+    store = _Keyed(entries, fail)
+    side = _side(store, lookup)
+    req = H.make_request("r", list(range(1000, 1600)), kv_transfer_params={"anchor": "carol"})
+    got, _ = side.get_num_new_matched_tokens(req, 0)
+    assert got == want, case
+    assert store.asked == asked, case
