@@ -199,9 +199,9 @@ class SchedulerSide:
         ref, miss = self._lookup_under(request, prompt, anchor, limit)
         if (ref is None and miss is not Miss.STORE_ERROR and anchor is not None and self.config.lookup == "exact"
                 and len(prompt) >= TOKEN_BLOCK):
-            by_tokens, _ = self._lookup_under(request, prompt, None, limit)
-            if by_tokens is not None:
-                return by_tokens, None
+            by_tokens, fallback_miss = self._lookup_under(request, prompt, None, limit)
+            if by_tokens is not None or fallback_miss is Miss.STORE_ERROR:
+                return by_tokens, fallback_miss
         return ref, miss
 
     def _lookup_under(self, request: Any, prompt: list[int], anchor: str | None,
@@ -426,9 +426,10 @@ class SchedulerSide:
             n, blocks = self._offered_boundary(table, [o for o in offers if int(o[2]) == target], target)
             if blocks is not None:
                 tracked.boundary_saved = True
-                meta.saves.append(SaveSpec(req_id, tracked.anchor, tracked.prompt[:n], n, blocks,
-                                           scope=tracked.scope))
-                if n in junction:  # the junction is the last boundary: one entry for both
+                at_junction = n in junction  # the junction is the last boundary: one entry for both
+                meta.saves.append(SaveSpec(req_id, self._junction_anchor(tracked, n) if at_junction else tracked.anchor,
+                                           tracked.prompt[:n], n, blocks, scope=tracked.scope))
+                if at_junction:
                     junction = set()
                     tracked.junction_saved = True
                     self.stats.junction_saved()
@@ -436,12 +437,20 @@ class SchedulerSide:
         if points:
             n, blocks = self._offered_boundary(table, [o for o in offers if int(o[2]) in points],
                                                min(j, len(tracked.prompt) - 1))
-            if blocks is not None and n > tracked.loaded:
+            if blocks is not None and n > tracked.loaded and (n >= TOKEN_BLOCK or tracked.anchor is not None):
                 tracked.junction_saved = True
                 self.stats.junction_saved()
-                # keyed by its tokens, not the request's anchor: requests of any anchor (or
-                # none) that share the prefix find it (`_lookup`); its cache_salt scope is kept
-                meta.saves.append(SaveSpec(req_id, None, tracked.prompt[:n], n, blocks, scope=tracked.scope))
+                meta.saves.append(SaveSpec(req_id, self._junction_anchor(tracked, n), tracked.prompt[:n], n, blocks,
+                                           scope=tracked.scope))
+
+    @staticmethod
+    def _junction_anchor(tracked: _Tracked, n: int) -> str | None:
+        """A junction's entry is keyed by its tokens, not the request's anchor: requests of any
+        anchor (or none) that share the prefix find it (`_lookup`; its cache_salt scope is
+        kept). One shorter than the store's token key (`TOKEN_BLOCK`, e.g. vLLM stopping inside
+        a block at a 200-token system prompt) is kept under the anchor, or not saved at all
+        without one."""
+        return None if n >= TOKEN_BLOCK else tracked.anchor
 
     def _offered_boundary(self, table, offers, limit: int) -> tuple[int, tuple | None]:
         """The longest boundary <= limit that vLLM offers for every state group this step,

