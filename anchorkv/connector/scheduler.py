@@ -400,7 +400,7 @@ class SchedulerSide:
         if n <= tracked.loaded or blocks is None:
             log.debug("anchorkv: request %s: no state to save after its prompt this step", req_id)
             return
-        meta.saves.append(SaveSpec(req_id, tracked.anchor, tracked.prompt[:n], n, blocks, scope=tracked.scope))
+        self._plan_save(meta, req_id, tracked, n, blocks, tracked.anchor)
 
     def _maybe_save_boundary(self, req_id: str, tracked: _Tracked, table, offers, meta: Metadata) -> None:
         """Align mode: save boundary states from the state blocks vLLM offers in the step that
@@ -426,22 +426,26 @@ class SchedulerSide:
             n, blocks = self._offered_boundary(table, [o for o in offers if int(o[2]) == target], target)
             if blocks is not None:
                 tracked.boundary_saved = True
-                at_junction = n in junction  # the junction is the last boundary: one entry for both
-                meta.saves.append(SaveSpec(req_id, self._junction_anchor(tracked, n) if at_junction else tracked.anchor,
-                                           tracked.prompt[:n], n, blocks, scope=tracked.scope))
-                if at_junction:
+                if n in junction:  # the junction is the last boundary: one entry for both
+                    self._plan_save(meta, req_id, tracked, n, blocks, self._junction_anchor(tracked, n), junction=True)
                     junction = set()
-                    tracked.junction_saved = True
-                    self.stats.junction_saved()
+                else:
+                    self._plan_save(meta, req_id, tracked, n, blocks, tracked.anchor)
         points = junction - {target}
         if points:
             n, blocks = self._offered_boundary(table, [o for o in offers if int(o[2]) in points],
                                                min(j, len(tracked.prompt) - 1))
             if blocks is not None and n > tracked.loaded and (n >= TOKEN_BLOCK or tracked.anchor is not None):
-                tracked.junction_saved = True
-                self.stats.junction_saved()
-                meta.saves.append(SaveSpec(req_id, self._junction_anchor(tracked, n), tracked.prompt[:n], n, blocks,
-                                           scope=tracked.scope))
+                self._plan_save(meta, req_id, tracked, n, blocks, self._junction_anchor(tracked, n), junction=True)
+
+    def _plan_save(self, meta: Metadata, req_id: str, tracked: _Tracked, n: int, blocks: tuple,
+                   anchor: str | None, *, junction: bool = False) -> None:
+        """Plan the save of the state after the prompt's first `n` tokens, from `blocks`, keyed
+        under `anchor` (None: by its tokens); `junction`: a junction's, saved once and counted."""
+        meta.saves.append(SaveSpec(req_id, anchor, tracked.prompt[:n], n, blocks, scope=tracked.scope))
+        if junction:
+            tracked.junction_saved = True
+            self.stats.junction_saved()
 
     @staticmethod
     def _junction_anchor(tracked: _Tracked, n: int) -> str | None:

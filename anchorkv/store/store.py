@@ -87,8 +87,8 @@ def chunk_threads(cores: int, crc_lib: str) -> int:
     """Threads that compute a shard's crc32c while the writing thread writes it; below 2 the
     writing thread computes them itself, before the write. os.writev releases the GIL; the
     `crc32c` package releases it too, so on 2 cores the thread is faster (`bench_store.py`'s
-    `crc-thread` / `crc-inline` rows; one interleaved run of 25 rounds: raw 31.1 vs 39.0 ms a
-    Kimi-Linear save, plain files 22.6). google-crc32c holds the GIL for each call, so a
+    `crc-thread` / `crc-inline` rows with it, two runs: raw 31.1 / 30.4 vs 38.9 / 38.9 ms a
+    Kimi-Linear save, plain files 23.4 / 22.8). google-crc32c holds the GIL for each call, so a
     checksum thread overlaps only the write in flight and, on 2 cores, costs more than it gives
     (raw 41.5 vs 40.6 ms, quant 44.1 vs 30.3 in an earlier run): there the thread is used only
     with more cores."""

@@ -233,8 +233,8 @@ class EntryWriter:
         chunk and of the whole file.
 
         A chunk thread computes the checksums while this thread writes the file (they go only
-        to the manifest; os.writev releases the GIL, google-crc32c holds it for each call,
-        so the checksums overlap the write in flight, not this thread's Python work). With `put_submit` both run on a
+        to the manifest; os.writev releases the GIL, and so does the `crc32c` package, while
+        google-crc32c holds it for each call: see `store.chunk_threads`). With `put_submit` both run on a
         put thread, and this returns at once: `finish_rank` waits for every write in flight.
         The buffers stay referenced until then (views of the caller's `Packed`, which must not
         change before `finish_rank` returns)."""

@@ -47,6 +47,23 @@ def _count_junction_saves(eng: E.Engine) -> list:
     return counted
 
 
+def _restores(eng: E.Engine, prompt: list[int], tokens: int, anchor: str | None = None) -> None:
+    """A new request of `prompt` admitted alone restores its first `tokens` from the store: every
+    rank's bytes in place, nothing else touched, and it runs to the end with the simulated model
+    reading the restored rows as the ones it computes."""
+    snaps = [C.snapshot(r) for r in eng.ranks]
+    eng.add("c", prompt, anchor=anchor)
+    loads = {s.req_id: s for s in eng.step().kv_connector_metadata.plan.loads}
+    eng.flush()
+    assert {r: (s.start, s.num_tokens) for r, s in loads.items()} == {"c": (0, tokens)}
+    for rank, before_bytes in zip(eng.ranks, snaps, strict=True):
+        C.assert_only_touched(rank, before_bytes, C.touched(eng, rank, loads["c"]))
+        C.assert_restored(eng, rank, loads["c"], prompt)
+    eng.run()
+    assert len(eng.tokens["c"]) == len(prompt) + 3
+    assert eng.reads_checked > 0
+
+
 @pytest.mark.parametrize("anchor", [None, ANCHOR], ids=["no-anchor", "anchor"])
 @pytest.mark.parametrize("chunk", [None, 1024], ids=["whole", "chunked"])
 def test_a_junction_vllm_finds_is_saved_and_restored_after_a_restart(model_dir, tmp_path, anchor, chunk):
@@ -69,17 +86,7 @@ def test_a_junction_vllm_finds_is_saved_and_restored_after_a_restart(model_dir, 
     assert entries(store) == sorted([*before, BS, 2 * BS, len(b), len(b) + 2])
 
     eng = E.make_engine(model_dir, str(store), **opts)  # a restart: vLLM's own cache is empty
-    snaps = [C.snapshot(r) for r in eng.ranks]
-    eng.add("c", c, anchor=anchor)
-    loads = {s.req_id: s for s in eng.step().kv_connector_metadata.plan.loads}
-    eng.flush()
-    assert {r: (s.start, s.num_tokens) for r, s in loads.items()} == {"c": (0, BS)}
-    for rank, before_bytes in zip(eng.ranks, snaps, strict=True):
-        C.assert_only_touched(rank, before_bytes, C.touched(eng, rank, loads["c"]))
-        C.assert_restored(eng, rank, loads["c"], c)
-    eng.run()
-    assert len(eng.tokens["c"]) == len(c) + 3
-    assert eng.reads_checked > 0
+    _restores(eng, c, BS, anchor)
     # the junction entry is keyed by its tokens: on a new engine, another anchor's new
     # conversation with the same start restores it too; another tenant (cache_salt) does not
     eng = E.make_engine(model_dir, str(store), **opts)
@@ -150,16 +157,7 @@ def test_a_load_below_the_junction_still_saves_it(model_dir, tmp_path):
     assert len(counted) == 1 and ("p1", BS) in planned
     eng = E.make_engine(model_dir, str(store), **opts)
     c = shared[:2500] + list(range(70_000, 70_500))
-    snaps = [C.snapshot(r) for r in eng.ranks]
-    eng.add("c", c)
-    loads = {s.req_id: s for s in eng.step().kv_connector_metadata.plan.loads}
-    eng.flush()
-    assert {r: (s.start, s.num_tokens) for r, s in loads.items()} == {"c": (0, BS)}
-    for rank, before_bytes in zip(eng.ranks, snaps, strict=True):
-        C.assert_only_touched(rank, before_bytes, C.touched(eng, rank, loads["c"]))
-        C.assert_restored(eng, rank, loads["c"], c)
-    eng.run()
-    assert len(eng.tokens["c"]) == len(c) + 3
+    _restores(eng, c, BS)
 
 
 def test_a_preempted_request_resuming_is_no_junction(model_dir, tmp_path):
@@ -198,16 +196,7 @@ def test_a_junction_saved_at_tp2_restores_at_another_tp(model_dir, tmp_path, mon
     assert {e.tp_size for e in Store.open(store).list()} == {2}
     eng = E.make_engine(model_dir, str(store), mode="align", tp=restore_tp, num_blocks=16, extra=RAW,
                         monkeypatch=monkeypatch)
-    snaps = [C.snapshot(r) for r in eng.ranks]
-    eng.add("c", c)
-    loads = {s.req_id: s for s in eng.step().kv_connector_metadata.plan.loads}
-    eng.flush()
-    assert {r: (s.start, s.num_tokens) for r, s in loads.items()} == {"c": (0, 1024)}
-    for rank, before_bytes in zip(eng.ranks, snaps, strict=True):
-        C.assert_only_touched(rank, before_bytes, C.touched(eng, rank, loads["c"]))
-        C.assert_restored(eng, rank, loads["c"], c)
-    eng.run()
-    assert len(eng.tokens["c"]) == len(c) + 3
+    _restores(eng, c, 1024)
 
 
 def test_siblings_of_other_anchors_share_the_junction(model_dir, tmp_path):
