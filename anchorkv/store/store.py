@@ -427,7 +427,8 @@ class Store:
             return None
 
     def get(self, entry: EntryInfo | str) -> EntryInfo:
-        """The `EntryInfo` of an entry id (cached: entries never change once committed)."""
+        """The `EntryInfo` of an entry id (cached: a committed entry does not change, though another
+        process may delete it and write it again: `load` then reads its manifest again)."""
         if isinstance(entry, EntryInfo):
             return entry
         info = self._infos.get(entry)
@@ -522,8 +523,27 @@ class Store:
         enough blocks for the stored tokens); rows past the stored tokens hold the encoding of
         zeros, so the caller restores only the first `num_tokens - start_token` rows' worth.
         Raises `EntryNotFound`, `FingerprintMismatch`, `CorruptEntry` (checksum, size).
+
+        An entry given by id whose cached manifest another process made stale (it deleted the
+        entry and wrote it again, its bytes other than before) fails its checksums once: the
+        manifest is then read again, and the load tried again with it if it changed.
         """
         info = self.get(entry)
+        try:
+            return self._load(info, layout, layer, field, start_token, num_blocks, host)
+        except CorruptEntry:
+            if isinstance(entry, EntryInfo):
+                raise
+            self._infos.pop(entry)
+            fresh = self.get(entry)  # EntryNotFound if it is gone now
+            if fresh.manifest == info.manifest:
+                raise
+            log.info("anchorkv: entry %s was written again since this process read its manifest; "
+                     "loading the new one", entry)
+        return self._load(fresh, layout, layer, field, start_token, num_blocks, host)
+
+    def _load(self, info: EntryInfo, layout: ModelLayout, layer: str, field: str, start_token: int,
+              num_blocks: int | None, host: Callable[[int], torch.Tensor] | None) -> Packed:
         self.check_fingerprint(info, layout)
         array = self._array(info, field)
         lf = layout.layer(layer).page.field(field)
