@@ -428,7 +428,7 @@ class Store:
 
     def get(self, entry: EntryInfo | str) -> EntryInfo:
         """The `EntryInfo` of an entry id (cached: a committed entry does not change, though another
-        process may delete it and write it again: `load` then reads its manifest again)."""
+        process may delete it and write the same id again: see `load`)."""
         if isinstance(entry, EntryInfo):
             return entry
         info = self._infos.get(entry)
@@ -524,23 +524,19 @@ class Store:
         zeros, so the caller restores only the first `num_tokens - start_token` rows' worth.
         Raises `EntryNotFound`, `FingerprintMismatch`, `CorruptEntry` (checksum, size).
 
-        An entry given by id whose cached manifest another process made stale (it deleted the
-        entry and wrote it again, its bytes other than before) fails its checksums once: the
-        manifest is then read again, and the load tried again with it if it changed.
+        A load of an entry given by id that fails forgets the entry's manifest, so the next
+        load reads it again: another process may have deleted the entry and written the same id
+        again (other bytes), which fails the checksums of the manifest cached here. The failed
+        load is not retried with the new manifest: the other fields of the same restore may have
+        been read from the old entry (a restore is one entry or a failure, never two mixed).
         """
         info = self.get(entry)
         try:
             return self._load(info, layout, layer, field, start_token, num_blocks, host)
         except CorruptEntry:
-            if isinstance(entry, EntryInfo):
-                raise
-            self._infos.pop(entry)
-            fresh = self.get(entry)  # EntryNotFound if it is gone now
-            if fresh.manifest == info.manifest:
-                raise
-            log.info("anchorkv: entry %s was written again since this process read its manifest; "
-                     "loading the new one", entry)
-        return self._load(fresh, layout, layer, field, start_token, num_blocks, host)
+            if not isinstance(entry, EntryInfo):
+                self._infos.pop_if(entry, info)
+            raise
 
     def _load(self, info: EntryInfo, layout: ModelLayout, layer: str, field: str, start_token: int,
               num_blocks: int | None, host: Callable[[int], torch.Tensor] | None) -> Packed:
@@ -795,6 +791,12 @@ class _Recent(Generic[K, V]):
     def pop(self, key: K, default: V | None = None) -> V | None:
         with self._lock:
             return self._items.pop(key, default)
+
+    def pop_if(self, key: K, value: V) -> None:
+        """Drop `key` if it still maps to `value` (not a newer value another thread put)."""
+        with self._lock:
+            if self._items.get(key) is value:
+                del self._items[key]
 
     def clear(self) -> None:
         with self._lock:
