@@ -12,12 +12,14 @@ Providers (all in the same process, on the same filesystem, none calls fsync):
                   is done before timing: the kernels have their own benchmark); format 3
                   keeps each quantized field as two arrays (codes, scales), so twice the
                   shard files of store-raw
-    store-<codecs>:crc-thread, store-<codecs>:crc-inline (saves only)
-                  the same save with each shard's crc32c computed on a chunk thread while the
-                  shard is written, or by the writing thread before it
-                  (`anchorkv.store.store.CHUNK_THREADS` 2 or 1; the plain rows use the
-                  machine's default, chosen by its cores and crc32c library, both recorded
-                  in the results): which one a machine should use
+    store-<codecs>:crc-thread, store-<codecs>:crc-inline, store-<codecs>:put-2, :put-4 (saves only)
+                  the same save with the saving thread writing each shard, its crc32c
+                  computed on a chunk thread while the shard is written or by the writing
+                  thread before it (`anchorkv.store.store.LOCAL_PUT_THREADS` 1,
+                  `CHUNK_THREADS` 2 or 1), or with 2 or 4 put threads writing shards at once,
+                  each computing its shard's checksums first (`LOCAL_PUT_THREADS` 2 or 4; the
+                  plain `store-*` rows use the machine's defaults, chosen by its cores and
+                  crc32c library, all recorded in the results): which one a machine should use
     plain         the same raw bytes as one file per (layer, field): open, write, close /
                   open, read (the baseline of the 0.8x target)
     safetensors   one safetensors file per layer (`save_file` / `load_file`), as vLLM's
@@ -189,16 +191,22 @@ def safetensors_load(req: Request, root: Path) -> list[dict]:
 
 
 def store_save(req: Request, root: Path, kind: str):
-    """`Store.save` of the request packed with `kind` ("raw", "quant"; ":crc-thread" or
-    ":crc-inline" after it: with `CHUNK_THREADS` 2 or 1 for the call)."""
-    kind, _, crc = kind.partition(":")
-    threads = {"": store_module.CHUNK_THREADS, "crc-thread": 2, "crc-inline": 1}[crc]
-    default, store_module.CHUNK_THREADS = store_module.CHUNK_THREADS, threads
+    """`Store.save` of the request packed with `kind` ("raw", "quant"; ":crc-thread",
+    ":crc-inline", ":put-2" or ":put-4" after it: the threads of `SAVE_THREADS` for the call)."""
+    kind, _, how = kind.partition(":")
+    chunk, put = SAVE_THREADS[how] if how else (store_module.CHUNK_THREADS, store_module.LOCAL_PUT_THREADS)
+    default = store_module.CHUNK_THREADS, store_module.LOCAL_PUT_THREADS
+    store_module.CHUNK_THREADS, store_module.LOCAL_PUT_THREADS = chunk, put
     try:
         with Store.open(root) as store:
             return store.save(req.layout, req.codecs(kind), req.token_ids, req.packed[kind], anchor="bench")
     finally:
-        store_module.CHUNK_THREADS = default
+        store_module.CHUNK_THREADS, store_module.LOCAL_PUT_THREADS = default
+
+
+#: (CHUNK_THREADS, LOCAL_PUT_THREADS) of the save variants (with put threads the chunk threads
+#: are not used: each put thread computes its shard's checksums)
+SAVE_THREADS = {"crc-thread": (2, 1), "crc-inline": (1, 1), "put-2": (1, 2), "put-4": (1, 4)}
 
 
 def store_load(req: Request, root: Path, entry: str):
@@ -220,6 +228,7 @@ def _write_results(quick):
     (RESULTS / f"{machine}-store.json").write_text(json.dumps({
         "device": machine, "cpus": os.cpu_count(), "torch": torch.__version__,
         "crc32c": store_module.CRC32C_LIB, "chunk_threads": store_module.CHUNK_THREADS,
+        "local_put_threads": store_module.LOCAL_PUT_THREADS,
         "filesystem": fs[0].split()[1] if fs and fs[0] else "?",
         "command": ".venv/bin/" + COMMAND,
         "notes": "no fsync; reads hit the OS page cache (not dropped); ratio_vs_plain = plain median / "
@@ -311,11 +320,11 @@ def test_kimi_request(benchmark, op, provider, quick, rounds, tmp_path_factory):
          f"kimi-linear request tp=1 {TOKENS} tokens {op}")
 
 
-@pytest.mark.parametrize("provider", ["store-raw:crc-thread", "store-raw:crc-inline", "store-quant:crc-thread",
-                                      "store-quant:crc-inline"])
+@pytest.mark.parametrize("provider", [f"store-{codecs}:{how}" for codecs in ("raw", "quant") for how in SAVE_THREADS])
 def test_kimi_save_checksums(benchmark, provider, quick, rounds, tmp_path_factory):
-    """The request's save with its checksums on a chunk thread or on the writing thread (loads
-    compute none there), in the save group: against plain files of the same run."""
+    """The request's save with its checksums on a chunk thread or on the writing thread, or its
+    shards written by put threads (loads compute no checksums there), in the save group:
+    against plain files of the same run."""
     req = request(TOKENS)
     _run(benchmark, "save", provider, req, tmp_path_factory.mktemp("crc"), rounds,
          f"kimi-linear request tp=1 {TOKENS} tokens save")

@@ -440,7 +440,8 @@ def render_markdown(res: dict) -> str:
         lines += ["## Store on this host: save / load of the request against plain files", "",
                   "GB/s = bytes stored / time; state GB/s = the request's raw bytes / time; ratio = plain files' "
                   "time (the same raw bytes, one file per layer and field) / this time, same run; page cache, no "
-                  "fsync. `:crc-thread` / `:crc-inline`: the save with `CHUNK_THREADS` 2 / 1.", ""]
+                  "fsync. `:crc-thread` / `:crc-inline`: the saving thread writes, `CHUNK_THREADS` 2 / 1; "
+                  "`:put-2` / `:put-4`: `LOCAL_PUT_THREADS` 2 / 4.", ""]
         lines += table(["case", "provider", "MB stored", "median ms", "GB/s", "state GB/s", "ratio vs plain"],
                        [[r["case"], r["provider"], num(r["bytes"] / 1e6, ".1f"), num(r["median_s"] * 1e3, ".2f"),
                          num(r["gbps"], ".2f"), num(r["state_gbps"], ".2f"), num(r["ratio"], ".3f")]

@@ -240,6 +240,8 @@ class ZarrEntryStore:
         except BaseException:
             if tp_size == 1:
                 writer.abort()  # other ranks' parts are left to Store.gc
+            else:
+                writer.settle()  # the caller reuses `parts` once this returns
             raise
         self._try_commit(spec, wid)
         return written

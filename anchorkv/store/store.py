@@ -101,6 +101,21 @@ def chunk_threads(cores: int, crc_lib: str) -> int:
 CHUNK_THREADS = chunk_threads(cores(), CRC32C_LIB)
 
 
+def local_put_threads(cores: int, crc_lib: str) -> int:
+    """Threads that write a save's shards to a local directory, each computing a shard's crc32c
+    and then writing it, while the saving thread prepares the next (1: the saving thread writes
+    each shard itself, its checksums on `CHUNK_THREADS`). Two shards are then copied into the
+    page cache at once, and the saving thread's Python runs beside both. It needs a crc32c that
+    releases the GIL (the `crc32c` package): google-crc32c would hold it against the writes
+    and the saving thread alike."""
+    return 2 if crc_lib == "crc32c" and cores >= 2 else 1
+
+
+#: `local_put_threads` of this machine and crc32c library (an object store uses its own
+#: `write_concurrency`).
+LOCAL_PUT_THREADS = local_put_threads(cores(), CRC32C_LIB)
+
+
 class Store:
     """A capacity-bounded cache of entries in a local directory or an S3-compatible bucket."""
 
@@ -240,7 +255,7 @@ class Store:
             header["boundary_hashes"] = hasher.boundaries(n)
         writer = EntryWriter(self.backend, layout, header, arrays, chunk_submit=self._chunk_submit,
                              on_commit=self._after_commit,
-                             put_submit=self._put_submit if self.backend.write_concurrency > 1 else None)
+                             put_submit=self._put_submit if self._put_threads() > 1 else None)
         self.backend.write(begun_marker(wid, layout.tp_rank), [json.dumps({"data": writer.data}).encode()])
         return writer
 
@@ -734,10 +749,14 @@ class Store:
             return f
         return self._executor("chunk", CHUNK_THREADS).submit(fn, *args)
 
+    def _put_threads(self) -> int:
+        """Shard writes of one save in flight at once: an object store's `write_concurrency`
+        (round trips), a local directory's `LOCAL_PUT_THREADS` (copies into the page cache)."""
+        return self.backend.write_concurrency if self.backend.write_concurrency > 1 else LOCAL_PUT_THREADS
+
     def _put_submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """`fn(*args)` on one of the backend's `write_concurrency` put threads (their tasks
-        submit nothing)."""
-        return self._executor("put", self.backend.write_concurrency).submit(fn, *args)
+        """`fn(*args)` on one of the `_put_threads()` put threads (their tasks submit nothing)."""
+        return self._executor("put", self._put_threads()).submit(fn, *args)
 
     def close(self) -> None:
         for name in ("io", "put", "chunk", "manifest"):  # (in order: a task of one may queue work on the next)

@@ -234,8 +234,9 @@ class EntryWriter:
 
         A chunk thread computes the checksums while this thread writes the file (they go only
         to the manifest; os.writev releases the GIL, and so does the `crc32c` package, while
-        google-crc32c holds it for each call: see `store.chunk_threads`). With `put_submit` both run on a
-        put thread, and this returns at once: `finish_rank` waits for every write in flight.
+        google-crc32c holds it for each call: see `store.chunk_threads`). With `put_submit` (an object
+        store's round trips, a local directory's `store.LOCAL_PUT_THREADS`) both run on a put
+        thread, one shard after another, and this returns at once: `finish_rank` waits for every write in flight.
         The buffers stay referenced until then (views of the caller's `Packed`, which must not
         change before `finish_rank` returns)."""
         buffers: list[memoryview] = []
@@ -310,12 +311,18 @@ class EntryWriter:
             self.finish_rank()
         return commit_staged(self.backend, self.write_id, self._on_commit)
 
-    def abort(self) -> None:
-        """Drop everything this write staged (all ranks' parts), once no write of it is in flight."""
+    def settle(self) -> None:
+        """Wait for this rank's writes in flight, whatever their outcome (a failed write whose
+        caller reuses the buffers it handed over: a write still reading them would stage
+        another save's bytes)."""
         try:
             self._wait_puts()
         except Exception:  # (the failure being cleaned up is the caller's to report)
             pass
+
+    def abort(self) -> None:
+        """Drop everything this write staged (all ranks' parts), once no write of it is in flight."""
+        self.settle()
         self.backend.delete_tree(staging_path(self.write_id))
         if not self.backend.atomic_publish:
             self.backend.delete_tree(self.data)

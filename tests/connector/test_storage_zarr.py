@@ -239,3 +239,40 @@ def test_an_entry_needing_a_missing_plugin_is_excluded_not_cut(tmp_path, monkeyp
     ref = es.lookup(anchor="a", token_ids=TOKENS, max_tokens=399, multiple_of=1, mode="exact", shared=True, why=why)
     assert (ref.entry_id, ref.num_tokens, ref.tokens) == (usable.id, 100, 100)
     assert asked == [set(), {plugin.id}] and why == ["plugin_missing"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_failed_part_returns_after_its_writes_in_flight(tmp_path, monkeypatch, tp):
+    """A rank whose save fails midway returns (and its worker reuses the host buffers it handed
+    over) only once every shard write it had in flight has ended: with put threads (an object
+    store; a local directory with `LOCAL_PUT_THREADS`) a write still reading them would stage
+    the next save's bytes. At tp > 1 the staged part is left to `Store.gc`, as before."""
+    import time
+
+    from anchorkv.store import store as store_module
+    from anchorkv.store.backends._local import LocalBackend
+
+    monkeypatch.setattr(store_module, "LOCAL_PUT_THREADS", 2)
+    es = ZarrEntryStore(raw_config(tmp_path), tiny(tp, 0))
+    n = 120
+    spec = SaveSpec("r", "a", tuple(TOKENS[:n]), n, ())
+    values = parts_of(tiny(tp, 0), TOKENS, n)
+    values[("p1", "latent")] = values[("p1", "latent")][:-1]  # a row short: save_part raises there,
+    parts = packed(values)  # after s0's shards were handed to the put threads
+    write, live, ended = LocalBackend.write, [0], []
+
+    def slow_write(self, path, buffers, *, atomic=False):
+        if "/.staging/" not in f"/{path}" or atomic or "zarr.json" in path or "begun" in path:
+            return write(self, path, buffers, atomic=atomic)
+        live[0] += 1
+        try:
+            time.sleep(0.2)
+            return write(self, path, buffers, atomic=atomic)
+        finally:
+            live[0] -= 1
+            ended.append(path)
+
+    monkeypatch.setattr(LocalBackend, "write", slow_write)
+    with pytest.raises(ValueError, match="token rows"):
+        es.save_part(spec, parts, tp_size=tp, tp_rank=0)
+    assert ended and live[0] == 0

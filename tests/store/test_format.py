@@ -371,6 +371,14 @@ def test_checksum_threads_by_cores_and_library(cores, lib, want):
     assert chunk_threads(cores, lib) == want
 
 
+@pytest.mark.parametrize("cores,lib,want", [(1, "crc32c", 1), (2, "crc32c", 2), (16, "crc32c", 2),
+                                            (2, "google-crc32c", 1), (16, "google-crc32c", 1)])
+def test_local_put_threads_by_cores_and_library(cores, lib, want):
+    from anchorkv.store.store import local_put_threads
+
+    assert local_put_threads(cores, lib) == want
+
+
 @pytest.mark.parametrize("n1,n2", [(0, 5), (5, 0), (1, 1), (1000, 77), (65536, 4097)])
 def test_crc32c_combine(n1, n2):
     from anchorkv.store.format import crc32c_combine, crc32c_combine_fixed
@@ -472,18 +480,22 @@ def test_readme_snippets_read_an_entry(tmp_path, snippet):
                                                   (CODECS, {"id": "zstd", "level": 3}, 2)],
                          ids=["raw", "quant-tp2", "quant-zstd-tp2"])
 def test_checksums_on_a_chunk_thread_or_the_writing_thread_agree(tmp_path, monkeypatch, codecs, compressor, tp):
-    """`CHUNK_THREADS` (2 on more than 2 cores, else 1: CI runs the one, users the other) moves
-    where a shard's crc32c is computed, nothing else: both write the same shard files and record
-    the same checksums, and each entry verifies."""
+    """`CHUNK_THREADS` and `LOCAL_PUT_THREADS` (which the machine's cores and crc32c library
+    choose: CI runs one, users another) move where a shard's crc32c is computed and which
+    thread writes it, nothing else: every way writes the same shard files and records the same
+    checksums, and each entry verifies."""
     from anchorkv.store import store as store_module
 
     entries = {}
-    for threads in (1, 2):
-        monkeypatch.setattr(store_module, "CHUNK_THREADS", threads)
-        store, info = _save_at_tp(tmp_path / f"t{threads}", codecs, 3 * TOKEN_CHUNK + 100, tp, compressor)
-        assert ("chunk" in store._pools) == (threads == 2)  # the thread did compute them
+    for chunk, put in ((1, 1), (2, 1), (1, 2), (2, 3)):
+        monkeypatch.setattr(store_module, "CHUNK_THREADS", chunk)
+        monkeypatch.setattr(store_module, "LOCAL_PUT_THREADS", put)
+        store, info = _save_at_tp(tmp_path / f"t{chunk}{put}", codecs, 3 * TOKEN_CHUNK + 100, tp, compressor)
+        assert ("put" in store._pools) == (put > 1)  # the put threads did write the shards,
+        assert ("chunk" in store._pools) == (chunk == 2 and put == 1)  # which compute their own checksums
         assert store.verify(info.id) == []
         root = store.backend.root / info.path
-        entries[threads] = ({str(p.relative_to(root)): p.read_bytes() for p in root.rglob("c.*")},
-                            info.manifest["checksums"], info.manifest["shards"])
-    assert entries[1][0] and entries[1] == entries[2]
+        entries[chunk, put] = ({str(p.relative_to(root)): p.read_bytes() for p in root.rglob("c.*")},
+                               info.manifest["checksums"], info.manifest["shards"])
+    first = entries[1, 1]
+    assert first[0] and all(e == first for e in entries.values())
