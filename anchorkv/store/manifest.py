@@ -164,6 +164,12 @@ class EntryInfo:
         return float(self.manifest["created"])
 
     @property
+    def version(self) -> str:
+        """Which write of the entry this is: another process may delete an entry and write the
+        same id again (other bytes), and a restore must read all of it from one write."""
+        return str(self.manifest["checksum"])
+
+    @property
     def stored_bytes(self) -> int:
         return int(self.manifest["stored_bytes"])
 

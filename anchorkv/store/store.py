@@ -462,6 +462,11 @@ class Store:
         self._infos[entry] = info
         return info
 
+    def forget(self, entry_id: str) -> None:
+        """Drop what this process caches of an entry's manifest (the next `get` reads it again):
+        for a caller that learned the entry was written again (`EntryInfo.version`)."""
+        self._infos.pop(entry_id)
+
     def scan(self, *, sizes_only: bool = False) -> list[Listing]:
         """Every entry in the store, whatever its state (`Listing.state`): ``ok``, ``damaged``
         (its manifest is unreadable or inconsistent), ``old-format`` / ``newer-format`` (another
