@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import threading
 import uuid
 from collections import OrderedDict
@@ -238,8 +239,8 @@ class Store:
         for a in arrays.values():
             a.rank_range(layout.tp_size, layout.tp_rank)  # the rank's slice must be whole chunks
         wid = write_id or uuid.uuid4().hex
-        if not wid.isalnum() or not wid.islower() and not wid.isdigit() or len(wid) > 64:
-            raise ValueError(f"write_id must be 1-64 lowercase letters/digits, found {write_id!r}")
+        if not re.fullmatch(r"[0-9a-z]{1,64}", wid):  # ASCII only: str.isalnum() takes 'é' and '٣'
+            raise ValueError(f"write_id must be 1-64 ASCII lowercase letters or digits (a-z, 0-9), found {write_id!r}")
         manifest_arrays, manifest_codecs = arrays_to_manifest(arrays)
         header: dict[str, Any] = {
             "format_version": FORMAT_VERSION, "anchor": norm, "key": key,
