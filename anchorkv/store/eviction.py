@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import threading
 import time
@@ -41,6 +42,8 @@ from anchorkv.store.paths import (
     staging_path,
     zarr_json,
 )
+
+log = logging.getLogger("anchorkv.store")
 
 LEASE_TTL = 600.0
 
@@ -158,6 +161,9 @@ def evict(store: Entries, capacity: int, keep: Set[str] = frozenset(), *, dry_ru
             try:
                 store.delete(e.id)
             except EntryNotFound:  # deleted by another process meanwhile
+                continue
+            except OSError as err:  # e.g. another user's entry: evict others (it stays listed; gc names it)
+                log.warning("anchorkv: cannot evict %s from %s: %s", e.id, store.backend.url, err)
                 continue
         total -= e.stored_bytes
         evicted.append(e.id)

@@ -483,7 +483,13 @@ class Store:
         for key in self.backend.list_dir(ENTRIES):
             if not HEX64.match(key):
                 continue
-            for name in self.backend.list_dir(key_path(key)):
+            try:
+                names = self.backend.list_dir(key_path(key))
+            except OSError as e:  # e.g. another user's key directory: list the rest of the store
+                log.warning("anchorkv: cannot list the entries of key %s in %s (%s); they are not counted",
+                            key, self.url, e)
+                continue
+            for name in names:
                 parsed = parse_entry_name(name)
                 if not parsed:
                     continue
@@ -506,14 +512,30 @@ class Store:
                     out.append(self._broken(entry_id, "newer-format" if newer else "old-format", str(e)))
                 except CorruptEntry as e:
                     out.append(self._broken(entry_id, "damaged", str(e)))
+                except OSError as e:  # its zarr.json a directory, its name a file, another user's
+                    # (found by review: one such entry made every ls, verify, gc and save raise)
+                    out.append(self._broken(entry_id, "damaged", f"its zarr.json (the manifest) cannot be read: "
+                                            f"{type(e).__name__}: {e.strerror or e}"))
         self._sizes = seen  # (entries gone from the store drop out)
         return sorted(out, key=lambda e: -e.created)
 
     def _broken(self, entry_id: str, state: str, problem: str) -> Listing:
+        """The listing of an entry that cannot be loaded. Its size and time are what can be
+        read of it: an unreadable one (another user's) counts 0 bytes rather than failing the
+        scan that lists it."""
         path = entry_path(entry_id)
         problem = problem.removeprefix(f"entry {entry_id}: ")
-        created = self.backend.mtime(zarr_json(path)) or self.backend.mtime(path) or 0.0
-        return Listing(entry_id, state, None, problem, self.backend.tree_size(path), created)
+        created = 0.0
+        for p in (zarr_json(path), path):
+            with contextlib.suppress(OSError):
+                created = self.backend.mtime(p) or 0.0
+            if created:
+                break
+        try:
+            size = self.backend.tree_size(path)
+        except OSError:
+            size = 0
+        return Listing(entry_id, state, None, problem, size, created)
 
     def list(self) -> list[EntryInfo]:
         """Every loadable (``ok``) entry, newest first; `scan` lists the others too."""
@@ -668,7 +690,8 @@ class Store:
         if not HEX64.match(key) or parse_entry_name(name) is None:
             raise EntryNotFound(f"{entry_id!r} is not an entry id ('<64 hex key>/t<tokens>-<hash>')")
         path = entry_path(entry_id)
-        if not self.backend.exists(zarr_json(path)) and not self.backend.list_dir(path):
+        if not self.backend.exists(zarr_json(path)) and not self.backend.exists(path) \
+                and not self.backend.list_dir(path):  # (a local file with an entry's name exists too)
             raise EntryNotFound(f"entry {entry_id} does not exist in {self.url} (deleted, evicted or never committed)")
         self.backend.delete_tree(path)
         self._infos.pop(entry_id, None)

@@ -44,6 +44,71 @@ def tree(root: Path) -> list[tuple[str, bytes]]:
     return sorted((str(p.relative_to(root)), p.read_bytes() if p.is_file() else b"") for p in root.rglob("*"))
 
 
+# ----------------------------------------------------------------------------- [4] unreadable entries
+
+
+def _break_dir(store: Store, info) -> None:  # its zarr.json a directory
+    p = Path(store.url) / info.path / "zarr.json"
+    p.unlink()
+    p.mkdir()
+
+
+def _break_file(store: Store, info) -> None:  # a file where the entry's directory belongs
+    p = Path(store.url) / info.path
+    store.backend.delete_tree(info.path)
+    p.write_bytes(b"x" * 100)
+
+
+def _break_permission(store: Store, info, monkeypatch) -> None:  # another user's (the tests may run as root)
+    real = type(store.backend).read
+
+    def read(self, path):
+        if path.startswith(info.path):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real(self, path)
+
+    monkeypatch.setattr(type(store.backend), "read", read)
+
+
+@pytest.mark.parametrize("how", ["zarr.json is a directory", "a file with an entry's name", "permission denied"])
+def test_an_unreadable_entry_is_listed_as_damaged(tmp_path, capsys, monkeypatch, how):
+    """ls, verify, gc and a save with a capacity went on raising the entry's OSError."""
+    store = Store.open(tmp_path / "s")
+    good, bad = save(store, "alice"), save(store, "bob", seed=1)
+    {"zarr.json is a directory": _break_dir, "a file with an entry's name": _break_file}.get(
+        how, lambda s, i: _break_permission(s, i, monkeypatch))(store, bad)
+    fresh = Store.open(tmp_path / "s")
+    states = {e.id: (e.state, e.problem) for e in fresh.scan()}
+    assert states[good.id] == ("ok", None)
+    assert states[bad.id][0] == "damaged" and "cannot be read" in states[bad.id][1], states
+    code, out, _ = run(capsys, "ls", "--store", str(tmp_path / "s"), "--json")
+    assert code == 0 and {r["id"]: r["state"] for r in json.loads(out)["entries"]} == {good.id: "ok", bad.id: "damaged"}
+    code, out, _ = run(capsys, "verify", "--store", str(tmp_path / "s"))
+    assert code == 1 and f"FAIL {bad.id}" in out and "1 of 2 entries ok" in out, out
+    capped = Store.open(tmp_path / "s", capacity_bytes=10**9)
+    carol = save(capped, "carol", seed=2)  # raised after its commit
+    assert carol.id in {e.id for e in capped.scan()}
+    code, out, err = run(capsys, "gc", "--store", str(tmp_path / "s"))
+    assert code == 0 and "damaged=1" in out, (out, err)
+    assert {e.id: e.state for e in Store.open(tmp_path / "s").scan()} == {good.id: "ok", carol.id: "ok"}
+    assert not (Path(tmp_path / "s") / ".trash").exists() or not os.listdir(Path(tmp_path / "s") / ".trash")
+
+
+def test_a_key_that_cannot_be_listed_leaves_the_others_listed(tmp_path, monkeypatch, caplog):
+    store = Store.open(tmp_path / "s")
+    good, bad = save(store, "alice"), save(store, "bob", seed=1)
+    real = type(store.backend).list_dir
+
+    def list_dir(self, prefix):
+        if prefix.endswith(bad.key):
+            raise PermissionError(errno.EACCES, "Permission denied", prefix)
+        return real(self, prefix)
+
+    monkeypatch.setattr(type(store.backend), "list_dir", list_dir)
+    assert [e.id for e in Store.open(tmp_path / "s").scan()] == [good.id]
+    assert f"cannot list the entries of key {bad.key}" in caplog.text
+
+
 # ----------------------------------------------------------------------------- [10] write ids
 
 

@@ -7,6 +7,7 @@ first, so an entry vanishes at once.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -133,7 +134,7 @@ class LocalBackend:
         """
         src = self._p(prefix)
         if prefix.strip("/").split("/", 1)[0] == TRASH:
-            shutil.rmtree(src, ignore_errors=True)
+            _remove(src)
             return
         trash = self.root / TRASH / uuid.uuid4().hex
         for _ in range(3):  # a concurrent purge_trash never removes `.trash` itself, but be safe
@@ -146,13 +147,13 @@ class LocalBackend:
                     return
         else:
             raise OSError(f"could not move {src} into {trash.parent} to delete it")
-        shutil.rmtree(trash, ignore_errors=True)
+        _remove(trash)
 
     def purge_trash(self) -> int:
         """Remove what deletes left in `.trash` (their process died); returns how many."""
         names = self.list_dir(TRASH)
         for name in names:
-            shutil.rmtree(self._p(f"{TRASH}/{name}"), ignore_errors=True)
+            _remove(self._p(f"{TRASH}/{name}"))
         return len(names)
 
     def trash(self) -> list[str]:
@@ -198,7 +199,10 @@ class LocalBackend:
         return max(times, default=None)
 
     def tree_size(self, prefix: str) -> int:
-        """Bytes of every file under `prefix` (0 if there is none)."""
+        """Bytes of every file under `prefix` (0 if there is none), or of the file `prefix` (a
+        damaged store may hold a file where an entry's directory belongs)."""
+        if os.path.isfile(self._p(prefix)):
+            return os.lstat(self._p(prefix)).st_size
         total = 0
         for dirpath, _, files in os.walk(self._p(prefix)):
             for name in files:
@@ -240,6 +244,16 @@ class LocalBackend:
         from zarr.storage import LocalStore
 
         return LocalStore(self.root, read_only=read_only)
+
+
+def _remove(path: Path) -> None:
+    """Remove a directory tree, or a file (where a damaged store holds one in an entry's place),
+    ignoring errors as `shutil.rmtree(ignore_errors=True)`."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _preadv_all(fd: int, views: list[memoryview], offset: int, limit: int) -> int:
