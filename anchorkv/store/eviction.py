@@ -46,6 +46,10 @@ from anchorkv.store.paths import (
 log = logging.getLogger("anchorkv.store")
 
 LEASE_TTL = 600.0
+#: Seconds a `Store`'s usage estimate (its last scan plus its own commits and deletes) is
+#: trusted after its scan: a commit below the capacity scans again only after this long, so
+#: other processes' saves count toward the capacity within it (see `Store._may_be_over`).
+RESCAN_AFTER = 60.0
 
 
 class Pins:

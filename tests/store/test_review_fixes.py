@@ -109,6 +109,65 @@ def test_a_key_that_cannot_be_listed_leaves_the_others_listed(tmp_path, monkeypa
     assert f"cannot list the entries of key {bad.key}" in caplog.text
 
 
+# ----------------------------------------------------------------------------- [3] commits scan near capacity only
+
+
+def _count_lists(monkeypatch, store: Store) -> list[str]:
+    calls: list[str] = []
+    real = store.backend.list_dir
+
+    def list_dir(prefix):
+        calls.append(prefix)
+        return real(prefix)
+
+    monkeypatch.setattr(store.backend, "list_dir", list_dir)
+    return calls
+
+
+def test_saves_far_below_the_capacity_list_no_more_than_without_one(store_url, monkeypatch):
+    """With a capacity every commit scanned the store (a LIST of entries/ and one per key: 2.4 s
+    a save on S3 with 300 anchors); now only the first does, then one when the estimate nears the
+    capacity or the last scan is `RESCAN_AFTER` old."""
+    url, options = store_url
+    capped, plain = Store.open(url, capacity_bytes=1 << 40, **options), Store.open(url, **options)
+    for i in range(3):
+        save(plain, f"before-{i}", seed=i)
+    save(capped, "first")  # scans: it knows nothing of the store yet
+    lists = {"capped": _count_lists(monkeypatch, capped), "plain": _count_lists(monkeypatch, plain)}
+    for i in range(4):
+        save(capped, f"capped-{i}", seed=i)
+        save(plain, f"plain-{i}", seed=i)
+    assert len(lists["capped"]) == len(lists["plain"]), lists
+    monkeypatch.setattr(eviction, "RESCAN_AFTER", 0.0)
+    lists["capped"].clear()
+    save(capped, "late")  # its last scan is too old: scans
+    assert "entries" in lists["capped"], lists["capped"]
+
+
+def test_other_processes_saves_count_once_the_scan_is_old(tmp_path, monkeypatch):
+    """The estimate knows only this process's saves; after `RESCAN_AFTER` a commit scans and
+    evicts what other processes' saves put over the capacity."""
+    probe = save(Store.open(tmp_path / "probe"), "p")
+    size = probe.stored_bytes
+    mine = Store.open(tmp_path / "s", capacity_bytes=3 * size + size // 2)
+    other = Store.open(tmp_path / "s")
+    first = save(mine, "first", seed=1)
+    for i in range(3):
+        save(other, f"other-{i}", seed=i)
+    monkeypatch.setattr(eviction, "RESCAN_AFTER", 0.0)
+    last = save(mine, "last", seed=5)
+    left = {e.id for e in mine.scan()}
+    assert last.id in left and first.id not in left and len(left) == 3, left
+    assert mine.usage() <= mine.capacity_bytes
+
+
+def test_own_saves_over_the_capacity_still_evict_at_once(tmp_path):
+    probe = save(Store.open(tmp_path / "probe"), "p")
+    store = Store.open(tmp_path / "s", capacity_bytes=2 * probe.stored_bytes + probe.stored_bytes // 2)
+    infos = [save(store, f"a{i}", seed=i) for i in range(5)]
+    assert {e.id for e in store.scan()} == {infos[3].id, infos[4].id}
+
+
 # ----------------------------------------------------------------------------- [10] write ids
 
 
