@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 from anchorkv.store.backends import Backend
-from anchorkv.store.errors import IncompleteEntry
+from anchorkv.store.errors import CorruptEntry, IncompleteEntry
 from anchorkv.store.format import array_keys
 from anchorkv.store.manifest import (
     EntryInfo,
@@ -96,11 +96,36 @@ def commit_staged(backend: Backend, write_id: str, on_commit: OnCommit) -> Entry
     ensure_key_group(backend, header["key"])
     backend.write(zarr_json(data), [group_json({"anchorkv": manifest})], atomic=True)
     entry_id = final.split("/", 1)[1] if backend.atomic_publish else data.split("/", 1)[1]
-    if backend.publish(data, final):
-        info = EntryInfo(entry_id, manifest)
-    else:  # another write of the same entry won the rename: keep that one
-        backend.delete_tree(data)
-        info = parse_group(entry_id, backend.read(zarr_json(final)))
+    try:
+        info = _publish(backend, data, final, entry_id, manifest, header["key"])
+    except CorruptEntry:  # this write's data is gone: a later commit of it must not publish its metadata alone
+        backend.delete_tree(staging_path(write_id))
+        raise
     backend.delete_tree(staging_path(write_id))
     on_commit(info)
     return info
+
+
+#: Publishes a commit tries while the write that won each try is deleted before its manifest is read.
+PUBLISH_TRIES = 3
+
+
+def _publish(backend: Backend, data: str, final: str, entry_id: str, manifest: dict, key: str) -> EntryInfo:
+    """Publish the staged entry at `data`; if another write of the same entry won, keep that
+    one (its manifest is read before this write's data is deleted). A winner deleted meanwhile
+    (evicted by another process) leaves the name free: publish again, at most `PUBLISH_TRIES`
+    times (found by review: the loser deleted its own data, then failed on the winner's missing
+    manifest with a bare FileNotFoundError, and the store kept neither)."""
+    for _ in range(PUBLISH_TRIES):
+        if backend.publish(data, final):
+            return EntryInfo(entry_id, manifest)
+        try:
+            winner = backend.read(zarr_json(final))
+        except FileNotFoundError:
+            ensure_key_group(backend, key)  # (the winner's delete may have removed the key's group)
+            continue
+        backend.delete_tree(data)
+        return parse_group(entry_id, winner)
+    backend.delete_tree(data)
+    raise CorruptEntry(entry_id, f"its name is held by a directory without a manifest ({PUBLISH_TRIES} publishes "
+                                 "failed); `anchorkv gc` removes that damaged entry, the next save writes it")

@@ -168,6 +168,45 @@ def test_own_saves_over_the_capacity_still_evict_at_once(tmp_path):
     assert {e.id for e in store.scan()} == {infos[3].id, infos[4].id}
 
 
+# ----------------------------------------------------------------------------- [8] the losing commit
+
+
+def test_a_losing_commit_whose_winner_is_evicted_publishes_its_own(tmp_path, monkeypatch):
+    """Two processes publish one entry; the winner is evicted between the loser's publish and its
+    read of the winner's manifest: the loser publishes its own (it deleted its data and raised a
+    bare FileNotFoundError)."""
+    a, b = Store.open(tmp_path / "s"), Store.open(tmp_path / "s")
+    winner = save(a, "alice", seed=0)
+    real = b.backend.publish
+    tries = []
+
+    def publish(staged, final):
+        ok = real(staged, final)
+        tries.append(ok)
+        if len(tries) == 1:
+            assert not ok, "the first publish must lose to the winner"
+            a.delete(winner.id)  # another process evicts the winner right now
+        return ok
+
+    monkeypatch.setattr(b.backend, "publish", publish)
+    mine = save(b, "alice", seed=1)
+    assert tries == [False, True] and mine.id == winner.id
+    layout = tiny_layout()
+    got = Store.open(tmp_path / "s", create=False).load(mine.id, layout, LAYER, "recurrent")
+    want = all_packed(layout, CODECS, 300, seed=1)[(LAYER, "recurrent")]
+    assert torch.equal(got.payload, want.payload) and torch.equal(got.scales, want.scales)
+    assert b.backend.list_dir(STAGING) == []
+
+
+def test_a_commit_whose_name_is_held_without_a_manifest_fails_as_a_store_error(tmp_path):
+    store = Store.open(tmp_path / "s")
+    held = save(store, "alice")
+    (Path(store.url) / held.path / "zarr.json").unlink()  # a damaged entry holds the name
+    with pytest.raises(CorruptEntry, match="held by a directory without a manifest"):
+        save(store, "alice", seed=1)
+    assert store.backend.list_dir(STAGING) == []
+
+
 # ----------------------------------------------------------------------------- [10] write ids
 
 
