@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Set
 from typing import NamedTuple, Protocol
 
 from anchorkv.store.backends import Backend
+from anchorkv.store.backends._object import LAST_USE
 from anchorkv.store.errors import EntryNotFound
 from anchorkv.store.manifest import EntryInfo, Listing, parse_entry_name
 from anchorkv.store.paths import (
@@ -258,7 +259,9 @@ def _remove_orphans(store: Entries, stale_after: float, live_data: set[str], t: 
                     remove: Callable[[str, str, int, Callable[[], object]], None]) -> None:
     """Remove what no entry owns under ``entries/<key>/``: on an object store, prefixes with
     chunks but no group ``zarr.json`` (a write or a delete killed half-way) that no write in
-    progress claims; on both, temp files of atomic writes whose process died."""
+    progress claims, and at once those holding only ``.last_use`` (a deleted entry's use
+    recorded by an older anchorkv: no write puts it first, so none is in progress); on both,
+    temp files of atomic writes whose process died."""
     backend = store.backend
     for key in backend.list_dir(ENTRIES):
         if len(key) != 64:
@@ -272,6 +275,10 @@ def _remove_orphans(store: Entries, stale_after: float, live_data: set[str], t: 
             if backend.atomic_publish or parse_entry_name(name) is None or path in live_data:
                 continue
             if backend.exists(zarr_json(path)):
+                continue
+            if backend.list_dir(path) == [LAST_USE]:  # a use recorded as another process deleted it
+                remove("orphans", f"{path} (only its last use left)", 0,
+                       functools.partial(backend.delete, f"{path}/{LAST_USE}"))
                 continue
             newest = backend.newest_mtime(path)
             if newest is not None and t - newest < stale_after:

@@ -207,6 +207,44 @@ def test_a_commit_whose_name_is_held_without_a_manifest_fails_as_a_store_error(t
     assert store.backend.list_dir(STAGING) == []
 
 
+# ----------------------------------------------------------------------------- [7] S3 zombie prefixes
+
+
+@pytest.mark.s3
+def test_a_use_recorded_as_another_process_deletes_the_entry_leaves_nothing(s3_endpoint):
+    """S3: A's touch of an entry B deleted put `.last_use` under its prefix, which A's lookups
+    (the manifest cached) then found forever."""
+    from tests.store.conftest import S3_OPTIONS, make_s3_bucket
+
+    url = f"s3://{make_s3_bucket(s3_endpoint)}/cache"
+    a, b = (Store.open(url, endpoint=s3_endpoint, **S3_OPTIONS) for _ in range(2))
+    info = save(a, "alice")
+    fp = tiny_layout().fingerprint_hash()
+    assert a.lookup(fingerprint_hash=fp, tokens=tokens(300), anchor="alice").id == info.id
+    b.delete(info.id)
+    with a.pin(info.id):  # A restores from its earlier lookup
+        pass
+    assert a.backend.list_dir(info.path) == []
+    assert a.lookup(fingerprint_hash=fp, tokens=tokens(300), anchor="alice") is None
+
+
+@pytest.mark.s3
+def test_gc_removes_a_prefix_holding_only_a_last_use_at_once(s3_endpoint):
+    """What an older anchorkv left (a deleted entry's `.last_use`): an orphan gc removes whatever
+    its age (a write in progress never puts `.last_use` first)."""
+    from tests.store.conftest import S3_OPTIONS, make_s3_bucket
+
+    url = f"s3://{make_s3_bucket(s3_endpoint)}/cache"
+    store = Store.open(url, endpoint=s3_endpoint, **S3_OPTIONS)
+    info = save(store, "alice")
+    store.delete(info.id)
+    store.backend.write(f"{info.path}/.last_use", [b"1700000000.0"])
+    report = store.gc(dry_run=True)
+    assert report["orphans"] == 1 and store.backend.list_dir(info.path) == [".last_use"], report
+    report = store.gc()
+    assert report["orphans"] == 1 and store.backend.list_dir(info.path) == [], report
+
+
 # ----------------------------------------------------------------------------- [10] write ids
 
 

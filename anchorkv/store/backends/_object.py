@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from obstore.store import ClientConfig
     from zarr.storage import ObjectStore
 
+#: The object under an entry's prefix that records its last use (`ObjectBackend.touch_entry`).
+LAST_USE = ".last_use"
+
 
 class ObjectBackend:
     """An S3-compatible bucket through obstore (the library behind zarr's `ObjectStore`).
@@ -215,14 +218,24 @@ class ObjectBackend:
         return bool(names)
 
     def touch_entry(self, entry: str) -> None:
-        """Record a use of `entry`: a tiny ``.last_use`` object (the store throttles this)."""
-        self.write(f"{entry}/.last_use", [str(time.time()).encode()])
+        """Record a use of `entry`: a tiny ``.last_use`` object (the store throttles this).
+
+        An entry another process deleted meanwhile must not come back as a prefix holding only
+        ``.last_use`` (found by review: a process with its manifest cached then kept finding it
+        listed, and the connector never saved it again). So the manifest is checked after the
+        put, and the object deleted if the manifest is gone: a delete lists the prefix after
+        deleting the manifest, so either its listing saw this object or this check sees no
+        manifest. (`Store.gc` removes such prefixes left by older versions.)"""
+        path = f"{entry}/{LAST_USE}"
+        self.write(path, [str(time.time()).encode()])
+        if not self.exists(f"{entry}/zarr.json"):
+            self.delete(path)
 
     def last_use(self, entry: str) -> float | None:
         """The time stored in ``.last_use`` (object mtimes have only 1 s resolution); None if
         the entry was never used (eviction then takes its creation time)."""
         try:
-            return float(self.read(f"{entry}/.last_use"))
+            return float(self.read(f"{entry}/{LAST_USE}"))
         except (FileNotFoundError, ValueError):
             return None
 
