@@ -13,6 +13,8 @@ usual AWS environment variables). ENTRY is an entry id exactly as `ls` prints it
 prefix of one (8 characters or more), ``<key prefix>/<name>``, or an anchor with one entry.
 
 `ls`, `inspect` and `verify` only read: they never create or change anything in the store.
+No command creates a store: one given a directory or prefix that holds none (a typo) says so
+and touches nothing there.
 Sizes are binary units (KiB, MiB, GiB) everywhere. Errors are one or two lines (what was
 expected, what was found, what to do), never a traceback; the exit status is 2 (1: `verify`
 found damage).
@@ -93,11 +95,17 @@ def _default_store() -> str:
 
 
 def _open(args: argparse.Namespace, *, write: bool = False) -> Store:
-    """The store of `--store`. Read-only commands open it without writing anything."""
+    """The store of `--store`, which must exist: no command makes one, so `gc` or `rm` given a
+    mistyped directory refuses it rather than making it a store and collecting its own
+    ``.staging`` and ``.trash`` (found by review). `write`: check that it is writable first
+    (a probe object), so a read-only store fails before any work."""
     from anchorkv.store.store import Store
 
     url = args.store or _default_store()
-    return Store.open(url, create=write)
+    store = Store.open(url, create=False)
+    if write:
+        store.check_writable()
+    return store
 
 
 def resolve(store: Store, text: str, entries: list[Listing] | None = None) -> Listing:

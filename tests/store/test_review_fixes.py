@@ -44,6 +44,37 @@ def tree(root: Path) -> list[tuple[str, bytes]]:
     return sorted((str(p.relative_to(root)), p.read_bytes() if p.is_file() else b"") for p in root.rglob("*"))
 
 
+# ----------------------------------------------------------------------------- [2] no store made by the CLI
+
+
+@pytest.mark.parametrize("argv", [["gc"], ["gc", "--stale-after", "0"], ["gc", "--dry-run"], ["rm", "x" * 10],
+                                  ["stats"], ["ls"], ["verify"]])
+def test_commands_refuse_a_directory_that_is_not_a_store(tmp_path, capsys, argv):
+    """A mistyped --store: every command says there is no store there and changes nothing (gc
+    made it a store and removed its own old `.staging/*` and `.trash/*`)."""
+    d = tmp_path / "project"
+    (d / ".staging" / "release-1.2").mkdir(parents=True)
+    (d / ".staging" / "release-1.2" / "notes.txt").write_text("important")
+    (d / ".trash" / "keep-me").mkdir(parents=True)
+    (d / ".trash" / "keep-me" / "file").write_text("x")
+    old = time.time() - 7200
+    for p in (d / ".staging" / "release-1.2", d / ".staging" / "release-1.2" / "notes.txt"):
+        os.utime(p, (old, old))
+    before = tree(d)
+    code, out, err = run(capsys, *argv, "--store", str(d))
+    assert code == 2 and "is not an anchorkv store" in err and len(err.strip().splitlines()) <= 2, (code, out, err)
+    assert tree(d) == before, f"`anchorkv {' '.join(argv)}` changed a directory that is not a store"
+
+
+@pytest.mark.parametrize("command", ["gc", "rm"])
+def test_commands_never_create_a_missing_store(tmp_path, capsys, command):
+    missing = tmp_path / "typo"
+    argv = [command, "--store", str(missing)] + (["someentry"] if command == "rm" else [])
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and "no store at" in err, err
+    assert not missing.exists(), f"`anchorkv {command}` created {missing}"
+
+
 # ----------------------------------------------------------------------------- [4] unreadable entries
 
 
