@@ -191,10 +191,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     bad = sum(e.state != "ok" for e in entries)
     missing = {e.id: missing_plugins(e.info) for e in entries if e.info is not None}
     needy = {m for ids in missing.values() for m in ids}
-    title = (f"{store.url}: {len(entries)} entries, {human_bytes(sum(e.stored_bytes for e in entries))} stored"
+    title = (f"{_escape(store.url)}: {len(entries)} entries, {human_bytes(sum(e.stored_bytes for e in entries))} stored"
              + (f" ({bad} not loadable: `anchorkv gc` removes damaged and old-format ones)" if bad else "")
              + (f" ({sum(bool(v) for v in missing.values())} need codec plug-ins not installed here: "
-                f"{', '.join(sorted(needy))}; their loads fail until installed)" if needy else ""))
+                f"{_escape(', '.join(sorted(needy)))}; their loads fail until installed)" if needy else ""))
     table = Table(title=title)
     columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("entry", "left"), ("state", "left"), ("anchor", "left"), ("tokens", "right"), ("stored", "right"),
@@ -203,14 +203,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
         table.add_column(col, justify=just, no_wrap=col not in ("codecs",), overflow="fold")
     for e in entries:
         if e.info is None:
-            table.add_row(e.id, e.state, "-", "-", human_bytes(e.stored_bytes), "-", "-", "-", "-",
+            table.add_row(_escape(e.id), e.state, "-", "-", human_bytes(e.stored_bytes), "-", "-", "-", "-",
                           human_age(t - e.created))
             continue
         i = e.info
-        table.add_row(e.id, e.state + (" (plug-in missing)" if missing[e.id] else ""), i.anchor or "-",
+        table.add_row(_escape(e.id), e.state + (" (plug-in missing)" if missing[e.id] else ""), i.anchor or "-",
                       f"{i.num_tokens:,}", human_bytes(i.stored_bytes),
                       human_bytes(i.logical_bytes), f"{i.stored_bytes / max(1, i.logical_bytes):.2f}",
-                      codecs_text(i), str(i.tp_size), human_age(t - i.created))
+                      _escape(codecs_text(i)), str(i.tp_size), human_age(t - i.created))
     _console().print(table)
     return 0
 
@@ -241,7 +241,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("size", f"{human_bytes(info.stored_bytes)} stored, {human_bytes(info.logical_bytes)} logical (the state "
                  f"uncompressed; ratio {info.stored_bytes / max(1, info.logical_bytes):.3f})"),
         ("codecs", codecs_text(info) + (f" + {m['compressor']['id']}" if m.get("compressor") else "")),
-        *[("plug-in", f"{f}: {_escape(str(a.codec.spec))} "
+        *[("plug-in", f"{f}: {a.codec.spec} "
                       + ("(installed)" if a.codec.installed else "NOT INSTALLED here: loading this entry fails (vLLM "
                          "recomputes) until the package providing it is installed (entry-point group anchorkv.codecs)"))
           for f, a in sorted(info.arrays().items()) if a.codec.plugin],
@@ -251,8 +251,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                    "(crc32c per shard and per chunk; manifest checksum)"),
     ]
     console = _console()
-    for k, v in rows:
-        console.print(f"[bold]{k:>9}[/bold]  {v}")
+    for k, v in rows:  # the values hold the store's text (a path, a manifest's strings): no markup in them
+        console.print(f"[bold]{k:>9}[/bold]  {_escape(v)}")
     from rich.table import Table
 
     table = Table()
@@ -261,9 +261,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for a in info.arrays().values():
         for p in a.parts:
             stored = sum(v[1] for k, v in m["shards"].items() if k.startswith(f"{p.name}/"))
-            table.add_row(p.name, p.role, p.dtype, a.kind, str(len(a.layers)), str(list(p.shape)),
-                          str(list(p.chunks)), str(list(p.shards)), codec_text(a), a.codec.source_dtype,
-                          human_bytes(stored))
+            table.add_row(*map(_escape, (p.name, p.role, p.dtype, a.kind, str(len(a.layers)), str(list(p.shape)),
+                                         str(list(p.chunks)), str(list(p.shards)), codec_text(a),
+                                         a.codec.source_dtype, human_bytes(stored))))
     console.print(table)
     return 0
 
@@ -290,10 +290,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
                                   "problems": p} for e, p in results]})
         return 1 if bad else 0
     console = _console()
-    for e, problems in bad:
-        console.print(f"[red]FAIL[/red] {e.id}")
+    for e, problems in bad:  # problems quote the store's text ('[crc32c, nbytes, offset]', a manifest's): no markup
+        console.print(f"[red]FAIL[/red] {_escape(e.id)}")
         for p in problems:
-            console.print(f"  {p}", soft_wrap=True)
+            console.print(f"  {p}", soft_wrap=True, markup=False)
     console.print(f"{len(results) - len(bad)} of {len(results)} entries ok" + (
         f", {len(bad)} damaged or unloadable: delete them (anchorkv rm ENTRY, or anchorkv gc); the next request "
         "recomputes" if bad else ""))
@@ -422,7 +422,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                                  + (" (over: the next save evicts, or `anchorkv gc --capacity`)"
                                     if used is not None and used > 1 else "")))
     for k, v in rows:
-        console.print(f"[bold]{k:>9}[/bold]  {v}", soft_wrap=True)
+        console.print(f"[bold]{k:>9}[/bold]  {_escape(v)}", soft_wrap=True)
     if totals["by_field"]:
         from rich.table import Table
 
@@ -432,7 +432,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         for col, just in columns:
             table.add_column(col, justify=just)
         for r in totals["by_field"]:
-            table.add_row(r["field"], _escape(r["codec"]), f"{r['entries']:,}", human_bytes(r["stored_bytes"]),
+            table.add_row(_escape(r["field"]), _escape(r["codec"]), f"{r['entries']:,}", human_bytes(r["stored_bytes"]),
                           f"{100 * r['stored_bytes'] / max(1, totals['stored_bytes']):.1f}%")
         console.print(table)
     return 0

@@ -276,6 +276,33 @@ def test_gc_removes_a_prefix_holding_only_a_last_use_at_once(s3_endpoint):
     assert report["orphans"] == 1 and store.backend.list_dir(info.path) == [], report
 
 
+# ----------------------------------------------------------------------------- [9] no markup in store text
+
+
+@pytest.mark.parametrize("value", ["oops", "[/x]"])
+def test_verify_prints_problems_as_they_are(tmp_path, capsys, value):
+    """rich markup ate '[crc32c, nbytes, offset]', and a manifest holding '[/x]' crashed verify."""
+    store = Store.open(tmp_path / "s")
+    info = save(store, "alice")
+    p = Path(store.url) / info.path / "zarr.json"
+    doc = json.loads(p.read_text())
+    checksums = doc["attributes"]["anchorkv"]["checksums"]
+    checksums[sorted(checksums)[0]] = value
+    p.write_text(json.dumps(doc))
+    code, out, err = run(capsys, "verify", "--store", str(tmp_path / "s"))
+    assert code == 1, (out, err)
+    flat = " ".join(out.split())
+    assert f"is {value!r}, expected [crc32c, nbytes, offset]" in flat, out
+
+
+def test_a_store_path_with_brackets_is_printed_as_it_is(tmp_path, capsys):
+    path = tmp_path / "cache[bold]x[/bold]"
+    info = save(Store.open(path), "alice")
+    for argv in (["ls"], ["stats"], ["inspect", info.id]):
+        code, out, err = run(capsys, *argv, "--store", str(path))
+        assert code == 0 and str(path) in " ".join(out.split()), (argv, out, err)
+
+
 # ----------------------------------------------------------------------------- [10] write ids
 
 
