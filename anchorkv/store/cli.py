@@ -497,3 +497,9 @@ COMMANDS = (
     ("gc", "remove garbage; evict to --capacity"),
     ("stats", "a store's totals"),
 )
+
+
+if __name__ == "__main__":  # `python -m anchorkv.store.cli ls`: the `anchorkv` command itself
+    from anchorkv.cli import main
+
+    sys.exit(main())

@@ -319,3 +319,14 @@ def test_ascii_write_ids_are_taken(tmp_path):
     store = Store.open(tmp_path / "s")
     for wid in ("0123456789abcdefghijklmnopqrstuvwxyz", "7" * 64):
         store.delete(save(store, "alice", write_id=wid))
+
+
+# ----------------------------------------------------------------------------- [11] python -m anchorkv.store.cli
+
+
+def test_the_cli_module_runs_as_the_anchorkv_command(tmp_path):
+    info = save(Store.open(tmp_path / "s"), "alice")
+    res = subprocess.run([sys.executable, "-m", "anchorkv.store.cli", "ls", "--store", str(tmp_path / "s"), "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert [e["id"] for e in json.loads(res.stdout)["entries"]] == [info.id]
