@@ -75,6 +75,10 @@ class ModelLayout:
     block_size: int
     tp_size: int = 1
     tp_rank: int = 0
+    #: the weights' name (the connector's `model_id`): two checkpoints of one architecture
+    #: (a fine-tune, another revision) have the same layers and must not restore each other's
+    #: state. None: not part of the fingerprint (layouts made outside an engine).
+    model: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -105,12 +109,13 @@ class ModelLayout:
     def fingerprint(self) -> dict[str, Any]:
         """What a stored entry must agree with to be restored: TP-independent by design.
 
-        Layer names, kinds and each field's logical shape and dtype; not the rank, the block
-        size or the strides (those change with tp and with vLLM's allocator, and the logical
-        arrays do not).
+        The model's name (`model`, when set), layer names, kinds and each field's logical shape
+        and dtype; not the rank, the block size or the strides (those change with tp and with
+        vLLM's allocator, and the logical arrays do not).
         """
         return {
             "architecture": self.architecture,
+            **({"model": self.model} if self.model is not None else {}),
             "layers": [
                 {
                     "name": layer.name,

@@ -95,6 +95,11 @@ class ConnectorConfig:
     #: that finds the queued ones holding this much is dropped (`save_dropped`), so a store
     #: slower than the engine's saves cannot use up (page-locked) host memory; one always goes
     save_backlog: int = DEFAULT_SAVE_BACKLOG
+    #: what names the model's weights in the store: entries restore only under the same name.
+    #: None: vLLM's `model` as given (a Hugging Face id or a path) and its `revision` (see
+    #: `connector.model_id_of`). Set it to share entries between engines that load the same
+    #: weights from different paths.
+    model_id: str | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -140,6 +145,11 @@ class ConnectorConfig:
             kwargs["load_timeout_s"] = float(t)
         if "save_backlog" in extra:
             kwargs["save_backlog"] = parse_size(extra["save_backlog"], "anchorkv: 'save_backlog'")
+        if "model_id" in extra:
+            if not isinstance(extra["model_id"], str) or not extra["model_id"].strip():
+                raise ValueError(f"anchorkv: 'model_id' must be a non-empty string naming the model's weights "
+                                 f"(e.g. \"Kimi-Linear-48B-A3B-Instruct@v1\"), found {extra['model_id']!r}")
+            kwargs["model_id"] = extra["model_id"].strip()
         if "storage_options" in extra:
             if not isinstance(extra["storage_options"], dict):
                 raise ValueError("anchorkv: 'storage_options' must be an object")

@@ -32,6 +32,7 @@ Worker side (one per tensor-parallel rank):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, cast
 
@@ -60,6 +61,16 @@ from anchorkv.connector.vllm_layout import (
 from anchorkv.connector.worker import WorkerSide
 
 log = logging.getLogger("anchorkv.connector")
+
+
+def model_id_of(vllm_config: Any) -> str:
+    """The default `model_id`: vLLM's `model` as given (a Hugging Face id, or a path: engines
+    loading one checkpoint from different paths set `model_id` to share entries), with its
+    `revision` when one is set."""
+    model_config = vllm_config.model_config
+    name = str(getattr(model_config, "model", None) or "unknown")
+    revision = getattr(model_config, "revision", None)
+    return f"{name}@{revision}" if revision else name
 
 
 class AnchorKVMetadata(KVConnectorMetadata):
@@ -125,7 +136,10 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
         # the model at this tp, from vLLM's KV-cache specs and the model's description (its
         # fingerprint, what entries must agree with, is TP-independent for described models)
         # (rank 0's: the store and the fingerprint need only shapes, which every rank shares)
-        self.model_layout = model_layout(kv_cache_config, hf_config, tp_size=self.tp_size, tp_rank=0)
+        # and the weights' name: two checkpoints of one architecture never share entries
+        self.model_layout = dataclasses.replace(
+            model_layout(kv_cache_config, hf_config, tp_size=self.tp_size, tp_rank=0),
+            model=self.config.model_id or model_id_of(vllm_config))
         self.store = ZarrEntryStore(self.config, self.model_layout)
         self.config = self.store.config  # codec groups resolved as the entries store them
         self._hf_config = hf_config
@@ -153,8 +167,8 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
             log.warning("anchorkv: %s: a request is restored only when the entry leaves its last token "
                         "to compute, otherwise computed in full (counted as miss 'needs_prefill'); saves "
                         "are unaffected", no_prefill)
-        log.info("anchorkv: %s side, store %s, codecs %s, lookup %s, mamba cache mode %s",
-                 role.name.lower(), self.config.store,
+        log.info("anchorkv: %s side, store %s, model %s, codecs %s, lookup %s, mamba cache mode %s",
+                 role.name.lower(), self.config.store, self.model_layout.model,
                  {k: str(v) for k, v in self.config.codec.items()}, self.config.lookup, self.mode)
         log.log(*codec_banner(self.config.codec))  # a WARNING when any field's codec is lossy
         if role == KVConnectorRole.SCHEDULER:  # once per engine, not per rank
@@ -224,6 +238,7 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
         worker = self._worker_side
         layout, views = build_views(kv_caches, self._kv_config, self._hf_config, tp_size=self.tp_size,
                                     tp_rank=worker.tp_rank, backends=backends)
+        layout = dataclasses.replace(layout, model=self.model_layout.model)
         if layout.fingerprint_hash() != self.model_layout.fingerprint_hash():
             raise RuntimeError("anchorkv: the registered caches do not match vLLM's KV-cache specs "
                                f"({layout.fingerprint()} vs {self.model_layout.fingerprint()}); this is a bug")

@@ -74,8 +74,9 @@ def test_full_config():
     c = ConnectorConfig.from_extra_config({
         "store": "/tmp/x", "codec": {"latent": "fp8:64", "recurrent": "int8"},
         "lookup": "semantic", "save_points": ["finish"], "capacity": "1.5GiB",
-        "load_timeout_s": 5, "async_load": False,
+        "load_timeout_s": 5, "async_load": False, "model_id": " kimi-linear@v2 ",
     })
+    assert c.model_id == "kimi-linear@v2"
     assert c.codec_for("latent") == CodecSpec("fp8", 64) and c.codec_for("recurrent") == CodecSpec("int8", 128)
     assert c.capacity == int(1.5 * 2**30) and c.save_points == ("finish",) and not c.async_load
 
@@ -92,6 +93,8 @@ def test_full_config():
     ({"load_timeout_s": -1}, "'load_timeout_s' must be a positive number"),
     ({"async_load": "yes"}, "'async_load' must be true or false"),
     ({"store": ""}, "'store' must be a path or s3:// URL"),
+    ({"model_id": ""}, "'model_id' must be a non-empty string naming the model's weights"),
+    ({"model_id": 3}, "'model_id' must be a non-empty string"),
 ])
 def test_bad_config_is_refused(extra, msg):
     if msg is None:  # an unknown codec id is only known at use; spelling is valid

@@ -173,6 +173,25 @@ def test_other_model_fingerprint_gets_nothing(model_dir, other_model_dir, tmp_pa
     assert matched(other, NONE_PROMPT + EXTRA, None) == (0, False)
 
 
+def test_another_checkpoint_of_the_same_architecture_gets_nothing(model_dir, tmp_path):
+    """Two checkpoints of one architecture (a fine-tune, another revision: the same config,
+    other weights) have the same layers: the entries are keyed to vLLM's model as given
+    (`model_id`), so one never restores the other's state. Engines loading one checkpoint from
+    different paths share entries by naming it (`model_id`)."""
+    import shutil
+
+    finetune = str(shutil.copytree(model_dir, tmp_path / "finetune"))  # the same config.json
+    for named in (False, True):
+        extra = {**RAW, "model_id": "kimi-linear-48b@2026-11"} if named else RAW
+        store = tmp_path / f"store-{named}"
+        eng = E.make_engine(model_dir, str(store), mode="none", num_blocks=8, extra=extra)
+        first_turn(eng, NONE_PROMPT, ANCHOR)
+        other = E.make_engine(finetune, str(store), mode="none", num_blocks=8, extra=extra, ranks=[])
+        assert matched(eng, NONE_PROMPT + EXTRA, ANCHOR) == (300, True)
+        want = (300, True) if named else (0, False)
+        assert matched(other, NONE_PROMPT + EXTRA, ANCHOR) == want
+
+
 # ------------------------------------------------------------------------------ align mode
 
 
