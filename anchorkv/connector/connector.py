@@ -62,6 +62,10 @@ from anchorkv.connector.worker import WorkerSide
 
 log = logging.getLogger("anchorkv.connector")
 
+#: `get_transfer_results` calls a finished request with no blocks awaiting release is kept for
+#: (its finish save is planned in the step vLLM reports it finished; a margin, not a need)
+FINISHED_ID_CALLS = 64
+
 
 def model_id_of(vllm_config: Any) -> str:
     """The default `model_id`: vLLM's `model` as given (a Hugging Face id, or a path: engines
@@ -143,7 +147,9 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
         self.store = ZarrEntryStore(self.config, self.model_layout)
         self.config = self.store.config  # codec groups resolved as the entries store them
         self._hf_config = hf_config
-        self._finished_ids: set[str] = set()
+        #: requests vLLM said finished -> calls of `get_transfer_results` since, while their
+        #: blocks may still await release (see there)
+        self._finished_ids: dict[str, int] = {}
         # attention pages whose in-block token order anchorkv cannot read: whole blocks only
         opaque = opaque_kv_layout(kv_cache_config)
         granularity = self.model_layout.block_size if opaque else 1
@@ -262,9 +268,22 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
         self._worker_side.save(self._plan(self._get_connector_metadata()))
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        self._finished_ids |= set(finished_req_ids)
-        sending, recving, failed = self._worker_side.transfer_results(self._finished_ids)
-        self._finished_ids -= sending
+        for req_id in finished_req_ids:
+            self._finished_ids.setdefault(req_id, 0)
+        worker = self._worker_side
+        sending, recving, failed = worker.transfer_results(set(self._finished_ids))
+        # A finished request is remembered until its blocks are released (its finish save
+        # read them), or for FINISHED_ID_CALLS calls if it holds none (no finish save: most
+        # requests), so the set stays as small as the saves in flight (review: it kept every
+        # request ever finished).
+        held = worker.awaiting_release()
+        for req_id in list(self._finished_ids):
+            if req_id in sending:
+                del self._finished_ids[req_id]
+            elif req_id not in held:
+                self._finished_ids[req_id] += 1
+                if self._finished_ids[req_id] > FINISHED_ID_CALLS:
+                    del self._finished_ids[req_id]
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
 

@@ -49,6 +49,7 @@ class LoadSpec:
     #                                      (the first holds it in the table), paged groups the
     #                                      blocks of [start, num_tokens)
     sync: bool = False  # restore inside start_load_kv, before the forward that reads it
+    version: str | None = None  # the write of the entry the lookup found (`EntryRef.version`)
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,7 @@ class SchedulerSide:
         self._pending_saves: list[SaveSpec] = []
         self._requests: dict[str, _Tracked] = {}
         self._loading: dict[str, str] = {}  # req id -> entry id of a planned async load
+        self._aborted_loads: dict[str, str] = {}  # the same, of requests finished while it runs
         self._failed: set[str] = set()  # requests whose load failed: vLLM computes them
         self._bad_entries: dict[str, float] = {}  # entry id -> when its load failed
         self.stats = Counters()
@@ -263,7 +264,8 @@ class SchedulerSide:
                 f"request {request.request_id} (block ids {block_ids}); this is a bug"
             )
         sync = not self.config.async_load
-        self._pending_loads.append(LoadSpec(request.request_id, ref.entry_id, start, take, blocks, sync=sync))
+        self._pending_loads.append(LoadSpec(request.request_id, ref.entry_id, start, take, blocks, sync=sync,
+                                            version=ref.version))
         if not sync:
             self._loading[request.request_id] = ref.entry_id
         tracked = self._requests.get(request.request_id)
@@ -299,13 +301,17 @@ class SchedulerSide:
         """Workers reported these loads done (`finished`) or failed (`failed`, a subset)."""
         for req_id in finished | failed:
             entry = self._loading.pop(req_id, None)
+            aborted = self._aborted_loads.pop(req_id, None)
             if req_id in failed:
-                self._failed.add(req_id)
+                if aborted is None:  # (an aborted request is gone: nothing to recompute)
+                    self._failed.add(req_id)
+                entry = entry or aborted
                 tracked = self._requests.get(req_id)
                 if tracked is not None:
                     tracked.loaded = 0  # vLLM recomputes it: its own state is worth saving
                 if entry is not None:
                     self._bad_entries[entry] = time.monotonic()
+                    self.store.forget(entry)  # a stale manifest here is read again after the TTL
                 log.info("anchorkv: load of request %s from entry %s failed; vLLM recomputes it",
                          req_id, entry)
 
@@ -486,7 +492,10 @@ class SchedulerSide:
         tracked = self._requests.pop(req_id, None)
         self._found.pop(req_id, None)
         self._outcome.pop(req_id, None)
-        loading = self._loading.pop(req_id, None) is not None
+        entry = self._loading.pop(req_id, None)
+        loading = entry is not None
+        if loading:  # its workers still report the load's end: a failure still marks the entry
+            self._aborted_loads[req_id] = entry
         self._failed.discard(req_id)
         n = request.num_computed_tokens
         if ("finish" not in self.config.save_points or n < 1 or (tracked and n <= tracked.loaded)

@@ -24,6 +24,10 @@ class EntryRef:
     entry_id: str
     num_tokens: int
     shared_tokens: int | None = None
+    #: which write of the entry the lookup found (`EntryInfo.version`): another process may
+    #: delete an entry and write the same id again, and the loads of one restore (every field,
+    #: every rank) must all read the write the scheduler found, or fail. None: any.
+    version: str | None = None
 
     @property
     def tokens(self) -> int:
@@ -44,12 +48,18 @@ class EntryStore(Protocol):
         entries were passed over (`Miss` values) when none is found."""
 
     def load(self, entry_id: str, layer: str, field: str, *, tp_size: int, tp_rank: int,
-             rows: tuple[int, int] | None, host: Callable[[int], torch.Tensor] | None = None) -> Packed:
+             rows: tuple[int, int] | None, host: Callable[[int], torch.Tensor] | None = None,
+             version: str | None = None) -> Packed:
         """This rank's slice of one field of one layer: state fields `[1, *rank shape]`, paged
-        fields the token rows [rows[0], rows[1]) as `[n, *row]`. Raises if missing or corrupt.
+        fields the token rows [rows[0], rows[1]) as `[n, *row]`. Raises if missing or corrupt,
+        or if the entry is now another write than `version` (`EntryRef.version`, when given).
         `host(nbytes)`, when given, is where the bytes go (`codec.HostArena`: a restore's parts
         in one page-locked buffer, which crosses to the GPU without a staging copy); an
         implementation may ignore it."""
+
+    def forget(self, entry_id: str) -> None:
+        """A load of the entry failed: whatever is cached of it is read again at its next use
+        (it may have been deleted and written again by another process since it was cached)."""
 
     def save_part(self, spec: SaveSpec, parts: dict[tuple[str, str], Packed], *, tp_size: int,
                   tp_rank: int) -> int:

@@ -41,7 +41,7 @@ from anchorkv.codec.models import ROLE_ALIASES, Role
 from anchorkv.connector.config import ConnectorConfig, field_codecs
 from anchorkv.connector.plan import SaveSpec
 from anchorkv.connector.storage import EntryRef
-from anchorkv.store.errors import FormatError, IncompleteEntry
+from anchorkv.store.errors import CorruptEntry, FormatError, IncompleteEntry
 from anchorkv.store.format import array_layouts
 from anchorkv.store.keys import TOKEN_BLOCK
 from anchorkv.store.manifest import EntryInfo
@@ -73,7 +73,7 @@ def store_layout(model: ModelLayout, tp_size: int, tp_rank: int) -> ModelLayout:
                 offset = nf.extent
             page = pages[id(layer.page)] = PageLayout(tuple(fields), offset)
         layers.append(LayerLayout(layer.name, layer.index, layer.kind, page))
-    return ModelLayout(model.architecture, tuple(layers), 1, tp_size, tp_rank)
+    return ModelLayout(model.architecture, tuple(layers), 1, tp_size, tp_rank, model=model.model)
 
 
 def wanted_codecs(config: ConnectorConfig, model: ModelLayout) -> dict[str, CodecSpec]:
@@ -182,7 +182,7 @@ class ZarrEntryStore:
                               if a.codec.plugin and not a.codec.installed})
             if not missing:
                 return EntryRef(info.id, info.num_tokens,
-                                None if found.tokens == info.num_tokens else found.tokens)
+                                None if found.tokens == info.num_tokens else found.tokens, info.version)
             log.info("anchorkv: entry %s (%d tokens) needs codec plug-in(s) %s, not installed here; "
                      "looking for a shorter one", info.id, info.num_tokens, missing)
             skipped.add(info.id)
@@ -193,21 +193,42 @@ class ZarrEntryStore:
     # ------------------------------------------------------------------ load
 
     def load(self, entry_id: str, layer: str, field: str, *, tp_size: int, tp_rank: int,
-             rows: tuple[int, int] | None, host: Callable[[int], torch.Tensor] | None = None) -> Packed:
+             rows: tuple[int, int] | None, host: Callable[[int], torch.Tensor] | None = None,
+             version: str | None = None) -> Packed:
         """This rank's slice of one field of one layer (see `EntryStore.load`).
 
-        Raises the store's `EntryNotFound`, `CorruptEntry` or `FingerprintMismatch` as they are.
+        Raises the store's `EntryNotFound`, `CorruptEntry` or `FingerprintMismatch` as they are,
+        and `CorruptEntry` if the entry is now another write than `version`.
         """
         layout = self.layout(tp_size, tp_rank)
+        info = self.entry(entry_id, version)
         if rows is None:
-            return self.store.load(entry_id, layout, layer, field, host=host)
+            return self.store.load(info, layout, layer, field, host=host)
         start, stop = rows
-        stored = self.store.get(entry_id).num_tokens
-        if not 0 <= start < stop <= stored:
+        if not 0 <= start < stop <= info.num_tokens:
             raise ValueError(f"entry {entry_id}: token rows [{start}, {stop}) requested, it holds "
-                             f"tokens [0, {stored})")
-        p = self.store.load(entry_id, layout, layer, field, start_token=start, num_blocks=stop - start, host=host)
+                             f"tokens [0, {info.num_tokens})")
+        p = self.store.load(info, layout, layer, field, start_token=start, num_blocks=stop - start, host=host)
         return p.reshape(stop - start, *p.shape[2:])
+
+    def entry(self, entry_id: str, version: str | None = None) -> EntryInfo:
+        """The entry's manifest, of the write `version` when given: a manifest cached here of
+        another write (the entry was deleted and written again since) is read again; if the
+        entry is still another write, `CorruptEntry` (the restore fails and vLLM recomputes).
+        Every load of one restore reads the same write, so no restore mixes two."""
+        info = self.store.get(entry_id)
+        if version is None or info.version == version:
+            return info
+        self.store.forget(entry_id)
+        info = self.store.get(entry_id)
+        if info.version != version:
+            raise CorruptEntry(entry_id, "it was written again since the lookup that chose it (another write "
+                                         "of the same tokens); recompute")
+        return info
+
+    def forget(self, entry_id: str) -> None:
+        """Read the entry's manifest again at its next use (a load of it failed)."""
+        self.store.forget(entry_id)
 
     # ------------------------------------------------------------------ save
 

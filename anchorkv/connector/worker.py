@@ -89,6 +89,10 @@ class _Packing:
         return self.packed.host_bytes + sum(p.nbytes for p in self.packed.custom.values())
 
 
+class _Abandoned(Exception):
+    """A restore's part not read: its load was cancelled, or another part failed."""
+
+
 @dataclass
 class _Load:
     spec: LoadSpec
@@ -398,9 +402,11 @@ class WorkerSide:
         error: Exception | None = None
         try:
             with self._arena_lock:  # the arena is this load's until its copies are done
+                if job.state != "reading":
+                    return  # timed out (or preempted) while queued: read nothing
                 self._arena.reset()
                 batch = self._batch_for(spec)
-                parts = self._read(spec, batch)  # every chunk read and verified before any write
+                parts = self._read(spec, batch, job)  # every chunk read and verified before any write
                 whole = batch is not None and batch.fill(parts)
                 with job.lock:
                     if job.state != "reading":
@@ -411,6 +417,8 @@ class WorkerSide:
                     self._restore_batch(batch, job.after)
                 else:
                     self._restore(spec, parts, job.after)
+        except _Abandoned:
+            return  # cancelled while its parts were read: counted and reported then
         except Exception as e:
             log.warning("anchorkv: load of request %s from entry %s failed (%s); vLLM recomputes",
                         spec.req_id, spec.entry_id, e)
@@ -429,11 +437,14 @@ class WorkerSide:
                      spec.num_tokens - spec.start, spec.req_id, self.tp_rank, self.tp_size,
                      nbytes / 1e6, seconds)
 
-    def _read(self, spec: LoadSpec, batch: _Batch | None = None) -> dict[PartKey, Packed]:
+    def _read(self, spec: LoadSpec, batch: _Batch | None = None, job: _Load | None = None) -> dict[PartKey, Packed]:
         """Every part of the restore, read (`READ_THREADS` at a time) and checked, into the
         worker's host arena (the caller holds `_arena_lock` and has reset it): each part into
         its span of `batch` when there is one. Every read has ended when this returns or raises
-        (the first failure, in part order): nothing writes into the arena after it."""
+        (the first failure, in part order): nothing writes into the arena after it. Once `job`
+        is cancelled (timed out, preempted) or a part fails, the parts not yet begun are not
+        read: a load vLLM recomputes anyway must not hold the load thread, and the loads queued
+        behind it, for the rest of its entry."""
         wanted = []
         for layer, fname, _, kind in self._parts(spec.blocks):
             field_ = self.views[layer].page.field(fname)
@@ -442,13 +453,27 @@ class WorkerSide:
                            (spec.num_tokens - spec.start, *field_.shape[1:]) if paged else (1, *field_.shape),
                            field_.dtype))
         hosts = batch.hosts(self._arena) if batch is not None else [self._arena] * len(wanted)
-        reads = [self._read_pool.submit(self.store.load, spec.entry_id, layer, fname, tp_size=self.tp_size,
-                                        tp_rank=self.tp_rank, rows=rows, host=host)
+        stop = threading.Event()  # a part failed: the others need not be read
+
+        def read(layer: str, fname: str, rows: tuple[int, int] | None, host: Any) -> Packed:
+            if stop.is_set() or (job is not None and job.state != "reading"):
+                raise _Abandoned(f"load of request {spec.req_id} abandoned before {layer}.{fname} was read")
+            try:
+                return self.store.load(spec.entry_id, layer, fname, tp_size=self.tp_size, tp_rank=self.tp_rank,
+                                       rows=rows, host=host, version=spec.version)
+            except BaseException:
+                stop.set()
+                raise
+
+        reads = [self._read_pool.submit(read, layer, fname, rows, host)
                  for (layer, fname, rows, _, _), host in zip(wanted, hosts, strict=True)]
         wait(reads)
+        errors = [e for e in (f.exception() for f in reads) if e is not None]
+        if errors:  # the first real failure (parts after it were abandoned), in part order
+            raise next((e for e in errors if not isinstance(e, _Abandoned)), errors[0])
         parts = {}
-        for (layer, fname, _, expected, dtype), read in zip(wanted, reads, strict=True):
-            p = read.result()
+        for (layer, fname, _, expected, dtype), done in zip(wanted, reads, strict=True):
+            p = done.result()
             if tuple(p.shape) != expected or p.dtype != dtype:
                 raise ValueError(f"entry {spec.entry_id}: {layer}.{fname} is {p.dtype} {list(p.shape)}, "
                                  f"this rank needs {dtype} {list(expected)}")
@@ -557,6 +582,10 @@ class WorkerSide:
             batch.unpacker.unpack(PackedBatch(payload, scales, batch.layout.spans), batch.ids)
 
     # -------------------------------------------------------------------- completions
+
+    def awaiting_release(self) -> set[str]:
+        """Requests whose blocks a finish save still holds (released by `transfer_results`)."""
+        return {req_id for req_id, _ in self._releases}
 
     def transfer_results(self, finished_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call.

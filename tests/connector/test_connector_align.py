@@ -103,7 +103,8 @@ def test_align_restore_on_top_of_a_local_prefix_hit(model_dir, store, monkeypatc
     assert table[mla.index][0] == local_block  # the local hit is vLLM's cached, shared block
     loads = [s for s in out.kv_connector_metadata.plan.loads if s.req_id == "r2"]
     want = LoadSpec("r2", loads[0].entry_id if loads else "?", LOCAL, ENTRY,
-                    select_blocks(groups, table, LOCAL, ENTRY, "align"))
+                    select_blocks(groups, table, LOCAL, ENTRY, "align"),
+                    version=Store.open(str(store), create=False).get(loads[0].entry_id).version if loads else None)
     assert want.blocks is not None and want.blocks[mla.index] == tuple(table[mla.index][1:3])
     assert loads == [want]  # start == the local hit (block-aligned): rows [LOCAL, ENTRY) + state
 

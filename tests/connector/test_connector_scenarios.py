@@ -351,3 +351,60 @@ def test_lookup_falls_back_to_the_longest_intact_entry(model_dir, tmp_path, monk
     _run_all(eng)  # the load fails, vLLM recomputes r2
     assert matched(eng, prompt2, "alice-a") == (300, True)
     _restore_and_check(eng, "r3", prompt2, "alice-a", 300)
+
+
+def test_the_worker_forgets_finished_requests_it_holds_no_blocks_of(model_dir, tmp_path, monkeypatch):
+    """The worker keeps a finished request's id only while a finish save holds its blocks (and
+    a few calls after it finished, if none does): a serving process does not keep every id it
+    ever served (review: 19 of 20 requests without a finish save stayed). Finish saves still
+    release their blocks."""
+    import anchorkv.connector.connector as conn_mod
+
+    monkeypatch.setattr(conn_mod, "FINISHED_ID_CALLS", 2)
+    for points, finish in ((["prefill"], False), (["prefill", "finish"], True)):
+        eng = E.make_engine(model_dir, str(tmp_path / f"store-{finish}"), mode="none", num_blocks=16,
+                            extra={**RAW, "save_points": points})
+        for i in range(6):
+            eng.add(f"req-{i}", list(range(1000 + i, 1300 + i)), max_tokens=2)
+            eng.run()
+        eng.flush()
+        for _ in range(4):
+            eng.step()
+        assert len(eng.ranks[0].connector._finished_ids) == 0
+        assert eng.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 16 - 1  # all but the null block
+        assert sum(n > 300 for n in entries(tmp_path / f"store-{finish}")) == (6 if finish else 0)  # finish saves
+
+
+def test_a_failed_load_of_an_aborted_request_marks_its_entry_and_leaves_nothing(model_dir, tmp_path):
+    """A request aborted while its load runs, whose load then fails: the entry is marked bad
+    (the next lookup passes it over), and the request id is not kept as failed (review: it
+    stayed in `_failed` for good, and the bad entry was offered again)."""
+    import time
+
+    from vllm.v1.request import RequestStatus
+
+    store = str(tmp_path / "store")
+    prompt = list(range(1000, 3000))
+    eng = E.make_engine(model_dir, store, mode="align", num_blocks=12, extra=RAW)
+    eng.add("s", prompt, anchor="alice")
+    eng.run()
+    eng.flush()
+    eng = E.make_engine(model_dir, store, mode="align", num_blocks=12, extra=RAW)
+    worker = eng.ranks[0].connector.worker
+
+    def broken(*args, **kwargs):
+        time.sleep(0.05)
+        raise OSError("disk gone")
+
+    worker.store.load = broken
+    eng.add("victim", prompt + [5, 6, 7], anchor="alice")
+    out = eng.step()
+    [load] = out.kv_connector_metadata.plan.loads
+    eng.scheduler.finish_requests("victim", RequestStatus.FINISHED_ABORTED)
+    eng.add("other", list(range(20000, 22500)), max_tokens=4)
+    eng.run(max_steps=100)
+    eng.flush()
+    eng.step()
+    side = eng.scheduler.connector.scheduler
+    assert list(side._bad_entries) == [load.entry_id]
+    assert side._failed == set() and side._aborted_loads == {} and side._loading == {}

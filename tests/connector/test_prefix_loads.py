@@ -263,3 +263,28 @@ def test_an_edited_conversation_restores_the_blocks_it_shares_after_a_restart(ml
     assert not eng.step().kv_connector_metadata.plan.loads
     eng.run()
     assert len(eng.tokens["edited"]) == len(edited) + 3
+
+
+def test_a_load_names_the_write_its_lookup_found():
+    """The load plan carries the write of the entry the lookup found (`EntryRef.version`), so
+    every rank's loads read that write or fail; a failed load makes the store forget the entry
+    (its manifest is read again at the next lookup)."""
+    import dataclasses
+
+    class Versioned(Entries):
+        forgotten: list[str] = []
+
+        def lookup(self, **kw):
+            ref = super().lookup(**kw)
+            return None if ref is None else dataclasses.replace(ref, version="v-" + ref.entry_id)
+
+        def forget(self, entry_id: str) -> None:
+            self.forgotten.append(entry_id)
+
+    store = Versioned(320)
+    side = _side(store)
+    spec, miss = _plan(side, PROMPT)
+    assert miss is None and spec.version == "v-e320"
+    side._loading["r"] = spec.entry_id
+    side.loads_finished({"r"}, {"r"})
+    assert store.forgotten == ["e320"]

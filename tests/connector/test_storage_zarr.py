@@ -276,3 +276,67 @@ def test_a_failed_part_returns_after_its_writes_in_flight(tmp_path, monkeypatch,
     with pytest.raises(ValueError, match="token rows"):
         es.save_part(spec, parts, tp_size=tp, tp_rank=0)
     assert ended and live[0] == 0
+
+
+def _fields(layout):
+    return [(layer.name, f.name) for layer in layout.layers for f in layer.page.fields]
+
+
+def _load_all(es, ref, version, tp=1, r=0):
+    return {(layer, fname): es.load(ref.entry_id, layer, fname, tp_size=tp, tp_rank=r,
+                                    rows=(0, ref.num_tokens) if layer == "p1" else None, version=version)
+            for layer, fname in _fields(tiny(tp, r))}
+
+
+def test_a_restore_reads_one_write_of_an_entry_or_fails(tmp_path):
+    """Another process deletes an entry and writes the same id again (other values) while a
+    restore of it is under way: the loads after that fail (their manifest is the write the
+    lookup found), never one of them returning the new write's bytes (review: with a per-field
+    retry a restore finished on the new write, layers of two writes mixed). A lookup after it
+    finds the new write, and a worker whose manifest is the old one reads the new one."""
+    es = ZarrEntryStore(raw_config(tmp_path), tiny())
+    look = dict(anchor="a", token_ids=TOKENS, max_tokens=399, multiple_of=1, mode="exact")
+    old = save(es, 120)[0]
+    ref = es.lookup(**look)
+    assert ref.version is not None
+    other = ZarrEntryStore(raw_config(tmp_path), tiny())
+    fields = _fields(tiny())
+    got, failed = {}, []
+    for i, (layer, fname) in enumerate(fields):
+        if i == 2:  # midway, another process evicts the entry and saves the same tokens again
+            other.store.delete(ref.entry_id)
+            spec = SaveSpec("r", "a", tuple(TOKENS[:120]), 120, ())
+            new_vals = parts_of(tiny(), TOKENS, 120, seed=7)
+            other.save_part(spec, packed(new_vals), tp_size=1, tp_rank=0)
+            es.forget(ref.entry_id)  # and this process reads the new manifest (another restore's failed load)
+        try:
+            got[(layer, fname)] = es.load(ref.entry_id, layer, fname, tp_size=1, tp_rank=0,
+                                          rows=(0, 120) if layer == "p1" else None, version=ref.version)
+        except CorruptEntry as e:
+            assert "written again since the lookup" in str(e)
+            failed.append((layer, fname))
+    assert list(got) == fields[:2] and failed == fields[2:]  # the old write's parts, then failures only
+    for key, p in got.items():
+        assert torch.equal(p.payload, old[key].contiguous().view(torch.uint8).reshape(-1))
+    fresh = other.lookup(**look)
+    assert fresh.entry_id == ref.entry_id and fresh.version != ref.version
+    for key, p in _load_all(es, fresh, fresh.version).items():  # es's manifest is the old one: read again
+        want = new_vals[key][: 120] if key[0] == "p1" else new_vals[key]
+        assert torch.equal(p.payload, want.contiguous().view(torch.uint8).reshape(-1)), key
+    with pytest.raises(CorruptEntry, match="written again since the lookup"):  # the old write, asked for now
+        es.load(ref.entry_id, "s0", "conv", tp_size=1, tp_rank=0, rows=None, version=ref.version)
+
+
+def test_a_failed_load_makes_the_scheduler_read_the_manifest_again(tmp_path):
+    """The scheduler's lookup found a write that is gone (its manifest cached): the load fails,
+    and `forget` makes the next lookup read the new write's manifest."""
+    es = ZarrEntryStore(raw_config(tmp_path), tiny())
+    look = dict(anchor="a", token_ids=TOKENS, max_tokens=399, multiple_of=1, mode="exact")
+    save(es, 120)
+    ref = es.lookup(**look)
+    other = ZarrEntryStore(raw_config(tmp_path), tiny())
+    other.store.delete(ref.entry_id)
+    save(other, 120, req="r2")
+    assert es.lookup(**look).version == ref.version  # cached: stale
+    es.forget(ref.entry_id)
+    assert es.lookup(**look).version == other.lookup(**look).version != ref.version
