@@ -4,7 +4,7 @@
     anchorkv inspect ENTRY [--json]
     anchorkv verify [ENTRY ...] [--json]   # every entry when none is named; exit 1 on a problem
     anchorkv rm ENTRY [ENTRY ...] [--json]
-    anchorkv gc [--stale-after SECONDS] [--capacity SIZE] [--dry-run] [--json]
+    anchorkv gc [--stale-after SECONDS] [--capacity SIZE] [--verify] [--dry-run] [--json]
     anchorkv stats [STORE] [--capacity SIZE] [--json]   # totals: entries, tokens, bytes by field/codec
 
 `--store` defaults to the connector's default store (``~/.cache/anchorkv``); an object store
@@ -295,8 +295,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for p in problems:
             console.print(f"  {p}", soft_wrap=True, markup=False)
     console.print(f"{len(results) - len(bad)} of {len(results)} entries ok" + (
-        f", {len(bad)} damaged or unloadable: delete them (anchorkv rm ENTRY, or anchorkv gc); the next request "
-        "recomputes" if bad else ""))
+        f", {len(bad)} damaged or unloadable: delete them (anchorkv rm ENTRY, or anchorkv gc --verify: it checks "
+        "every entry as verify does and removes those that fail); the next request recomputes" if bad else ""),
+        markup=False)
     return 1 if bad else 0
 
 
@@ -335,7 +336,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         store.capacity_bytes = capacity
     with _progress(enabled=not args.json) as bar:
         task = bar.add_task("gc", total=None)
-        report = store.gc(stale_after=args.stale_after, dry_run=args.dry_run,
+        report = store.gc(stale_after=args.stale_after, dry_run=args.dry_run, verify=args.verify,
                           progress=lambda step, n: bar.advance(task, n))
         bar.update(task, total=bar.tasks[0].completed)
     if args.json:
@@ -480,6 +481,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="unfinished writes older than this are abandoned (default 3600)")
     p.add_argument("--capacity", default=None, metavar="SIZE",
                    help="evict LRU entries down to SIZE (e.g. 200GiB, 500MB; 0: every entry not in use)")
+    p.add_argument("--verify", action="store_true",
+                   help="also read every entry as `verify` does and remove those that fail (a damaged shard)")
     p.add_argument("--dry-run", action="store_true", help="remove nothing; print what would be removed")
     p = add("stats", cmd_stats, "the store's totals: entries, tokens, stored and logical bytes, bytes by field "
             "and codec, oldest and newest entry, usage of --capacity")

@@ -88,6 +88,8 @@ class Entries(Protocol):
 
     def delete(self, entry: EntryInfo | str) -> None: ...
 
+    def verify(self, entry: EntryInfo | str, progress: Callable[[int], None] | None = None) -> list[str]: ...
+
 
 class Lease(NamedTuple):
     """A lease file as gc and eviction see it."""
@@ -176,7 +178,7 @@ def evict(store: Entries, capacity: int, keep: Set[str] = frozenset(), *, dry_ru
 
 
 def gc(store: Entries, stale_after: float, progress: Callable[[str, int], None] | None = None, *,
-       dry_run: bool = False) -> dict:
+       dry_run: bool = False, verify: bool = False) -> dict:
     """See `Store.gc`. `progress(step, n)` is called as work is done (for a progress bar)."""
     backend = store.backend
     report: dict = {"abandoned_writes": 0, "stale_leases": 0, "duplicates": 0, "orphans": 0, "trash": 0,
@@ -239,6 +241,16 @@ def gc(store: Entries, stale_after: float, progress: Callable[[str, int], None] 
             continue
         kind = "damaged" if e.state == "damaged" else "old_format"
         remove(kind, f"entry {e.id} ({e.problem})", e.stored_bytes, functools.partial(store.delete, e.id))
+    if verify:  # entries whose manifest reads fine but whose shards fail their checks
+        gone = {r["what"].split()[1] for r in report["removed"] if r["what"].startswith("entry ")}
+        for e in entries:
+            if e.info is None or e.id in gone or e.id in store.pins or e.id in leased:
+                continue
+            problems = store.verify(e.info, progress=(lambda n: progress("verify", n)) if progress else None)
+            if problems:
+                more = f"; {len(problems) - 1} more problems" if len(problems) > 1 else ""
+                remove("damaged", f"entry {e.id} ({problems[0].removeprefix(f'entry {e.id}: ')}{more})",
+                       e.stored_bytes, functools.partial(store.delete, e.id))
     for key in backend.list_dir(ENTRIES):
         if len(key) == 64 and not [n for n in backend.list_dir(key_path(key)) if n != "zarr.json"]:
             if dry_run:

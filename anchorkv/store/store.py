@@ -768,18 +768,21 @@ class Store:
         return eviction.evict(self, cap)
 
     def gc(self, *, stale_after: float = 3600.0, progress: Callable[[str, int], None] | None = None,
-           dry_run: bool = False) -> dict:
+           dry_run: bool = False, verify: bool = False) -> dict:
         """Remove garbage: abandoned writes older than `stale_after` seconds (what a killed save
         left), stale leases, duplicate object-store entries, orphaned object prefixes, leftover
         trash, damaged and old-format entries (never loadable), empty key directories; then
         evict down to the capacity, if one is set. Returns counts per kind, ``freed_bytes`` and
         ``removed`` (kind, what, bytes of each). `dry_run`: remove nothing, report what would go.
+        `verify`: also read every shard of each entry whose manifest is fine (`verify`; as long
+        as reading the whole store) and remove those that fail as ``damaged``: without it gc
+        finds only entries whose manifest is damaged.
 
         `stale_after` must exceed the longest save in progress: a younger staged write is
         presumed alive and kept (0 removes every unfinished write, alive or not). Errors (e.g.
         a read-only store) propagate.
         """
-        return eviction.gc(self, stale_after, progress, dry_run=dry_run)
+        return eviction.gc(self, stale_after, progress, dry_run=dry_run, verify=verify)
 
     # ------------------------------------------------------------------ threads
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:

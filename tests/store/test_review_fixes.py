@@ -330,3 +330,29 @@ def test_the_cli_module_runs_as_the_anchorkv_command(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert [e["id"] for e in json.loads(res.stdout)["entries"]] == [info.id]
+
+
+# ----------------------------------------------------------------------------- [5] gc --verify
+
+
+def test_gc_verify_removes_entries_whose_shards_fail(tmp_path, capsys):
+    """verify told users that gc removes what it finds; gc only removed damaged manifests."""
+    store = Store.open(tmp_path / "s")
+    good, bad = save(store, "alice"), save(store, "bob", seed=1)
+    shard = Path(store.url) / bad.path / "recurrent" / "c.0.0.0.0"
+    data = bytearray(shard.read_bytes())
+    data[5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    path = str(tmp_path / "s")
+    code, out, _ = run(capsys, "gc", "--store", path)
+    assert code == 0 and "damaged=0" in out
+    before = tree(tmp_path / "s")
+    code, out, _ = run(capsys, "gc", "--verify", "--dry-run", "--store", path)
+    assert code == 0 and f"would remove damaged: entry {bad.id} (shard recurrent/c.0.0.0.0 fails its check" in out, out
+    assert tree(tmp_path / "s") == before, "--dry-run changed the store"
+    code, out, _ = run(capsys, "gc", "--verify", "--store", path, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["damaged"] == 1 and report["freed_bytes"] == bad.stored_bytes, report
+    assert [e.id for e in Store.open(path).scan()] == [good.id]
+    code, out, _ = run(capsys, "verify", "--store", path)
+    assert code == 0 and "1 of 1 entries ok" in out
