@@ -492,10 +492,10 @@ class SchedulerSide:
         tracked = self._requests.pop(req_id, None)
         self._found.pop(req_id, None)
         self._outcome.pop(req_id, None)
-        entry = self._loading.pop(req_id, None)
-        loading = entry is not None
-        if loading:  # its workers still report the load's end: a failure still marks the entry
-            self._aborted_loads[req_id] = entry
+        loading_from = self._loading.pop(req_id, None)
+        loading = loading_from is not None
+        if loading_from is not None:  # its workers still report the load's end: a failure still marks the entry
+            self._aborted_loads[req_id] = loading_from
         self._failed.discard(req_id)
         n = request.num_computed_tokens
         if ("finish" not in self.config.save_points or n < 1 or (tracked and n <= tracked.loaded)
