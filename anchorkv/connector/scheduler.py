@@ -453,13 +453,16 @@ class SchedulerSide:
             tracked.junction_saved = True
             self.stats.junction_saved()
 
-    @staticmethod
-    def _junction_anchor(tracked: _Tracked, n: int) -> str | None:
+    def _junction_anchor(self, tracked: _Tracked, n: int) -> str | None:
         """A junction's entry is keyed by its tokens, not the request's anchor: requests of any
         anchor (or none) that share the prefix find it (`_lookup`; its cache_salt scope is
         kept). One shorter than the store's token key (`TOKEN_BLOCK`, e.g. vLLM stopping inside
         a block at a 200-token system prompt) is kept under the anchor, or not saved at all
-        without one."""
+        without one. Semantic lookups trust the anchor and never read token-keyed entries: there
+        an anchored request's junction stays under its anchor (it is often also the prompt's
+        last boundary, which the same prompt sent again restores)."""
+        if self.config.lookup == "semantic" and tracked.anchor is not None:
+            return tracked.anchor
         return None if n >= TOKEN_BLOCK else tracked.anchor
 
     def _offered_boundary(self, table, offers, limit: int) -> tuple[int, tuple | None]:

@@ -141,6 +141,25 @@ def test_a_junction_at_the_last_boundary_is_one_entry(model_dir, tmp_path, ancho
     eng.flush()
 
 
+def test_semantic_lookups_restore_a_junction_at_the_last_boundary(model_dir, tmp_path):
+    """With `lookup: semantic`, a prompt whose junction is its last block boundary keeps that
+    entry under its anchor: the same anchored prompt sent again after a restart restores it
+    (review: it was keyed by tokens, which semantic lookups never read, so it restored
+    nothing where an unshared prompt of the same shape restored its boundary)."""
+    store = tmp_path / "store"
+    opts = dict(mode="align", num_blocks=12, extra={**RAW, "lookup": "semantic"})
+    eng = E.make_engine(model_dir, str(store), **opts)
+    a, _, _ = _prompts(BS + 100)
+    b = a[:BS + 100] + list(range(50_000, 50_200))
+    first_turn(eng, a, "alice", "a")
+    first_turn(eng, b, "bob", "b")
+    eng = E.make_engine(model_dir, str(store), **opts)
+    eng.add("retry", b, anchor="bob")
+    loads = {s.req_id: (s.start, s.num_tokens) for s in eng.step().kv_connector_metadata.plan.loads}
+    eng.flush()
+    assert loads == {"retry": (0, BS)}
+
+
 def test_a_load_below_the_junction_still_saves_it(model_dir, tmp_path):
     """The siblings restore an older, shorter entry (1000 tokens) of the prefix they share
     (3000 tokens); vLLM's junction (1920) lies past it, so it is saved, and a third prompt
@@ -278,19 +297,22 @@ def test_an_anchor_without_entries_falls_back_to_token_keyed_ones(case, entries,
         assert side._outcome["r"] is Miss.STORE_ERROR, case
 
 
-@pytest.mark.parametrize("n,anchor,want", [
-    (1920, "bob", [(None, 1920)]),  # keyed by tokens, whatever the anchor
-    (1920, None, [(None, 1920)]),
-    (200, "bob", [("bob", 200)]),  # below the token key's 256 tokens: under the anchor
-    (200, None, []),  # nor anchor nor 256 tokens: the store cannot key it, nothing planned
+@pytest.mark.parametrize("n,anchor,lookup,want", [
+    (1920, "bob", "exact", [(None, 1920)]),  # keyed by tokens, whatever the anchor
+    (1920, None, "exact", [(None, 1920)]),
+    (200, "bob", "exact", [("bob", 200)]),  # below the token key's 256 tokens: under the anchor
+    (200, None, "exact", []),  # nor anchor nor 256 tokens: the store cannot key it, nothing planned
+    (1920, "bob", "semantic", [("bob", 1920)]),  # semantic lookups read no token-keyed entry
+    (1920, None, "semantic", [(None, 1920)]),
 ])
-def test_where_a_junction_entry_is_keyed(n, anchor, want):
+def test_where_a_junction_entry_is_keyed(n, anchor, lookup, want):
     """A junction vLLM offers (inside a block too, as with its shared-prefix checkpoint) is
-    planned keyed by its tokens, or under the anchor when shorter than the token key."""
+    planned keyed by its tokens, or under the anchor when shorter than the token key or when
+    lookups are semantic."""
     from anchorkv.connector.plan import Metadata
     from anchorkv.connector.scheduler import _Tracked
 
-    side = _side(_Keyed({}))
+    side = _side(_Keyed({}), lookup)
     prompt = tuple(range(1000, 1000 + 3000))
     tracked = _Tracked(anchor, prompt, junction=n)
     table = ([1] * 200, [0] * 199 + [7])  # the paged group's blocks of 16 tokens; the state group's
