@@ -7,9 +7,12 @@ processes: a file ``.leases/<key>.<name>.<pid>.<random>``. Eviction skips pinned
 entries; a lease whose process is gone (local) or older than `LEASE_TTL` is ignored.
 
 Across processes, only `Store.pin` protects: a bare `Store.load` pins in its own process
-(a lease per load call would cost two object writes per layer), so the connector wraps each
-restore in `Store.pin`. There is no lock between eviction and a reader that takes its lease
-just as the entry is chosen; that reader then gets `CorruptEntry` / `EntryNotFound` and
+(a lease per load call would cost two object writes per layer). The connector takes no lease
+either (two object writes per restore on S3, on the restore's critical path): a restore whose
+entry another process evicts meanwhile fails (`EntryNotFound`, or `CorruptEntry` for an entry
+written again: every part of a restore is read from the write its lookup found) and vLLM
+recomputes it. There is no lock between eviction and a reader that takes its lease just as
+the entry is chosen either; that reader then gets `CorruptEntry` / `EntryNotFound` and
 recomputes, never wrong state. On an object store a lease cannot be checked against a pid
 (other machines), so a reader killed while pinning keeps its entry for up to `LEASE_TTL`.
 Last use is at most a minute stale per process, which is fine for LRU at cache scale.
