@@ -63,6 +63,11 @@ class SaveSpec:
     blocks: tuple[tuple[int, ...], ...]  # per group: state groups (block,), paged groups the blocks of [0, num_tokens)
     release_blocks: bool = False  # a finishing request: report it in finished_sending once read
     scope: str | None = None  # the request's isolation scope (see scheduler.scope_of); None: unscoped
+    #: drawn by the scheduler for each save it plans (every rank gets the same): the write id
+    #: (`storage_zarr.write_id_of`) is then unique to this save, where request id and tokens
+    #: alone repeat (a retried request with the same id, two instances serving one X-Request-Id)
+    #: and two saves sharing a write id would stage into one place
+    nonce: str = ""
 
 
 @dataclass

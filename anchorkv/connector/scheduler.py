@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -453,7 +454,8 @@ class SchedulerSide:
         token order is opaque (`granularity`; see `WorkerSide._whole_blocks`)."""
         if (anchor is None and n < TOKEN_BLOCK) or (self.state_groups and n % self.granularity):
             return
-        meta.saves.append(SaveSpec(req_id, anchor, tracked.prompt[:n], n, blocks, scope=tracked.scope))
+        meta.saves.append(SaveSpec(req_id, anchor, tracked.prompt[:n], n, blocks, scope=tracked.scope,
+                                   nonce=uuid.uuid4().hex))
         if junction:
             tracked.junction_saved = True
             self.stats.junction_saved()
@@ -517,5 +519,5 @@ class SchedulerSide:
             return False, None
         tokens = tuple(request.all_token_ids[:n])
         self._pending_saves.append(SaveSpec(req_id, anchor_of(request), tokens, n, blocks, release_blocks=True,
-                                            scope=scope_of(request)))
+                                            scope=scope_of(request), nonce=uuid.uuid4().hex))
         return True, None

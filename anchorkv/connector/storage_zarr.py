@@ -118,10 +118,12 @@ def resolve_codecs(config: ConnectorConfig, model: ModelLayout) -> dict[str, Cod
 
 
 def write_id_of(spec: SaveSpec, fingerprint_hash: str) -> str:
-    """The id every rank uses for one save: the same inputs on every rank, nothing random."""
+    """The id every rank uses for one save: the same inputs on every rank (the save's `nonce`
+    included: the scheduler draws one per save), nothing random here."""
     h = hashlib.sha256()
     scope = (spec.scope,) if spec.scope else ()
-    for part in (spec.req_id, str(spec.num_tokens), spec.anchor or "", fingerprint_hash, *scope):
+    nonce = (spec.nonce,) if spec.nonce else ()
+    for part in (spec.req_id, str(spec.num_tokens), spec.anchor or "", fingerprint_hash, *scope, *nonce):
         h.update(part.encode())
         h.update(b"\0")
     h.update(np.asarray(spec.token_ids[: spec.num_tokens], dtype="<i8").tobytes())

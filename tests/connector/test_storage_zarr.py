@@ -125,6 +125,7 @@ def test_ranks_commit_when_all_finished_and_restore_at_any_tp(tmp_path):
     wid = write_id_of(spec, es.fingerprint_hash)
     assert wid == write_id_of(SaveSpec("req-1", "a", tuple(TOKENS[:120]), 120, ((1,),)), es.fingerprint_hash)
     assert wid != write_id_of(SaveSpec("req-2", "a", tuple(TOKENS[:120]), 120, ()), es.fingerprint_hash)
+    assert wid != write_id_of(SaveSpec("req-1", "a", tuple(TOKENS[:120]), 120, (), nonce="b3"), es.fingerprint_hash)
     look = dict(anchor="a", token_ids=TOKENS, max_tokens=399, multiple_of=1, mode="exact")
     vals = save(es, 120, tp_size=2, ranks=[1])
     assert es.lookup(**look) is None  # rank 0 has not written its part
@@ -340,3 +341,23 @@ def test_a_failed_load_makes_the_scheduler_read_the_manifest_again(tmp_path):
     assert es.lookup(**look).version == ref.version  # cached: stale
     es.forget(ref.entry_id)
     assert es.lookup(**look).version == other.lookup(**look).version != ref.version
+
+
+def test_two_saves_of_one_request_id_and_tokens_stage_apart(tmp_path):
+    """Two saves with the same request id and tokens (a retried request keeping its id, two
+    instances serving one X-Request-Id) that overlap: each stages under its own write id (the
+    scheduler's nonce), so the entry committed is one save's whole, never one save's manifest
+    over the other's shards (review: the committed entry never loaded, and blocked re-saving)."""
+    a, b = ZarrEntryStore(raw_config(tmp_path), tiny()), ZarrEntryStore(raw_config(tmp_path), tiny())
+    vals = {s: parts_of(tiny(), TOKENS, 120, seed=s) for s in (1, 2)}
+    specs = {s: SaveSpec("req-1", "a", tuple(TOKENS[:120]), 120, (), nonce=f"n{s}") for s in (1, 2)}
+    wa = a.store.begin_entry(a.layout(1, 0), a.codecs, specs[1].token_ids, num_tokens=120, anchor="a",
+                             write_id=write_id_of(specs[1], a.fingerprint_hash))
+    for (layer, fname), p in packed(vals[1]).items():  # the first save is midway...
+        wa.write_layer(layer, fname, p.reshape(120, 1, *p.shape[1:]) if layer == "p1" else p)
+    assert b.save_part(specs[2], packed(vals[2]), tp_size=1, tp_rank=0) > 0  # ...when the second commits
+    wa.finish_rank()
+    ref = a.lookup(anchor="a", token_ids=TOKENS, max_tokens=399, multiple_of=1, mode="exact")
+    assert a.store.verify(ref.entry_id) == []
+    got = a.load(ref.entry_id, "s2", "recurrent", tp_size=1, tp_rank=0, rows=None, version=ref.version)
+    assert torch.equal(got.payload, vals[2][("s2", "recurrent")].contiguous().view(torch.uint8).reshape(-1))
