@@ -128,3 +128,34 @@ def test_worker_path_and_store_import_without_vllm():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "ATTR module 'anchorkv.connector' has no attribute 'NoSuchThing'" in out
+
+
+def test_the_default_model_id_names_a_hub_models_commit(tmp_path):
+    """vLLM's model as given, with the commit a hub model's revision names in the cache vLLM
+    downloaded it to (a repository updated under the same name gets other entries), its
+    revision when not cached, and a local path as it is."""
+    from types import SimpleNamespace
+
+    from anchorkv.connector.connector import model_id_of
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--acme--Linear-7B"
+    for commit in ("a" * 40, "b" * 40):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+
+    def engine(model, revision=None):
+        return SimpleNamespace(model_config=SimpleNamespace(model=model, revision=revision),
+                               load_config=SimpleNamespace(download_dir=str(cache)))
+
+    (repo / "refs" / "main").write_text("a" * 40)
+    assert model_id_of(engine("acme/Linear-7B")) == "acme/Linear-7B@" + "a" * 40
+    (repo / "refs" / "main").write_text("b" * 40)  # the repository updated: other entries
+    assert model_id_of(engine("acme/Linear-7B")) == "acme/Linear-7B@" + "b" * 40
+    assert model_id_of(engine("acme/Linear-7B", "a" * 40)) == "acme/Linear-7B@" + "a" * 40
+    assert model_id_of(engine("acme/Other-7B", "v2")) == "acme/Other-7B@v2"  # not cached
+    assert model_id_of(engine("acme/Other-7B")) == "acme/Other-7B"
+    local = tmp_path / "models" / "linear"
+    local.mkdir(parents=True)
+    assert model_id_of(engine(str(local))) == str(local)
