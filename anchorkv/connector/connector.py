@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-from pathlib import Path
 from typing import Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -71,32 +69,15 @@ FINISHED_ID_CALLS = 64
 
 def model_id_of(vllm_config: Any) -> str:
     """The default `model_id`: vLLM's `model` as given (a Hugging Face id, or a path: engines
-    loading one checkpoint from different paths set `model_id` to share entries), with the
-    commit of a hub model vLLM downloaded (a repository updated under the same name and
-    revision gets other entries), else its `revision` when one is set."""
+    loading one checkpoint from different paths set `model_id` to share entries), with its
+    `revision` when one is set. Only what every process of the engine is given alike (the
+    scheduler's and each worker's connector must key entries the same): not what a process
+    finds on its disk, such as the commit a hub cache resolves a revision to (a review: a node
+    with `config.json` cached and one with only the weights named one model two ways)."""
     model_config = vllm_config.model_config
     name = str(getattr(model_config, "model", None) or "unknown")
     revision = getattr(model_config, "revision", None)
-    load_config = getattr(vllm_config, "load_config", None)
-    commit = hub_commit(name, revision, getattr(load_config, "download_dir", None))
-    if commit is not None:
-        return f"{name}@{commit}"
     return f"{name}@{revision}" if revision else name
-
-
-def hub_commit(name: str, revision: str | None, cache_dir: str | None = None) -> str | None:
-    """The commit a Hugging Face hub model's `revision` (default: main) names in the local
-    cache where vLLM downloaded it (no network), or None: a local path, or not cached there."""
-    if os.path.exists(name):
-        return None
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        path = try_to_load_from_cache(name, "config.json", cache_dir=cache_dir, revision=revision)
-    except Exception:  # not a hub id (the hub's own validation), no huggingface_hub: keep the name
-        return None
-    parts = Path(path).parts if isinstance(path, str) else ()
-    return parts[-2] if len(parts) >= 3 and parts[-3] == "snapshots" else None
 
 
 class AnchorKVMetadata(KVConnectorMetadata):

@@ -130,32 +130,16 @@ def test_worker_path_and_store_import_without_vllm():
     assert "ATTR module 'anchorkv.connector' has no attribute 'NoSuchThing'" in out
 
 
-def test_the_default_model_id_names_a_hub_models_commit(tmp_path):
-    """vLLM's model as given, with the commit a hub model's revision names in the cache vLLM
-    downloaded it to (a repository updated under the same name gets other entries), its
-    revision when not cached, and a local path as it is."""
+def test_the_default_model_id_is_what_every_process_is_given():
+    """vLLM's model as given, with its revision when one is set: nothing a process finds on its
+    own disk (every process of an engine must name the model alike)."""
     from types import SimpleNamespace
 
     from anchorkv.connector.connector import model_id_of
 
-    cache = tmp_path / "hub"
-    repo = cache / "models--acme--Linear-7B"
-    for commit in ("a" * 40, "b" * 40):
-        (repo / "snapshots" / commit).mkdir(parents=True)
-        (repo / "snapshots" / commit / "config.json").write_text("{}")
-    (repo / "refs").mkdir()
-
     def engine(model, revision=None):
-        return SimpleNamespace(model_config=SimpleNamespace(model=model, revision=revision),
-                               load_config=SimpleNamespace(download_dir=str(cache)))
+        return SimpleNamespace(model_config=SimpleNamespace(model=model, revision=revision))
 
-    (repo / "refs" / "main").write_text("a" * 40)
-    assert model_id_of(engine("acme/Linear-7B")) == "acme/Linear-7B@" + "a" * 40
-    (repo / "refs" / "main").write_text("b" * 40)  # the repository updated: other entries
-    assert model_id_of(engine("acme/Linear-7B")) == "acme/Linear-7B@" + "b" * 40
-    assert model_id_of(engine("acme/Linear-7B", "a" * 40)) == "acme/Linear-7B@" + "a" * 40
-    assert model_id_of(engine("acme/Other-7B", "v2")) == "acme/Other-7B@v2"  # not cached
-    assert model_id_of(engine("acme/Other-7B")) == "acme/Other-7B"
-    local = tmp_path / "models" / "linear"
-    local.mkdir(parents=True)
-    assert model_id_of(engine(str(local))) == str(local)
+    assert model_id_of(engine("acme/Linear-7B")) == "acme/Linear-7B"
+    assert model_id_of(engine("acme/Linear-7B", "0123abc")) == "acme/Linear-7B@0123abc"
+    assert model_id_of(engine("/models/linear")) == "/models/linear"
