@@ -132,6 +132,8 @@ class Store:
         # loads entries for as long as it runs (a manifest costs ~240 KiB of memory for a
         # Kimi-Linear entry); what drops out is read again when needed
         self._infos: _Recent[str, EntryInfo] = _Recent(CACHED_MANIFESTS)
+        #: entry id -> the backend's `stamp` of its manifest when it was read (see `_cached`)
+        self._stamps: _Recent[str, object] = _Recent(CACHED_MANIFESTS)
         # arrays and layout checks are kept with the manifest object they came from: an entry
         # re-read (its manifest dropped out, the id written again by another process meanwhile)
         # is never decoded with the arrays or checks of the one before
@@ -292,6 +294,7 @@ class Store:
         """A commit published `info` (the writers' and `commit_staged`'s `on_commit`): cache it
         and, if the store may be over its capacity (`_may_be_over`), evict down to it, keeping it."""
         self._infos[info.id] = info
+        self._stamps[info.id] = self.backend.stamp(zarr_json(entry_path(info.id)))
         with self._usage_lock:
             before = self._sizes.get(info.id)
             self._sizes[info.id] = (info.stored_bytes, info.created)
@@ -418,7 +421,7 @@ class Store:
         for c in cands:
             entry_id = f"{key}/{c.name}"
             if beats(blocks(c)):
-                known[entry_id] = self._infos.get(entry_id)
+                known[entry_id] = self._cached(entry_id)
                 if known[entry_id] is None and len(new) < SHARED_READS:
                     new.append(entry_id)
         if len(new) > 1 and self.backend.write_concurrency > 1:
@@ -469,21 +472,37 @@ class Store:
         process may delete it and write the same id again: see `load`)."""
         if isinstance(entry, EntryInfo):
             return entry
-        info = self._infos.get(entry)
+        info = self._cached(entry)
         if info is not None:
             return info
         key, _, name = entry.partition("/")
         check_key(key)
         if parse_entry_name(name) is None:
             raise EntryNotFound(f"{entry!r} is not an entry id ('<64 hex key>/t<tokens>-<hash>')")
+        path = zarr_json(entry_path(entry))
+        stamp = self.backend.stamp(path)  # before the read: a replace between them reads it again next time
         try:
-            data = self.backend.read(zarr_json(entry_path(entry)))
+            data = self.backend.read(path)
         except FileNotFoundError:
             raise EntryNotFound(f"entry {entry} does not exist in {self.url} "
                                 f"(deleted, evicted or never committed)") from None
         info = parse_group(entry, data)
         self._infos[entry] = info
+        self._stamps[entry] = stamp
         return info
+
+    def _cached(self, entry_id: str) -> EntryInfo | None:
+        """The cached manifest of an entry, if it is still the one in the store: on a local
+        store another process may have deleted the entry and written the same id again (one
+        `stat`, `Backend.stamp`); an object store's ids are unique per write."""
+        info = self._infos.get(entry_id)
+        if info is None:
+            return None
+        stamp = self.backend.stamp(zarr_json(entry_path(entry_id)))
+        if stamp is None or stamp == self._stamps.get(entry_id, _UNKNOWN):
+            return info
+        self._infos.pop_if(entry_id, info)
+        return None
 
     def forget(self, entry_id: str) -> None:
         """Drop what this process caches of an entry's manifest (the next `get` reads it again):
@@ -839,6 +858,9 @@ CACHED_MANIFESTS = 512
 
 K = TypeVar("K")
 V = TypeVar("V")
+
+
+_UNKNOWN = object()  # no stamp recorded: never equal to one
 
 
 class _Recent(Generic[K, V]):

@@ -75,6 +75,23 @@ class BackendTests:
         backend.write("a/b/c.bin", buffers, atomic=atomic)
         assert backend.read("a/b/c.bin") == b"head" + _payload(1000) + _payload(7, 1) + words.tobytes()
 
+    def test_a_stamp_changes_when_the_object_is_replaced(self, backend: Backend) -> None:
+        """`stamp` tells a cached manifest from the one now stored: on a backend whose paths are
+        reused (a local directory: the same entry id written again after a delete) it changes
+        with every replace and removal; elsewhere it is None (ids unique per write)."""
+        backend.ensure_root()
+        backend.write("e/zarr.json", [b"one"], atomic=True)
+        first = backend.stamp("e/zarr.json")
+        if first is None:
+            assert not backend.atomic_publish and backend.stamp("gone/zarr.json") is None
+            return
+        assert backend.stamp("e/zarr.json") == first
+        backend.write("e/zarr.json", [b"two"], atomic=True)  # the same size: the file changed
+        second = backend.stamp("e/zarr.json")
+        assert second != first
+        backend.delete("e/zarr.json")
+        assert backend.stamp("e/zarr.json") not in (first, second)
+
     @pytest.mark.parametrize("atomic", [False, True])
     def test_write_replaces_the_whole_object(self, backend: Backend, atomic: bool) -> None:
         backend.ensure_root()

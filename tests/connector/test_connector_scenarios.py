@@ -408,3 +408,41 @@ def test_a_failed_load_of_an_aborted_request_marks_its_entry_and_leaves_nothing(
     side = eng.scheduler.connector.scheduler
     assert list(side._bad_entries) == [load.entry_id]
     assert side._failed == set() and side._aborted_loads == {} and side._loading == {}
+
+
+def test_an_entry_evicted_and_saved_again_restores_from_its_new_write(model_dir, tmp_path):
+    """One instance, a local store: its worker evicts an entry the scheduler has read, and the
+    same prompt saves the same id again. The scheduler's lookup sees the new write (its cached
+    manifest is checked against the file: `Backend.stamp`), so the next restore loads it and
+    nothing is marked bad (review: the stale manifest pinned the load to the old write, which
+    failed, and the valid entry was skipped for 5 minutes)."""
+    from tests.connector.engine import ANCHOR
+
+    store = str(tmp_path / "store")
+    prompt, longer = list(range(1000, 1300)), list(range(1000, 1300)) + [7] * 40
+    eng = E.make_engine(model_dir, store, mode="none", num_blocks=8, extra=RAW)
+    side = eng.scheduler.connector.scheduler
+
+    def turn(req_id, tokens):
+        eng.add(req_id, tokens, anchor=ANCHOR)
+        loads = []
+        for _ in range(50):
+            out = eng.step()
+            loads += [(s.num_tokens, s.version) for s in out.kv_connector_metadata.plan.loads if s.req_id == req_id]
+            eng.flush()
+            if not eng.scheduler.requests:
+                break
+        return loads
+
+    turn("r1", prompt)
+    [(n, first)] = turn("r2", longer)
+    old = next(e for e in Store.open(store).list() if e.num_tokens == 300)
+    assert (n, first) == (300, old.version)
+    eng.ranks[0].connector.worker.store.store.delete(old.id)  # evicted by this instance's worker
+    turn("r3", prompt)  # the same prompt: computed, and saved again under the same id
+    new = next(e for e in Store.open(store).list() if e.num_tokens == 300)
+    assert new.id == old.id and new.version != old.version
+    assert turn("r4", longer) == [(300, new.version)]
+    assert side._bad_entries == {}
+    stats = eng.ranks[0].connector.worker.stats.take() or {}
+    assert not [k for k in stats if k.startswith("miss:")] and stats.get("restores", 0) >= 2, stats

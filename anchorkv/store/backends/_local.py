@@ -111,6 +111,13 @@ class LocalBackend:
         if atomic:
             os.replace(dest, target)
 
+    def stamp(self, path: str) -> object:
+        try:
+            st = os.stat(self._s(path))
+        except FileNotFoundError:
+            return ()
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
     def exists(self, path: str) -> bool:
         return os.path.exists(self._s(path))
 

@@ -57,6 +57,13 @@ class Backend(Protocol):
         """Write an object from `buffers` (creating its directories); `atomic`: readers see the
         old object or the new one, never a part (metadata)."""
 
+    def stamp(self, path: str) -> object:
+        """A token that changes whenever the object at `path` is replaced or removed (local: its
+        inode, mtime and size; `()` when it is missing), so a manifest cached by one process
+        is known stale once another deletes the entry and writes the same id again. None where
+        no object is ever replaced under one path (an object store: an entry's name holds its
+        write id), so what is cached stays true."""
+
     def exists(self, path: str) -> bool:
         """Whether the object (or, locally, the directory) exists."""
 
