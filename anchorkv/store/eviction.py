@@ -34,7 +34,7 @@ from typing import NamedTuple, Protocol
 
 from anchorkv.store.backends import Backend
 from anchorkv.store.backends._object import LAST_USE
-from anchorkv.store.errors import EntryNotFound
+from anchorkv.store.errors import CorruptEntry, EntryNotFound
 from anchorkv.store.manifest import EntryInfo, Listing, parse_entry_name
 from anchorkv.store.paths import (
     BEGUN,
@@ -92,6 +92,8 @@ class Entries(Protocol):
     def delete(self, entry: EntryInfo | str) -> None: ...
 
     def verify(self, entry: EntryInfo | str, progress: Callable[[int], None] | None = None) -> list[str]: ...
+
+    def get(self, entry: EntryInfo | str) -> EntryInfo: ...
 
 
 class Lease(NamedTuple):
@@ -243,17 +245,17 @@ def gc(store: Entries, stale_after: float, progress: Callable[[str, int], None] 
         if e.state not in ("damaged", "old-format") or e.id in store.pins or e.id in leased:
             continue
         kind = "damaged" if e.state == "damaged" else "old_format"
-        remove(kind, f"entry {e.id} ({e.problem})", e.stored_bytes, functools.partial(store.delete, e.id))
+        remove(kind, f"entry {e.id} ({e.problem})", e.stored_bytes, functools.partial(_delete, store, e.id))
     if verify:  # entries whose manifest reads fine but whose shards fail their checks
         gone = {r["what"].split()[1] for r in report["removed"] if r["what"].startswith("entry ")}
         for e in entries:
             if e.info is None or e.id in gone or e.id in store.pins or e.id in leased:
                 continue
             problems = store.verify(e.info, progress=(lambda n: progress("verify", n)) if progress else None)
-            if problems:
+            if problems and _still(store, e.info):  # (not evicted or written again while verifying)
                 more = f"; {len(problems) - 1} more problems" if len(problems) > 1 else ""
                 remove("damaged", f"entry {e.id} ({problems[0].removeprefix(f'entry {e.id}: ')}{more})",
-                       e.stored_bytes, functools.partial(store.delete, e.id))
+                       e.stored_bytes, functools.partial(_delete, store, e.id))
     for key in backend.list_dir(ENTRIES):
         if len(key) == 64 and not [n for n in backend.list_dir(key_path(key)) if n != "zarr.json"]:
             if dry_run:
@@ -268,6 +270,23 @@ def gc(store: Entries, stale_after: float, progress: Callable[[str, int], None] 
         for entry_id in evict(store, store.capacity_bytes, keep=gone if dry_run else frozenset(), dry_run=dry_run):
             remove("evicted", f"entry {entry_id} (least recently used)", sizes.get(entry_id, 0), lambda: None)
     return report
+
+
+def _still(store: Entries, info: EntryInfo) -> bool:
+    """Whether the entry is still the write `info` read (a serving process may have evicted it,
+    or saved the same id again, since gc's scan: that one is judged at the next gc)."""
+    try:
+        return store.get(info.id).version == info.version
+    except (EntryNotFound, CorruptEntry):
+        return False
+
+
+def _delete(store: Entries, entry_id: str) -> None:
+    """Delete an entry gc chose; gone already (evicted meanwhile) is as good."""
+    try:
+        store.delete(entry_id)
+    except EntryNotFound:
+        pass
 
 
 def _remove_orphans(store: Entries, stale_after: float, live_data: set[str], t: float,

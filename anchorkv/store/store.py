@@ -589,10 +589,13 @@ class Store:
     def check_fingerprint(self, entry: EntryInfo, layout: ModelLayout) -> None:
         fp = self._fingerprint(layout)
         if entry.fingerprint_hash != fp:
+            written = entry.manifest["model_fingerprint"]
+            differs = ("the model's weights differ (model_id)" if written.get("model") != layout.model
+                       else "layers, field shapes or dtypes differ")
             raise FingerprintMismatch(
                 f"entry {entry.id} was written for model fingerprint {entry.fingerprint_hash[:16]} "
-                f"({entry.manifest['model_fingerprint']['architecture']}), the reader's layout is "
-                f"{fp[:16]} ({layout.architecture}); layers, field shapes or dtypes differ, so it "
+                f"({written['architecture']}, model {written.get('model')!r}), the reader's layout is "
+                f"{fp[:16]} ({layout.architecture}, model {layout.model!r}); {differs}, so it "
                 "cannot be restored: recompute"
             )
 
