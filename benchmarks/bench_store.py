@@ -18,8 +18,9 @@ Providers (all in the same process, on the same filesystem, none calls fsync):
                   thread before it (`anchorkv.store.store.LOCAL_PUT_THREADS` 1,
                   `CHUNK_THREADS` 2 or 1), or with 2 or 4 put threads writing shards at once,
                   each computing its shard's checksums first (`LOCAL_PUT_THREADS` 2 or 4; the
-                  plain `store-*` rows use the machine's defaults, chosen by its cores and
-                  crc32c library, all recorded in the results): which one a machine should use
+                  plain `store-*` rows use the defaults: `CHUNK_THREADS` chosen by the
+                  machine's cores and crc32c library, `LOCAL_PUT_THREADS` 1, all recorded in
+                  the results): which one a machine should use
     plain         the same raw bytes as one file per (layer, field): open, write, close /
                   open, read (the baseline of the 0.8x target)
     safetensors   one safetensors file per layer (`save_file` / `load_file`), as vLLM's

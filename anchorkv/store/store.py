@@ -103,19 +103,15 @@ def chunk_threads(cores: int, crc_lib: str) -> int:
 CHUNK_THREADS = chunk_threads(cores(), CRC32C_LIB)
 
 
-def local_put_threads(cores: int, crc_lib: str) -> int:
-    """Threads that write a save's shards to a local directory, each computing a shard's crc32c
-    and then writing it, while the saving thread prepares the next (1: the saving thread writes
-    each shard itself, its checksums on `CHUNK_THREADS`). Two shards are then copied into the
-    page cache at once, and the saving thread's Python runs beside both. It needs a crc32c that
-    releases the GIL (the `crc32c` package): google-crc32c would hold it against the writes
-    and the saving thread alike."""
-    return 2 if crc_lib == "crc32c" and cores >= 2 else 1
-
-
-#: `local_put_threads` of this machine and crc32c library (an object store uses its own
-#: `write_concurrency`).
-LOCAL_PUT_THREADS = local_put_threads(cores(), CRC32C_LIB)
+#: Threads that write a save's shards to a local directory at once, each computing its
+#: shard's crc32c and then writing it, while the saving thread prepares the next (1: the
+#: saving thread writes each shard itself, its checksums on `CHUNK_THREADS`). On this 2-core
+#: machine two were no faster: a raw Kimi-Linear save 36-37 vs 27-28 ms in rounds of one kind
+#: (`bench_store.py`'s `:put-2` vs `:crc-thread` rows: 42.9 vs 30.2 ms), 30.2 vs 30.9 ms
+#: interleaved with other saves, and faster only beside other busy processes (26.3 vs 35.0 ms).
+#: More cores may differ: `gpu_validate`'s store step runs the `:put-2` / `:put-4` rows on its
+#: host. An object store uses its own `write_concurrency`.
+LOCAL_PUT_THREADS = 1
 
 
 class Store:

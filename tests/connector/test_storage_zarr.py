@@ -328,9 +328,11 @@ def test_a_restore_reads_one_write_of_an_entry_or_fails(tmp_path):
         es.load(ref.entry_id, "s0", "conv", tp_size=1, tp_rank=0, rows=None, version=ref.version)
 
 
-def test_a_failed_load_makes_the_scheduler_read_the_manifest_again(tmp_path):
-    """The scheduler's lookup found a write that is gone (its manifest cached): the load fails,
-    and `forget` makes the next lookup read the new write's manifest."""
+def test_a_lookup_finds_the_write_now_in_the_store(tmp_path):
+    """The scheduler's lookup of an entry another process deleted and saved again (the same id,
+    on a local store) finds the new write, though it cached the old one's manifest (its file
+    is checked: `Backend.stamp`), so the load it plans reads that write; `forget` drops what
+    is cached of an entry whose load failed."""
     es = ZarrEntryStore(raw_config(tmp_path), tiny())
     look = dict(anchor="a", token_ids=TOKENS, max_tokens=399, multiple_of=1, mode="exact")
     save(es, 120)
@@ -338,9 +340,10 @@ def test_a_failed_load_makes_the_scheduler_read_the_manifest_again(tmp_path):
     other = ZarrEntryStore(raw_config(tmp_path), tiny())
     other.store.delete(ref.entry_id)
     save(other, 120, req="r2")
-    assert es.lookup(**look).version == ref.version  # cached: stale
-    es.forget(ref.entry_id)
+    assert es.store._infos.get(ref.entry_id).version == ref.version  # still cached here
     assert es.lookup(**look).version == other.lookup(**look).version != ref.version
+    es.forget(ref.entry_id)
+    assert es.store._infos.get(ref.entry_id) is None
 
 
 def test_two_saves_of_one_request_id_and_tokens_stage_apart(tmp_path):
