@@ -128,8 +128,11 @@ class Store:
         # loads entries for as long as it runs (a manifest costs ~240 KiB of memory for a
         # Kimi-Linear entry); what drops out is read again when needed
         self._infos: _Recent[str, EntryInfo] = _Recent(CACHED_MANIFESTS)
-        #: entry id -> the backend's `stamp` of its manifest when it was read (see `_cached`)
+        #: entry id -> the backend's `stamp` of its manifest when it was read (see `_cached`);
+        #: set and read together with `_infos` under `_cache_lock`, so no thread pairs one
+        #: write's manifest with another's stamp
         self._stamps: _Recent[str, object] = _Recent(CACHED_MANIFESTS)
+        self._cache_lock = threading.Lock()
         # arrays and layout checks are kept with the manifest object they came from: an entry
         # re-read (its manifest dropped out, the id written again by another process meanwhile)
         # is never decoded with the arrays or checks of the one before
@@ -289,8 +292,7 @@ class Store:
     def _after_commit(self, info: EntryInfo) -> None:
         """A commit published `info` (the writers' and `commit_staged`'s `on_commit`): cache it
         and, if the store may be over its capacity (`_may_be_over`), evict down to it, keeping it."""
-        self._infos[info.id] = info
-        self._stamps[info.id] = self.backend.stamp(zarr_json(entry_path(info.id)))
+        self._remember(info, self.backend.stamp(zarr_json(entry_path(info.id))))
         with self._usage_lock:
             before = self._sizes.get(info.id)
             self._sizes[info.id] = (info.stored_bytes, info.created)
@@ -483,21 +485,33 @@ class Store:
             raise EntryNotFound(f"entry {entry} does not exist in {self.url} "
                                 f"(deleted, evicted or never committed)") from None
         info = parse_group(entry, data)
-        self._infos[entry] = info
-        self._stamps[entry] = stamp
+        self._remember(info, stamp)
         return info
+
+    def _remember(self, info: EntryInfo, stamp: object) -> None:
+        """Cache a manifest with the stamp its file had before it was read; not one whose file
+        was missing then (committed between the stat and the read: a later deletion would
+        stamp alike)."""
+        if stamp == ():
+            return
+        with self._cache_lock:
+            self._infos[info.id] = info
+            self._stamps[info.id] = stamp
 
     def _cached(self, entry_id: str) -> EntryInfo | None:
         """The cached manifest of an entry, if it is still the one in the store: on a local
         store another process may have deleted the entry and written the same id again (one
         `stat`, `Backend.stamp`); an object store's ids are unique per write."""
-        info = self._infos.get(entry_id)
+        with self._cache_lock:
+            info = self._infos.get(entry_id)
+            recorded = self._stamps.get(entry_id, _UNKNOWN)
         if info is None:
             return None
         stamp = self.backend.stamp(zarr_json(entry_path(entry_id)))
-        if stamp is None or stamp == self._stamps.get(entry_id, _UNKNOWN):
+        if stamp is None or stamp == recorded:
             return info
-        self._infos.pop_if(entry_id, info)
+        with self._cache_lock:
+            self._infos.pop_if(entry_id, info)
         return None
 
     def forget(self, entry_id: str) -> None:
