@@ -502,7 +502,17 @@ COMMANDS = (
 )
 
 
-if __name__ == "__main__":  # `python -m anchorkv.store.cli ls`: the `anchorkv` command itself
-    from anchorkv.cli import main
+def main(argv: list[str] | None = None) -> int:
+    """The store's commands alone (`python -m anchorkv.store.cli ls`), as the `anchorkv` command
+    runs them (`anchorkv.cli` imports this module, so this one does not import it back)."""
+    parser = argparse.ArgumentParser(prog="anchorkv", description="The store's commands of anchorkv.")
+    register(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (StoreError, ValueError, OSError) as e:
+        return report_error(args.command, e, getattr(args, "store", None))
 
+
+if __name__ == "__main__":
     sys.exit(main())
