@@ -503,7 +503,6 @@ class SchedulerSide:
         self._found.pop(req_id, None)
         self._outcome.pop(req_id, None)
         loading_from = self._loading.pop(req_id, None)
-        loading = loading_from is not None
         if loading_from is not None:  # its workers still report the load's end: a failure still marks the entry
             self._aborted_loads[req_id] = loading_from
         self._failed.discard(req_id)
@@ -511,7 +510,7 @@ class SchedulerSide:
         if ("finish" not in self.config.save_points or n < 1 or (tracked and n <= tracked.loaded)
                 or not cacheable(request)):
             return False, None
-        if loading:
+        if loading_from is not None:
             return False, None  # finished (aborted) while its load runs: nothing computed to save
         blocks = select_blocks(self.groups, block_ids, 0, n, self.mode)
         if blocks is None:

@@ -33,12 +33,12 @@ from collections.abc import Callable, Iterator, Set
 from typing import NamedTuple, Protocol
 
 from anchorkv.store.backends import Backend
-from anchorkv.store.backends._object import LAST_USE
 from anchorkv.store.errors import CorruptEntry, EntryNotFound
 from anchorkv.store.manifest import EntryInfo, Listing, parse_entry_name
 from anchorkv.store.paths import (
     BEGUN,
     ENTRIES,
+    LAST_USE,
     LEASES,
     STAGING,
     key_path,

@@ -32,6 +32,9 @@ PROBE = ".write-probe-"
 BEGUN = "begun-"
 #: The name of a Zarr v3 node's metadata document.
 ZARR_JSON = "zarr.json"
+#: The object under an entry's prefix that records its last use on an object store
+#: (`ObjectBackend.touch_entry`; locally the directory's mtime does).
+LAST_USE = ".last_use"
 
 
 def key_path(key: str) -> str:

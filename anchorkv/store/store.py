@@ -466,8 +466,8 @@ class Store:
             return None
 
     def get(self, entry: EntryInfo | str) -> EntryInfo:
-        """The `EntryInfo` of an entry id (cached: a committed entry does not change, though another
-        process may delete it and write the same id again: see `load`)."""
+        """The `EntryInfo` of an entry id (cached while its manifest file is unchanged: another
+        process may delete an entry and write the same id again; see `_cached`)."""
         if isinstance(entry, EntryInfo):
             return entry
         info = self._cached(entry)
@@ -516,7 +516,7 @@ class Store:
 
     def forget(self, entry_id: str) -> None:
         """Drop what this process caches of an entry's manifest (the next `get` reads it again):
-        for a caller that learned the entry was written again (`EntryInfo.version`)."""
+        for a caller that learned it is stale (a load of it failed; `EntryInfo.version`)."""
         self._infos.pop(entry_id)
 
     def scan(self, *, sizes_only: bool = False) -> list[Listing]:
@@ -624,11 +624,11 @@ class Store:
         zeros, so the caller restores only the first `num_tokens - start_token` rows' worth.
         Raises `EntryNotFound`, `FingerprintMismatch`, `CorruptEntry` (checksum, size).
 
-        A load of an entry given by id that fails forgets the entry's manifest, so the next
-        load reads it again: another process may have deleted the entry and written the same id
-        again (other bytes), which fails the checksums of the manifest cached here. The failed
-        load is not retried with the new manifest: the other fields of the same restore may have
-        been read from the old entry (a restore is one entry or a failure, never two mixed).
+        A load of an entry given by id that fails its checks forgets the entry's manifest, so
+        the next `get` reads it again: the cache's stamp check (`_cached`) cannot see every
+        change (an object store's deleted entry; a filesystem with coarse timestamps). The
+        failed load is not retried with a new manifest: the other fields of the same restore may
+        have been read from the old write (a restore is one write or a failure, never two mixed).
         """
         info = self.get(entry)
         try:

@@ -90,15 +90,21 @@ def _break_file(store: Store, info) -> None:  # a file where the entry's directo
     p.write_bytes(b"x" * 100)
 
 
-def _break_permission(store: Store, info, monkeypatch) -> None:  # another user's (the tests may run as root)
-    real = type(store.backend).read
+def _deny(monkeypatch, store: Store, method: str, denied) -> None:
+    """The backend's `method` raises PermissionError for the paths `denied(path)` names: another
+    user's files (the tests may run as root, whom permissions do not stop)."""
+    real = getattr(type(store.backend), method)
 
-    def read(self, path):
-        if path.startswith(info.path):
+    def guarded(self, path, *args, **kwargs):
+        if denied(path):
             raise PermissionError(errno.EACCES, "Permission denied", path)
-        return real(self, path)
+        return real(self, path, *args, **kwargs)
 
-    monkeypatch.setattr(type(store.backend), "read", read)
+    monkeypatch.setattr(type(store.backend), method, guarded)
+
+
+def _break_permission(store: Store, info, monkeypatch) -> None:  # another user's entry
+    _deny(monkeypatch, store, "read", lambda path: path.startswith(info.path))
 
 
 @pytest.mark.parametrize("how", ["zarr.json is a directory", "a file with an entry's name", "permission denied"])
@@ -128,14 +134,7 @@ def test_an_unreadable_entry_is_listed_as_damaged(tmp_path, capsys, monkeypatch,
 def test_a_key_that_cannot_be_listed_leaves_the_others_listed(tmp_path, monkeypatch, caplog):
     store = Store.open(tmp_path / "s")
     good, bad = save(store, "alice"), save(store, "bob", seed=1)
-    real = type(store.backend).list_dir
-
-    def list_dir(self, prefix):
-        if prefix.endswith(bad.key):
-            raise PermissionError(errno.EACCES, "Permission denied", prefix)
-        return real(self, prefix)
-
-    monkeypatch.setattr(type(store.backend), "list_dir", list_dir)
+    _deny(monkeypatch, store, "list_dir", lambda prefix: prefix.endswith(bad.key))
     assert [e.id for e in Store.open(tmp_path / "s").scan()] == [good.id]
     assert f"cannot list the entries of key {bad.key}" in caplog.text
 

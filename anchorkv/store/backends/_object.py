@@ -14,13 +14,11 @@ from urllib.parse import parse_qs, urlparse
 
 from anchorkv.store.backends._protocol import Buffers
 from anchorkv.store.errors import StoreUnavailable, explain
+from anchorkv.store.paths import LAST_USE
 
 if TYPE_CHECKING:
     from obstore.store import ClientConfig
     from zarr.storage import ObjectStore
-
-#: The object under an entry's prefix that records its last use (`ObjectBackend.touch_entry`).
-LAST_USE = ".last_use"
 
 
 class ObjectBackend:
