@@ -6,7 +6,9 @@ layers, each a `PageLayout` of fields, of one of two kinds:
 * ``state`` layers (KDA, GDN, Mamba): a request's whole state lives in one block (the snapshot
   after some number of tokens); fields like ``conv`` and ``recurrent``;
 * ``paged`` layers (attention, MLA): a request's tokens are spread over many blocks of
-  `block_size` tokens; fields like ``latent`` (or ``k`` and ``v``).
+  `block_size` tokens; fields like ``latent`` (or ``k`` and ``v``). A sliding-window attention
+  layer is a paged layer with a `window`: a query sees only the last `window` tokens (itself
+  included), so an entry keeps only the rows its last token's window needs (`window_start`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,23 @@ class LayerLayout:
     index: int
     kind: LayerKind
     page: PageLayout
+    #: sliding-window attention (paged layers only): the tokens a query attends to, itself
+    #: included (vLLM's `sliding_window`); None: every earlier token
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None and (self.kind is not LayerKind.PAGED or self.window < 1):
+            raise ValueError(f"layer {self.name!r}: a window ({self.window}) needs a paged layer and at least "
+                             "one token")
+
+
+def window_start(num_tokens: int, window: int, block_size: int) -> int:
+    """The first token whose rows a sliding-window layer's entry of `num_tokens` tokens keeps:
+    the start of the block holding the first token the next query attends to
+    (`num_tokens - window + 1`), so the kept rows are whole blocks of a `block_size` engine
+    (what vLLM still holds then; it frees the blocks wholly before that token)."""
+    first = max(0, num_tokens - window + 1)
+    return first // block_size * block_size
 
 
 @dataclass(frozen=True)
@@ -109,8 +128,8 @@ class ModelLayout:
     def fingerprint(self) -> dict[str, Any]:
         """What a stored entry must agree with to be restored: TP-independent by design.
 
-        The model's name (`model`, when set), layer names, kinds and each field's logical shape
-        and dtype; not the rank, the block size or the strides (those change with tp and with
+        The model's name (`model`, when set), layer names, kinds (and sliding windows) and each
+        field's logical shape and dtype; not the rank, the block size or the strides (those change with tp and with
         vLLM's allocator, and the logical arrays do not).
         """
         return {
@@ -120,6 +139,7 @@ class ModelLayout:
                 {
                     "name": layer.name,
                     "kind": layer.kind.value,
+                    **({"window": layer.window} if layer.window is not None else {}),
                     "fields": {f.name: _field_fingerprint(layer.kind, f) for f in layer.page.fields},
                 }
                 for layer in self.layers

@@ -61,6 +61,14 @@ listed, verified and its bytes read without the plug-in; only decoding needs it,
 of a field whose plug-in is not installed fails with `MissingCodec` before reading a byte.
 `anchorkv.store.plugin_format` holds the plug-in side (`PluginChunkEncoding`, `MissingCodec`).
 
+**Sliding-window fields** (format version 6): a field of sliding-window attention layers (a
+layer `window`, the tokens a query attends to) keeps only the rows the entry's next query can
+see: tokens `[first_token, T)`, `first_token = max(0, T - window + 1)` (block-independent: the
+restoring engine's blocks may start anywhere before it). Stored as a paged field of
+`T - first_token` rows, row 0 being token `first_token`; its array attributes name ``window``
+and ``first_token``. Such a field restores only with the whole entry (a shorter prefix would
+need rows the entry does not keep). An older anchorkv lists such an entry as ``newer-format``.
+
 Group sizes are always stored resolved (a number, never "whole"), and for a field sharded along
 its last axis "whole" means the chunk's last axis (`logical / MAX_TP`): any other choice would
 make the groups depend on the tp the entry was written at.
@@ -98,8 +106,11 @@ PLUGIN_FORMAT_VERSION = 4
 #: tokens (`token_chunk`: entries of up to 7680 tokens; version 4 plus chunks sized to the entry,
 #: plug-in arrays allowed). Entries chunked as version 3 or 4 are still written as those.
 SIZED_CHUNK_FORMAT_VERSION = 5
+#: The format version of an entry with a sliding-window field (rows from its `first_token`;
+#: version 5 plus such fields).
+WINDOW_FORMAT_VERSION = 6
 #: Format versions this anchorkv can read (older ones are listed as ``old-format``, never loaded).
-READABLE_VERSIONS = (3, 4, 5)
+READABLE_VERSIONS = (3, 4, 5, 6)
 #: The largest tensor-parallel size whose rank slices are whole chunks.
 MAX_TP = 8
 #: Tokens per chunk of a paged field, at most (and always, in format versions 3 and 4).
@@ -116,6 +127,8 @@ SCALES_SUFFIX = "_scales"
 
 def entry_format_version(arrays: dict[str, ArrayLayout]) -> int:
     """The version an entry of these arrays is written as: the lowest that can represent them."""
+    if any(a.window is not None for a in arrays.values()):
+        return WINDOW_FORMAT_VERSION
     if any(a.kind == "paged" and a.chunks[1] != TOKEN_CHUNK for a in arrays.values()):
         return SIZED_CHUNK_FORMAT_VERSION
     return PLUGIN_FORMAT_VERSION if any(a.codec.plugin for a in arrays.values()) else FORMAT_VERSION
@@ -125,7 +138,8 @@ def describe_version(version: int) -> str:
     """What sets an entry's format version apart (for the manifest checks' messages)."""
     return {FORMAT_VERSION: "built-in codecs, 1024-token chunks",
             PLUGIN_FORMAT_VERSION: "codec plug-in arrays, 1024-token chunks",
-            SIZED_CHUNK_FORMAT_VERSION: "token chunks sized to the entry"}.get(version, "unknown")
+            SIZED_CHUNK_FORMAT_VERSION: "token chunks sized to the entry",
+            WINDOW_FORMAT_VERSION: "sliding-window fields"}.get(version, "unknown")
 
 
 def token_chunk(num_tokens: int, version: int = SIZED_CHUNK_FORMAT_VERSION) -> int:
@@ -373,8 +387,15 @@ class ArrayLayout:
     shard_axis: int | None  # axis of `shape` split by tp (None: replicated)
     codec: QuantChunkEncoding | PluginChunkEncoding  # how a chunk's values become bytes
     shards: tuple[int, ...]  # shard shape (a multiple of `chunks` on every axis)
+    #: a sliding-window field: the layers' window, and the token of row 0 (`window_first`)
+    window: int | None = None
+    first: int = 0
 
     def __post_init__(self) -> None:
+        windowed = self.window is not None
+        if (not windowed and self.first) or (windowed and (self.kind != "paged" or self.first < 0)):
+            raise FormatError(f"field {self.field!r}: rows from token {self.first} (window {self.window}) need a "
+                              "paged sliding-window field")
         if (len(self.shards) != len(self.chunks)
                 or any(s % c or s <= 0 for s, c in zip(self.shards, self.chunks, strict=True))):
             raise FormatError(
@@ -464,8 +485,9 @@ class ArrayLayout:
         return own.start, own.stop
 
     def to_attrs(self) -> dict[str, Any]:
+        window = {} if self.window is None else {"window": self.window, "first_token": self.first}
         return {"field": self.field, "kind": self.kind, "layers": list(self.layers),
-                "shard_axis": self.shard_axis}
+                "shard_axis": self.shard_axis, **window}
 
 
 @functools.lru_cache(maxsize=256)
@@ -599,6 +621,12 @@ def crc32c_combine_fixed(crc1: int, crc2: int, len2: int) -> int:
     return t0[crc1 & 255] ^ t1[(crc1 >> 8) & 255] ^ t2[(crc1 >> 16) & 255] ^ t3[crc1 >> 24] ^ crc2
 
 
+def window_first(num_tokens: int, window: int | None) -> int:
+    """The first token a sliding-window field of an entry of `num_tokens` tokens keeps (0
+    without a window): the first one the entry's next query attends to."""
+    return 0 if window is None else max(0, num_tokens - window + 1)
+
+
 def shard_chunk(n: int) -> int:
     """Chunk length of a shard axis of `n`: n / the largest tp <= MAX_TP that divides it."""
     tp = max(t for t in (1, 2, 4, 8, 16, 32, 64) if t <= MAX_TP and n % t == 0)
@@ -648,7 +676,7 @@ def array_layouts(layout: ModelLayout, codecs: Mapping[str, CodecSpec | str],
             full = f.logical_shape
             assert full is not None  # Field.__post_init__ resolves it (default: the field's shape)
             logical = full[1:] if layer.kind is LayerKind.PAGED else full
-            key = (layer.kind, f.dtype, logical, f.shard_axis)
+            key = (layer.kind, f.dtype, logical, f.shard_axis, layer.window)
             if prev is None:
                 fields[f.name] = (key, f, [layer.name])
             elif prev[0] != key:
@@ -658,18 +686,21 @@ def array_layouts(layout: ModelLayout, codecs: Mapping[str, CodecSpec | str],
                 )
             else:
                 prev[2].append(layer.name)
-    for name, ((kind, dtype, logical, shard), _, layers) in fields.items():
+    for name, ((kind, dtype, logical, shard, window), _, layers) in fields.items():
         if name.endswith(SCALES_SUFFIX) and name[: -len(SCALES_SUFFIX)] in fields:
             raise FormatError(f"field {name!r} would share its array name with the scales of field "
                               f"{name[: -len(SCALES_SUFFIX)]!r}; rename one of them")
         if kind is LayerKind.PAGED and shard == 0:
             raise FormatError(f"paged field {name!r} cannot be sharded along its token axis")
         axis = None if shard is None else shard + 1
-        shape, chunks, shards = geometry(name, kind.value, len(layers), logical, axis, num_tokens, layout.tp_size)
+        first = window_first(num_tokens, window)
+        shape, chunks, shards = geometry(name, kind.value, len(layers), logical, axis, num_tokens - first,
+                                         layout.tp_size)
         if name not in codecs:
             raise FormatError(f"no codec given for field {name!r}; codecs were given for {sorted(codecs)}")
         encoding = encoding_for_field(codecs[name], dtype, chunks[-1], where=f"field {name!r}", field_last=shape[-1])
-        out[name] = ArrayLayout(name, kind.value, tuple(layers), shape, tuple(chunks), axis, encoding, tuple(shards))
+        out[name] = ArrayLayout(name, kind.value, tuple(layers), shape, tuple(chunks), axis, encoding, tuple(shards),
+                                window, first)
     unknown = set(codecs) - set(out)
     if unknown:
         raise FormatError(f"codecs given for fields {sorted(unknown)} that the layout lacks ({sorted(out)})")

@@ -218,6 +218,7 @@ def arrays_from_manifest(manifest: dict[str, Any]) -> dict[str, ArrayLayout]:
         name: ArrayLayout(
             name, a["kind"], tuple(a["layers"]), tuple(a["shape"]), tuple(a["chunks"]),
             a["shard_axis"], encoding_from_config(manifest["codecs"][name]), tuple(a["shards"]),
+            a.get("window"), a.get("first_token", 0),
         )
         for name, a in manifest["arrays"].items()
     }
@@ -300,8 +301,9 @@ def _check_boundaries(m: dict[str, Any], arrays: dict[str, ArrayLayout], n: int)
     hashes = m.get("boundary_hashes")
     if hashes is None:
         return []
-    if any(a.kind != "paged" for a in arrays.values()):
-        return ["boundary_hashes recorded for an entry with recurrent state (which exists only after all its tokens)"]
+    if any(a.kind != "paged" or a.window is not None for a in arrays.values()):
+        return ["boundary_hashes recorded for an entry with recurrent state or a sliding window (which exist "
+                "only after all its tokens)"]
     if (type(hashes) is not list or len(hashes) != n // TOKEN_BLOCK
             or not all(isinstance(h, str) and HEX64.match(h) for h in hashes)):
         return [f"boundary_hashes is not the {n // TOKEN_BLOCK} prefix hashes of its whole {TOKEN_BLOCK}-token blocks"]
@@ -314,7 +316,7 @@ def _check_boundaries(m: dict[str, Any], arrays: dict[str, ArrayLayout], n: int)
 def _check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:
     import hashlib
 
-    from anchorkv.store.format import MAX_TP, array_keys, geometry
+    from anchorkv.store.format import MAX_TP, array_keys, geometry, window_first
 
     out = []
     want = manifest_checksum(m)
@@ -351,7 +353,7 @@ def _check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:
     by_field: dict[str, list] = {}
     for layer in fp["layers"]:
         for fname, f in layer["fields"].items():
-            by_field.setdefault(fname, []).append((layer["name"], layer["kind"], f))
+            by_field.setdefault(fname, []).append((layer["name"], layer["kind"], f, layer.get("window")))
     if set(by_field) != set(m["arrays"]):
         out.append(f"arrays {sorted(m['arrays'])} are not the model's fields {sorted(by_field)}")
     try:
@@ -384,8 +386,16 @@ def _check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:
         if a.shard_axis is not None and not (1 + (a.kind == "paged") <= a.shard_axis < len(a.shape)):
             out.append(f"{where}: shard_axis {a.shard_axis} is not an axis tp can split")
             continue
+        windows = {row[3] for row in layers}
+        if windows != {a.window}:
+            out.append(f"{where}: window {a.window}, the model's layers have {sorted(map(str, windows))}")
+            continue
+        if a.first != window_first(n, a.window):
+            out.append(f"{where}: first_token {a.first}, a window of {a.window} keeps tokens from "
+                       f"{window_first(n, a.window)} of {n}")
+            continue
         try:
-            geo = geometry(fname, a.kind, len(layers), fshape, a.shard_axis, n, tp, m["format_version"])
+            geo = geometry(fname, a.kind, len(layers), fshape, a.shard_axis, n - a.first, tp, m["format_version"])
         except Exception as e:
             out.append(f"{where}: {e}")
             continue

@@ -45,6 +45,7 @@ from anchorkv.store.format import (
     CRC32C_LIB,
     FORMAT_VERSION,
     ArrayLayout,
+    Encoded,
     array_layouts,
     zero_chunk,
 )
@@ -260,9 +261,10 @@ class Store:
             "arrays": manifest_arrays, "codecs": manifest_codecs, "compressor": compressor,
             "write_id": wid, "created": now(),
         }
-        if all(layer.kind is LayerKind.PAGED for layer in layout.layers):
-            # no recurrent state: the state after any k tokens is the entry's first k rows, so a
-            # prompt that shares only the first whole 256-token blocks can restore them (`match`)
+        if all(layer.kind is LayerKind.PAGED and layer.window is None for layer in layout.layers):
+            # no recurrent state nor sliding window: the state after any k tokens is the
+            # entry's first k rows, so a prompt that shares only the first whole 256-token
+            # blocks can restore them (`match`)
             header["boundary_hashes"] = hasher.boundaries(n)
         writer = EntryWriter(self.backend, layout, header, arrays, chunk_submit=self._chunk_submit,
                              on_commit=self._after_commit,
@@ -648,22 +650,35 @@ class Store:
         array.rank_range(layout.tp_size, layout.tp_rank)
         region = rank_region(array, index, layout.tp_size, layout.tp_rank)
         encoding = array.codec
+        lead = 0  # a sliding-window field: rows before its first token (zeros, see below)
         if array.kind == "paged":
             bs = layout.block_size
             if num_blocks is None:
                 num_blocks = max(0, -(-(info.num_tokens - start_token) // bs))
-            region[1] = slice(start_token, start_token + num_blocks * bs)
+            stop = start_token + num_blocks * bs
+            if array.window is not None and stop < info.num_tokens:
+                raise ValueError(f"field {field!r} of entry {info.id} is a sliding window's last rows: it restores "
+                                 f"only with the whole entry ({info.num_tokens} tokens), not up to token {stop}")
+            lead = max(0, min(array.first, stop) - start_token)
+            region[1] = slice(start_token + lead - array.first, stop - array.first)
             shape = (num_blocks, bs, *lf.shape[1:])
         else:
             shape = (1, *lf.shape)
         block = tuple(s.stop - s.start for s in region)
-        pn, sn = encoding.nbytes(block)
+        whole = (block[0], lead + block[1], *block[2:]) if array.kind == "paged" else block
+        pn, sn = encoding.nbytes(whole)
         if (pn, sn) != encoding.nbytes(shape):  # never hand out a payload its shape does not describe
-            raise CorruptEntry(info.id, f"field {field!r}: the entry's slice {list(block)} is {pn + sn} bytes, the "
+            raise CorruptEntry(info.id, f"field {field!r}: the entry's slice {list(whole)} is {pn + sn} bytes, the "
                                f"reader's {list(shape)} needs {sum(encoding.nbytes(shape))}; recompute")
         payload_t, scales_t = _host_bytes(host, pn), _host_bytes(host, sn).view(torch.float32)
         payload, scales = payload_t.numpy(), scales_t.numpy()
-        out = encoding.views(payload, scales, block)
+        out = encoding.views(payload, scales, whole)
+        if lead:
+            # rows before a sliding window's first token: no query after the entry's last token
+            # attends to them (the window starts there), so they hold the encoding of zeros
+            copy_into(out.region((slice(0, 1), slice(0, lead), *[slice(0, n) for n in whole[2:]])),
+                      zero_chunk(encoding, (1, 1, *whole[2:])))
+            out = Encoded(out.encoding, out.payload[:, lead:], out.scales[:, lead:])
         with self.pins.pinned(info.id):
             by_shard: dict[tuple[int, ...], list[ChunkSlice]] = {}
             for item in chunk_plan(array, region):
@@ -673,7 +688,7 @@ class Store:
             if array.kind == "paged":
                 end = -(-array.shape[1] // array.chunks[1]) * array.chunks[1]
                 if region[1].stop > end:
-                    lo = max(0, end - start_token)
+                    lo = max(0, end - region[1].start)
                     tail = out.region((slice(0, 1), slice(lo, block[1]), *[slice(0, n) for n in block[2:]]))
                     copy_into(tail, zero_chunk(encoding, (1, 1, *block[2:])))  # broadcast over the rows
             self._touch(info.id)

@@ -120,13 +120,15 @@ class EntryWriter:
         return self.layout.tp_rank
 
     # ------------------------------------------------------------------ chunks
-    def write_layer(self, layer: str, field: str, packed: Packed) -> int:
+    def write_layer(self, layer: str, field: str, packed: Packed, *, first_token: int = 0) -> int:
         """Write this rank's chunks of `field` of `layer`; returns the bytes written.
 
         State fields: `packed` is `[1, *rank shape]` (one block). Paged fields: `[N, block_size,
-        *row]` with N * block_size >= the entry's tokens; rows past them are dropped. A
-        replicated field is written by rank 0 only (other ranks' calls return 0). `packed`
-        should live in host memory (a CUDA tensor is copied here, synchronously).
+        *row]` of tokens from `first_token` (0, or for a sliding-window field any token up to
+        the field's `first`: rows before it are dropped) with N * block_size reaching the
+        entry's last token; rows past it are dropped. A replicated field is written by rank 0
+        only (other ranks' calls return 0). `packed` should live in host memory (a CUDA tensor
+        is copied here, synchronously).
         """
         array = self._array(field)
         where = f"entry {self.final}, layer {layer!r}, field {field!r}"
@@ -134,10 +136,16 @@ class EntryWriter:
         index = array.layer_index(layer)
         if array.shard_axis is None and self.tp_rank != 0:
             return 0
-        self._check_packed(array, lf, packed, where)
+        if first_token and not (array.kind == "paged" and 0 <= first_token <= array.first):
+            raise FormatError(f"{where}: rows from token {first_token} given, the field keeps tokens from "
+                              f"{array.first}; give rows from a token up to {array.first}")
+        self._check_packed(array, lf, packed, where, first_token)
         enc = self._encoded(array, packed)
         region = rank_region(array, index, self.tp_size, self.tp_rank)
-        if array.kind == "paged":  # the rank block covers tokens [0, N*block_size)
+        if array.kind == "paged":  # the rank block covers tokens [first_token, N*block_size)
+            skip = array.first - first_token
+            if skip:
+                enc = Encoded(enc.encoding, enc.payload[:, skip:], enc.scales[:, skip:])
             region[1] = slice(0, min(enc.payload.shape[1], array.shape[1]))
         total = 0
         parts = array.parts
@@ -166,14 +174,14 @@ class EntryWriter:
         except KeyError:
             raise KeyError(f"entry {self.final} has no field {field!r}; it has {sorted(self.arrays)}") from None
 
-    def _check_packed(self, array: ArrayLayout, lf: Field, packed: Packed, where: str) -> None:
+    def _check_packed(self, array: ArrayLayout, lf: Field, packed: Packed, where: str, first_token: int) -> None:
         if array.kind == "state":
             expected = (1, *lf.shape)
             ok = tuple(packed.shape) == expected
         else:
             expected = (-1, *lf.shape)
             ok = (tuple(packed.shape[1:]) == tuple(lf.shape)
-                  and packed.shape[0] * lf.shape[0] >= self.header["num_tokens"])
+                  and first_token + packed.shape[0] * lf.shape[0] >= self.header["num_tokens"])
         if not ok or packed.dtype != lf.dtype:
             raise FormatError(
                 f"{where}: expected a Packed of {lf.dtype} {list(expected)} (-1: enough blocks "
