@@ -28,7 +28,7 @@ MODULES: dict[str, tuple[str, ...]] = {
                    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
     "nemotron_h": ("NemotronHForCausalLM",),
     "dense_attention": ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                        "Qwen3MoeForCausalLM"),
+                        "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM"),
     "deepseek_mla": ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
 }
 

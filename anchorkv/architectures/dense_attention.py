@@ -1,5 +1,6 @@
-"""Dense attention models (Llama, Mistral, Qwen2/Qwen3): K and V pages of
-`num_key_value_heads` heads, split along heads by tensor parallelism."""
+"""Dense attention models (Llama, Mistral, Qwen2/Qwen3; with sliding-window layers Gemma 2/3
+and gpt-oss): K and V pages of `num_key_value_heads` heads, split along heads by tensor
+parallelism (sliding-window layers alike; which layers slide, vLLM's specs say)."""
 
 from anchorkv.architectures.base import Attention, Description, need, text_config
 

@@ -13,13 +13,18 @@ Block ids, per KV-cache group (vLLM 0.33, checked with its real scheduler):
     are nulled and freed by the scheduler as the request advances, so a block id is only
     trusted in the step vLLM hands it over (see `SchedulerSide`);
   * paged groups (MLA): block `i` holds tokens `[i * block_size, (i + 1) * block_size)`,
-    `block_size` being the scheduler's (tokens per block id), not the attention kernel's.
+    `block_size` being the scheduler's (tokens per block id), not the attention kernel's;
+  * sliding-window groups (paged, with a `window`): the same, but vLLM nulls and frees the
+    blocks wholly before the first token the next query attends to; a load and a save touch
+    only the blocks from that token's (`first_row`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+
+from anchorkv.codec.models import window_start
 
 
 class GroupKind(str, Enum):
@@ -35,6 +40,18 @@ class GroupInfo:
     kind: GroupKind
     block_size: int
     layers: tuple[str, ...]
+    #: sliding-window attention (paged groups): the tokens a query attends to, itself included
+    window: int | None = None
+
+
+def first_row(group: GroupInfo, start: int, num_tokens: int) -> int:
+    """The first token whose rows a load of tokens [start, num_tokens) (a save: start 0)
+    touches in a paged group: `start`, or in a sliding-window group the first row of the block
+    that holds the first token the next query attends to, when later (the blocks before it are
+    null, and no query after the entry reads them). Block-aligned when `start` is."""
+    if group.window is None:
+        return start
+    return max(start, window_start(num_tokens, group.window, group.block_size))
 
 
 @dataclass(frozen=True)
@@ -101,7 +118,8 @@ def select_blocks(
     mode: str,
 ) -> tuple[tuple[int, ...], ...] | None:
     """Per group, the blocks that hold a request's state after `num_tokens` tokens and its
-    paged rows [start, num_tokens). None if some group lacks a needed block (e.g. a null one)."""
+    paged rows [start, num_tokens) (a sliding-window group's from `first_row`). None if some
+    group lacks a needed block (e.g. a null one)."""
     out: list[tuple[int, ...]] = []
     for g in groups:
         ids = list(block_ids[g.index])
@@ -111,7 +129,7 @@ def select_blocks(
                 return None
             out.append((ids[i],))
         else:
-            first, last = start // g.block_size, cdiv(num_tokens, g.block_size)
+            first, last = first_row(g, start, num_tokens) // g.block_size, cdiv(num_tokens, g.block_size)
             if last > len(ids) or any(b == 0 for b in ids[first:last]):
                 return None
             out.append(tuple(ids[first:last]))

@@ -112,8 +112,10 @@ class SchedulerSide:
         #: a model without recurrent state (attention, MLA) holds the state after k tokens in an
         #: entry's first k rows, so a prompt restores an entry of its own n tokens short of the
         #: last token (the same prompt again: a retry, a prefill/decode split; see
-        #: `_tokens_to_load`); a hybrid's state exists only at the entry's end
-        self.prefix_loads = not self.state_groups
+        #: `_tokens_to_load`); a hybrid's state, and a sliding-window layer's last rows, exist
+        #: only at the entry's end (`whole_only`)
+        self.whole_only = bool(self.state_groups) or any(g.window is not None for g in groups)
+        self.prefix_loads = not self.whole_only
         # req id -> (entry matched by the last lookup, tokens vLLM had computed locally then,
         # tokens of the entry to restore)
         self._found: dict[str, tuple[EntryRef, int, int]] = {}
@@ -400,7 +402,15 @@ class SchedulerSide:
             return
         tracked.prefill_saved = True
         n, blocks = prompt_len, None
-        if end == prompt_len:
+        if self.whole_only and not self.state_groups:
+            # sliding-window attention without state: an entry restores only whole, so one of
+            # the prompt's own length would serve no prompt that is not longer; one token short
+            # (whole attention blocks where only those can be saved) serves the same prompt sent
+            # again too. Its rows are all in this step's blocks: the window of any token from
+            # the chunk's first on is
+            n = (prompt_len - 1) // self.granularity * self.granularity
+            blocks = select_blocks(self.groups, table, 0, n, self.mode) if n > 0 else None
+        elif end == prompt_len:
             blocks = select_blocks(self.groups, table, 0, n, self.mode)
         elif self.mode == "align":
             n, blocks = self._offered_boundary(table, offers, prompt_len)
@@ -452,7 +462,7 @@ class SchedulerSide:
         Nothing is planned (nor counted) for a save the worker would drop: one the store cannot
         key (no anchor, under `TOKEN_BLOCK` tokens), or a state inside an attention block whose
         token order is opaque (`granularity`; see `WorkerSide._whole_blocks`)."""
-        if (anchor is None and n < TOKEN_BLOCK) or (self.state_groups and n % self.granularity):
+        if (anchor is None and n < TOKEN_BLOCK) or (self.whole_only and n % self.granularity):
             return
         meta.saves.append(SaveSpec(req_id, anchor, tracked.prompt[:n], n, blocks, scope=tracked.scope,
                                    nonce=uuid.uuid4().hex))

@@ -72,7 +72,7 @@ def store_layout(model: ModelLayout, tp_size: int, tp_rank: int) -> ModelLayout:
                 fields.append(nf)
                 offset = nf.extent
             page = pages[id(layer.page)] = PageLayout(tuple(fields), offset)
-        layers.append(LayerLayout(layer.name, layer.index, layer.kind, page))
+        layers.append(LayerLayout(layer.name, layer.index, layer.kind, page, layer.window))
     return ModelLayout(model.architecture, tuple(layers), 1, tp_size, tp_rank, model=model.model)
 
 
@@ -253,12 +253,15 @@ class ZarrEntryStore:
         written = 0
         try:
             for (layer, fname), p in parts.items():
+                first = 0  # a sliding window's part holds the entry's last rows (from its first_row)
                 if layout.layer(layer).kind is LayerKind.PAGED:
-                    if p.shape[0] != n:
+                    windowed = layout.layer(layer).window is not None
+                    if p.shape[0] != n and not (windowed and 0 < p.shape[0] < n):
                         raise ValueError(f"request {spec.req_id}: {layer}.{fname} holds {p.shape[0]} "
                                          f"token rows, the save is of {n} tokens")
-                    p = p.reshape(n, 1, *p.shape[1:])
-                written += writer.write_layer(layer, fname, p)
+                    first = n - p.shape[0]
+                    p = p.reshape(p.shape[0], 1, *p.shape[1:])
+                written += writer.write_layer(layer, fname, p, first_token=first)
             writer.finish_rank()
         except BaseException:
             if tp_size == 1:

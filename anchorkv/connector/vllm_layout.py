@@ -9,7 +9,12 @@ layer in the standard `[B, H, N, C]` form (blocks, heads, states per block, cont
   lie back to back from byte 0 of the page;
 * an attention layer (`FullAttentionSpec`) is `[B, H, N, head_size + head_size_v]` in the
   cache dtype: K then V in each (head, token) cell, strides set by the KV-cache layout;
-* an MLA layer (`MLAAttentionSpec`) is `[B, 1, N, kv_lora_rank + rope]`.
+* an MLA layer (`MLAAttentionSpec`) is `[B, 1, N, kv_lora_rank + rope]`;
+* a sliding-window attention layer (`SlidingWindowSpec`, the hybrid allocator's) is laid out
+  as a full attention one, but vLLM frees its blocks wholly before the window of the request's
+  next token: its fields (`k_window`, `v_window`) keep only the window's last rows
+  (`LayerLayout.window`). With the hybrid allocator off, vLLM turns it into a
+  `FullAttentionSpec` with `sliding_window` set and keeps every block: saved as full attention.
 
 An attention backend with its own kernel block size makes vLLM split each scheduler block into
 dense kernel blocks (`[B * k, H, N / k, C]`); `scheduler_block_view` regroups them, since block
@@ -23,6 +28,7 @@ kept per rank (restores at the same tp only), and that is logged once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping
@@ -75,26 +81,36 @@ def conv_layout_from_env() -> ConvLayout:
 
 
 def _kind_of(spec: Any) -> str:
-    """'state', 'kv' or 'latent' for the specs anchorkv saves; an error for the others."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+    """'state', 'kv', 'window' (sliding-window K/V) or 'latent' for the specs anchorkv saves;
+    an error for the others."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 
     if isinstance(spec, MambaSpec):
         return "state"
     if isinstance(spec, MLAAttentionSpec):
         return "latent"
-    if type(spec) is FullAttentionSpec:  # subclasses change what a page holds
-        if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
+    if type(spec) in (FullAttentionSpec, SlidingWindowSpec):  # subclasses change what a page holds
+        if getattr(spec, "attention_chunk_size", None):
             raise UnsupportedModelError(
-                f"anchorkv cannot save sliding-window or chunked-local attention layers yet (found "
-                f"{type(spec).__name__} with sliding_window={spec.sliding_window}); run without the connector")
+                f"anchorkv cannot save chunked-local attention layers yet (found {type(spec).__name__} with "
+                f"attention_chunk_size={spec.attention_chunk_size}); run without the connector")
         if getattr(spec, "kv_quant_mode", 0) or getattr(spec, "state_content_bytes", None) is not None:
             raise UnsupportedModelError(
                 f"anchorkv saves unquantized K/V pages; this model's attention cache is packed "
                 f"({type(spec).__name__}, kv_quant_mode={spec.kv_quant_mode}); use kv_cache_dtype 'auto'")
-        return "kv"
+        # (a FullAttentionSpec with a sliding window: the hybrid allocator is off, every block is kept)
+        return "window" if type(spec) is SlidingWindowSpec else "kv"
     raise UnsupportedModelError(
         f"anchorkv cannot save {type(spec).__name__} cache layers yet (it saves Mamba-type state, full "
         "attention and MLA); run without the connector")
+
+
+def window_of(spec: Any) -> int:
+    """The rows a sliding-window layer's restore needs before its next token: the tokens a
+    query attends to, and the trailing tokens vLLM keeps for multi-module speculative decoding,
+    which prefills the last of them again (`SlidingWindowSpec.extra_retained_tokens`; vLLM's
+    Mooncake store connector widens the window the same way)."""
+    return int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
 
 
 def _group_specs(g: Any) -> list[tuple[str, Any]]:
@@ -115,12 +131,22 @@ def groups_of(kv_cache_config: Any) -> list[GroupInfo]:
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         if not g.layer_names:
             continue
-        kinds = {_kind_of(spec) for _, spec in _group_specs(g)}
+        specs = _group_specs(g)
+        kinds = {_kind_of(spec) for _, spec in specs}
         kind = GroupKind.STATE if kinds == {"state"} else GroupKind.PAGED
-        out.append(GroupInfo(i, kind, int(g.kv_cache_spec.block_size), tuple(g.layer_names)))
+        windows = {window_of(spec) for _, spec in specs if _kind_of(spec) == "window"}
+        if windows and (len(windows) > 1 or kinds != {"window"}):
+            raise UnsupportedModelError(f"KV-cache group {i} mixes sliding windows {sorted(windows)} with other "
+                                        f"layers ({sorted(kinds)}); anchorkv expects one window per group")
+        out.append(GroupInfo(i, kind, int(g.kv_cache_spec.block_size), tuple(g.layer_names),
+                             windows.pop() if windows else None))
     if not any(g.kind is GroupKind.PAGED for g in out):
         raise UnsupportedModelError("anchorkv needs an attention (paged) KV-cache group; this model has "
                                     "only state layers")
+    paged = {g.block_size for g in out if g.kind is GroupKind.PAGED}
+    if len(paged) > 1 and any(g.window is not None for g in out):
+        raise UnsupportedModelError(f"the attention groups have block sizes {sorted(paged)}; anchorkv saves "
+                                    "sliding-window layers only where every attention group has one block size")
     return out
 
 
@@ -131,6 +157,10 @@ def paged_block_size(kv_cache_config: Any) -> int:
 
 # ----------------------------------------------------------------------------- layout
 
+
+#: Suffix of a sliding-window layer's field names (`k_window`, `v_window`): an entry keeps
+#: them apart from full attention's `k` and `v` (other rows; one array per field name).
+WINDOW_SUFFIX = "_window"
 
 #: Attention backends that keep a head's K and V as two planes of `[N, head_size]` rows (K in
 #: rows 0..N-1, V in rows N..2N-1 of the cells' bytes) instead of splitting each cell.
@@ -155,7 +185,7 @@ def opaque_kv_layout(kv_cache_config: Any) -> str | None:
     except Exception:  # no vLLM platform (tests of the layout alone), or another vLLM
         return None
     for _, spec in layer_specs(kv_cache_config).values():
-        if _kind_of(spec) == "kv":
+        if _kind_of(spec) in ("kv", "window"):
             try:
                 isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size)
             except Exception:
@@ -243,7 +273,8 @@ def model_layout(kv_cache_config: Any, hf_config: Any, *, tp_size: int, tp_rank:
             page = pages[key] = _page(kind, spec, desc, view, block_size, tp_size, tp_rank, conv_layout,
                                       undescribed, name, planar)
         layers.append(LayerLayout(name, layer_number(name) if layer_number(name) >= 0 else order,
-                                  LayerKind.STATE if kind == "state" else LayerKind.PAGED, page))
+                                  LayerKind.STATE if kind == "state" else LayerKind.PAGED, page,
+                                  window_of(spec) if kind == "window" else None))
     if undescribed and arch not in _warned:
         _warned.add(arch)
         log.warning("anchorkv: %s has no description for its %s cache (anchorkv.architectures); it is "
@@ -299,6 +330,9 @@ def _page(kind: str, spec: Any, desc: Any, view: torch.Tensor | None, block_size
         raise UnsupportedModelError(f"layer {name!r}: {e}") from None
     if not described:
         undescribed.add("attention")
+    if kind == "window":  # its own arrays in an entry: they keep only the window's rows
+        page = PageLayout(tuple(dataclasses.replace(f, name=f"{f.name}{WINDOW_SUFFIX}") for f in page.fields),
+                          page.page_bytes)
     return page
 
 
@@ -337,7 +371,7 @@ def build_views(kv_caches: Mapping[str, torch.Tensor], kv_cache_config: Any, hf_
             raise UnsupportedModelError(f"layer {name!r}: expected one tensor per layer, found {type(t).__name__}")
         kind = _kind_of(specs[name][1])
         backend = (backends or {}).get(name)
-        if kind == "kv" and backend in PLANAR_KV_BACKENDS and t.shape[2] != block_size:
+        if kind in ("kv", "window") and backend in PLANAR_KV_BACKENDS and t.shape[2] != block_size:
             raise UnsupportedModelError(f"layer {name!r}: a {backend} page split into kernel blocks "
                                         f"of {t.shape[2]} tokens cannot be regrouped into {block_size}-token blocks")
         views_in[name] = t if kind == "state" else scheduler_block_view(name, t, block_size)

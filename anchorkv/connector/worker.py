@@ -47,7 +47,7 @@ from anchorkv.codec.api import stage_to_device
 from anchorkv.codec.layout import Field, PageLayout
 from anchorkv.connector.config import ConnectorConfig
 from anchorkv.connector.counters import Counters, Miss, load_miss_of
-from anchorkv.connector.plan import GroupInfo, GroupKind, LoadSpec, Metadata, SaveSpec
+from anchorkv.connector.plan import GroupInfo, GroupKind, LoadSpec, Metadata, SaveSpec, first_row
 from anchorkv.connector.storage import EntryStore
 from anchorkv.kernels import BatchLayout, PackedBatch
 from anchorkv.kernels.dispatch import backend_for
@@ -111,6 +111,7 @@ class WorkerSide:
         #: in-block token order is opaque, see `vllm_layout.opaque_kv_layout`)
         self.granularity = granularity
         self.groups = groups
+        self._group_of = {name: g for g in groups for name in g.layers}
         self.mode = mode
         self.store = store
         self.tp_size, self.tp_rank = tp_size, tp_rank
@@ -143,9 +144,9 @@ class WorkerSide:
         self._save_set: tuple[Packer, list[tuple[str, str, GroupKind]]] | None = None
         self._load_set: Unpacker | None = None  # built at the first restore
         self._load_parts = True  # False: a custom codec; restores go part by part
-        #: (group index, kind, rows of its blocks' fields; None: several) of the groups a
-        #: restore writes, found with the Unpacker
-        self._load_groups: list[tuple[int, GroupKind, int | None]] = []
+        #: (group, rows of its blocks' fields; None: several) of the groups a restore writes,
+        #: found with the Unpacker
+        self._load_groups: list[tuple[GroupInfo, int | None]] = []
         self.stats = Counters(primary=tp_rank == 0)
 
     def register(self, layout: ModelLayout, views: dict[str, CacheView]) -> None:
@@ -188,7 +189,8 @@ class WorkerSide:
         g = self.granularity
         if g == 1 or spec.num_tokens % g == 0:
             return spec
-        if any(grp.kind is GroupKind.STATE for grp in self.groups):
+        if any(grp.kind is GroupKind.STATE or grp.window is not None for grp in self.groups):
+            # (a state, or a sliding window's last rows, exists only after all the tokens)
             log.debug("anchorkv: request %s: %d tokens end inside an attention block whose token order "
                       "is opaque here; not saved", spec.req_id, spec.num_tokens)
             return None
@@ -309,8 +311,9 @@ class WorkerSide:
         _, keys = self._packer()
         out: dict[PartKey, Packed] = {}
         for (layer, fname, kind), p in zip(keys, packed.packed(), strict=True):
-            if kind is GroupKind.PAGED:
-                p = p.reshape(p.shape[0] * p.shape[1], *p.shape[2:]).narrow(0, spec.num_tokens)
+            if kind is GroupKind.PAGED:  # (a sliding window's part: its rows from `first_row` on)
+                rows = spec.num_tokens - self._first_row(layer, 0, spec.num_tokens)
+                p = p.reshape(p.shape[0] * p.shape[1], *p.shape[2:]).narrow(0, rows)
             out[(layer, fname)] = p.to("cpu") if p.payload.is_cuda else p  # (`_pack` copied them)
         return out
 
@@ -449,8 +452,9 @@ class WorkerSide:
         for layer, fname, _, kind in self._parts(spec.blocks):
             field_ = self.views[layer].page.field(fname)
             paged = kind is GroupKind.PAGED
-            wanted.append((layer, fname, (spec.start, spec.num_tokens) if paged else None,
-                           (spec.num_tokens - spec.start, *field_.shape[1:]) if paged else (1, *field_.shape),
+            start = self._first_row(layer, spec.start, spec.num_tokens)
+            wanted.append((layer, fname, (start, spec.num_tokens) if paged else None,
+                           (spec.num_tokens - start, *field_.shape[1:]) if paged else (1, *field_.shape),
                            field_.dtype))
         hosts = batch.hosts(self._arena) if batch is not None else [self._arena] * len(wanted)
         stop = threading.Event()  # a part failed: the others need not be read
@@ -481,6 +485,12 @@ class WorkerSide:
                 raise ValueError(f"entry {spec.entry_id}: {layer}.{fname} holds NaN/Inf groups")
             parts[(layer, fname)] = p
         return parts
+
+    def _first_row(self, layer: str, start: int, num_tokens: int) -> int:
+        """The first token of a paged layer's rows a load of [start, num_tokens) or a save
+        (start 0) touches: `start`, later in a sliding-window layer (`plan.first_row`)."""
+        g = self._group_of.get(layer)
+        return start if g is None else first_row(g, start, num_tokens)
 
     def _restore(self, spec: LoadSpec, parts: dict[PartKey, Packed], after: Any = None) -> None:
         """Unpack every part into the request's blocks in a few launches (state fields: into
@@ -539,7 +549,7 @@ class WorkerSide:
                     rows = {view.page.field(f.name).shape[0] for view in (self.views.get(n) for n in g.layers)
                             if view is not None for f in view.page.fields}
                     if rows:  # (not padding layers only)
-                        self._load_groups.append((g.index, g.kind, rows.pop() if len(rows) == 1 else None))
+                        self._load_groups.append((g, rows.pop() if len(rows) == 1 else None))
         return self._load_set
 
     def _batch_for(self, spec: LoadSpec) -> _Batch | None:
@@ -552,10 +562,11 @@ class WorkerSide:
         slots = len(spec.blocks)
         lens = [0] * slots
         ids: list[tuple[int, ...]] = [()] * slots
-        rows = spec.num_tokens - spec.start
-        for index, kind, block_rows in self._load_groups:
+        for g, block_rows in self._load_groups:
+            index = g.index
             blocks = tuple(spec.blocks[index])
-            if kind is GroupKind.STATE:
+            rows = spec.num_tokens - first_row(g, spec.start, spec.num_tokens)
+            if g.kind is GroupKind.STATE:
                 n = len(blocks)
                 if n != 1:
                     return None

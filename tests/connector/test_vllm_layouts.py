@@ -314,13 +314,55 @@ def test_undescribed_model_is_kept_per_rank(caplog):
 
 
 def test_unsupported_specs_are_refused_in_one_line():
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
-    cfg, _, _ = make(LLAMA, 1, state_layers=(), paged_layers=(0,), spec_factory=lambda b: SlidingWindowSpec(
-        block_size=b, num_kv_heads=4, head_size=16, dtype=torch.bfloat16, sliding_window=64))
-    with pytest.raises(VL.UnsupportedModelError, match="cannot save SlidingWindowSpec") as e:
+    cfg, _, _ = make(LLAMA, 1, state_layers=(), paged_layers=(0,), spec_factory=lambda b: ChunkedLocalAttentionSpec(
+        block_size=b, num_kv_heads=4, head_size=16, dtype=torch.bfloat16, attention_chunk_size=64))
+    with pytest.raises(VL.UnsupportedModelError, match="cannot save ChunkedLocalAttentionSpec") as e:
         VL.model_layout(cfg, LLAMA, tp_size=1)
     assert "\n" not in str(e.value)
+
+
+def _sliding(window: int, extra: int = 0, tp: int = 1):
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return lambda b: SlidingWindowSpec(block_size=b, num_kv_heads=4 // tp, head_size=16, dtype=torch.bfloat16,
+                                       sliding_window=window, extra_retained_tokens=extra)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sliding_window_layers_keep_kv_fields_of_their_own(tp):
+    """A sliding-window layer (gpt-oss, Gemma 2/3, Mistral) is laid out as full attention (its
+    `k_window` / `v_window` alias what the backend reads, split along heads by tp), marked with
+    its window (with the tokens vLLM retains for speculative decoding), which its group carries
+    too and the fingerprint names."""
+    cfg, views, _ = make(LLAMA, tp, state_layers=(), paged_layers=(0, 1), spec_factory=_sliding(40, 3, tp))
+    fill(views)
+    layout, cviews = VL.build_views(views, cfg, LLAMA, tp_size=tp, tp_rank=tp - 1)
+    name = "model.layers.1.self_attn"
+    k, v = views[name].transpose(1, 2).split(16, dim=-1)
+    assert same(cviews[name].tensor("k_window"), k) and same(cviews[name].tensor("v_window"), v)
+    f = layout.layer(name).page.field("k_window")
+    assert f.logical_shape == (BLOCK, 4, 16) and f.shard_axis == 1 and f.role == "k"
+    assert layout.layer(name).window == 43
+    assert [g.window for g in VL.groups_of(cfg)] == [43]
+    full, _, _ = make(LLAMA, tp, state_layers=(), paged_layers=(0, 1))
+    assert VL.model_layout(full, LLAMA, tp_size=tp).fingerprint_hash() != layout.fingerprint_hash()
+    other, _, _ = make(LLAMA, tp, state_layers=(), paged_layers=(0, 1), spec_factory=_sliding(41, 3, tp))
+    assert VL.model_layout(other, LLAMA, tp_size=tp).fingerprint_hash() != layout.fingerprint_hash()
+    assert {VL.model_layout(make(LLAMA, t, state_layers=(), paged_layers=(0, 1), spec_factory=_sliding(40, 3, t))[0],
+                            LLAMA, tp_size=t).fingerprint_hash() for t in (1, 2, 4)} == {layout.fingerprint_hash()}
+
+
+def test_a_full_attention_spec_with_a_window_is_saved_whole():
+    """With the hybrid allocator off vLLM hands a sliding layer over as full attention with
+    `sliding_window` set, and keeps all its blocks: saved as full attention."""
+    (_, FullAttentionSpec, *_) = _vllm()
+    cfg, views, _ = make(LLAMA, 1, state_layers=(), paged_layers=(0,), spec_factory=lambda b: FullAttentionSpec(
+        block_size=b, num_kv_heads=4, head_size=16, dtype=torch.bfloat16, sliding_window=64))
+    layout, _ = VL.build_views(views, cfg, LLAMA, tp_size=1, tp_rank=0)
+    assert layout.layer("model.layers.0.self_attn").window is None
+    assert layout.layer("model.layers.0.self_attn").page.names == ("k", "v")
 
 
 # ----------------------------------------------------------------------------- across tp
