@@ -5,7 +5,9 @@ chunk, zarr's index against the manifest).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -21,27 +23,46 @@ from anchorkv.store.format import (
     parse_shard_index,
 )
 from anchorkv.store.manifest import EntryInfo, numcodecs_compressor
-from anchorkv.store.plan import ChunkSlice
+from anchorkv.store.plan import ChunkSlice, chunk_plan
+
+#: A chunk read straight into a load's output whose place there is more than this many
+#: contiguous runs goes through a buffer of its own instead (one `preadv` takes <= 1024 buffers).
+MAX_RUNS = 64
 
 
-class _ChunkRead(NamedTuple):
-    """Where one inner chunk a load needs goes."""
-
-    chunk: ChunkSlice
-    dst: Encoded  # its covered part's place in the load's output
-    direct: bool  # read straight into `dst` (covered whole, uncompressed, contiguous there)
-
-
-class _RangeRead(NamedTuple):
-    """One byte range of a shard file to read and check: an inner chunk of one stored array."""
+class _Chunk(NamedTuple):
+    """One inner chunk a planned read reads and checks."""
 
     offset: int  # in the shard (from the manifest)
     key: str  # the inner chunk's key in this array
     crc: int  # its crc32c and size, from the manifest
     size: int
-    views: list[memoryview]  # where its bytes go
-    buf: bytearray | None  # a buffer of its own (None: read straight into the output)
-    item: int  # index of its `_ChunkRead`
+    #: read straight into the load's output: its place there, as contiguous runs (start, bytes),
+    #: the starts counted from the first byte of the output's payload (codes) or scales; None: a
+    #: buffer of its own (`item`)
+    runs: tuple[tuple[int, int], ...] | None
+    item: int  # a buffered chunk's index in `ReadPlan.scratch` (-1: read straight in)
+
+
+class _ShardRead(NamedTuple):
+    """The inner chunks a load reads of one shard file of one stored array (codes or scales)."""
+
+    key: str  # the shard's key
+    path: str  # its path in the store
+    size: int  # its size in the manifest
+    part: int  # 0: values / codes (into the payload), 1: scales
+    chunks: tuple[_Chunk, ...]  # by offset
+
+
+class ReadPlan(NamedTuple):
+    """What a load of one region of a field reads (`plan_reads`): every shard it touches, each
+    with its chunks' offsets, checksums and places, and the chunks that go through buffers of
+    their own (compressed, or covered in part), decoded and copied into their place. Made from
+    the manifest and the output's geometry only: a load of the same region of the same entry
+    into an output of the same shape reuses it (`Store._read_plan`)."""
+
+    shards: tuple[_ShardRead, ...]
+    scratch: tuple[tuple[tuple[slice, ...], tuple[slice, ...]], ...]  # (into the region, into the chunk)
 
 
 def copy_into(dst: Encoded, src: Encoded) -> None:
@@ -51,84 +72,237 @@ def copy_into(dst: Encoded, src: Encoded) -> None:
         np.copyto(dst.scales, src.scales)
 
 
-def read_chunks(backend: Backend, info: EntryInfo, array: ArrayLayout, shard: tuple[int, ...],
-                items: list[ChunkSlice], out: Encoded) -> None:
-    """Read the inner chunks `items` (`chunk_plan` rows) of one shard of the field into `out`
-    by byte range (offsets from the manifest) from the shard of each stored array (codes,
-    scales), each chunk checked against its crc32c and size.
+def _address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
 
-    A chunk covered whole, uncompressed, whose place in `out` is contiguous is read straight
-    into it (no intermediate bytes); the others go through buffers of their own. A field encoded
-    by a codec plug-in that is not installed raises `MissingCodec` before anything is read."""
-    if array.codec.plugin:  # no byte is read for a field nobody here can decode
-        array.codec.impl(info.id, array.field)  # MissingCodec, one line naming the plug-in
+
+def _runs(a: np.ndarray, base: int) -> tuple[tuple[int, int], ...] | None:
+    """The bytes of the view `a` in C order as contiguous runs `(start - base, bytes)` (None:
+    more than `MAX_RUNS`). A chunk of a field split along its last axis (the conv state at
+    tp=1) lies in the output as one run per row."""
+    if a.size == 0:
+        return ()
+    start = _address(a) - base
+    if a.flags.c_contiguous:
+        return ((start, a.nbytes),)
+    k, inner = a.ndim, a.itemsize
+    while k > 0 and (a.shape[k - 1] == 1 or a.strides[k - 1] == inner):  # the contiguous trailing axes
+        inner *= a.shape[k - 1]
+        k -= 1
+    if math.prod(a.shape[:k]) > MAX_RUNS:
+        return None
+    starts = np.array([start], np.int64)
+    for n, stride in zip(a.shape[:k], a.strides[:k], strict=True):
+        starts = (starts[:, None] + np.arange(n, dtype=np.int64) * stride).reshape(-1)
+    return tuple((s, inner) for s in starts.tolist())
+
+
+class _Geometry(NamedTuple):
+    """The layout part of a `ReadPlan`: the same for every layer of a field, and for every entry
+    whose array is alike (a field's chunks, shards and places in the output). Per shard and
+    stored array (codes, scales), its key and its chunks' keys, each as the text before and
+    after the layer's coordinate, and where each chunk goes: `(runs, bytes)` (read straight into
+    the output) or an index into `scratch` (the chunk's covered part, as slices into the
+    region's block and into the chunk)."""
+
+    shards: tuple[tuple[tuple[str, str], int, tuple[tuple[tuple[str, str], Any], ...]], ...]
+    scratch: tuple[tuple[tuple[slice, ...], tuple[slice, ...]], ...]
+
+
+#: `_geometry`'s cache: (array, region less its layer, the output's shapes and strides,
+#: compressed) -> it. Module wide, as `plan.chunk_plan`'s: every layer of a field, and entries of
+#: one model and length, share one, whatever their Store.
+_GEOMETRIES: dict[tuple, _Geometry] = {}
+_GEOMETRIES_MAX = 4096
+
+
+def _split(key: str, coords: tuple[int, ...], by_layer: bool) -> tuple[str, str]:
+    """A chunk's or shard's key as (the text before its layer coordinate, after it): the key of
+    the same chunk of another layer is the one joined by that layer's number."""
+    if by_layer:
+        head, _, tail = key.partition("/c.")
+        layer, dot, rest = tail.partition(".")
+        if layer == str(coords[0]) and dot:
+            return f"{head}/c.", dot + rest
+    return key, ""
+
+
+def _geometry(array: ArrayLayout, region: Sequence[slice], out: Encoded, compressed: bool) -> tuple[_Geometry, str]:
+    """The geometry of a load of `region` of `array` into `out` (cached), and the text of its
+    layer coordinate that joins its keys' halves."""
+    bounds = tuple((s.start, s.stop) for s in region)
+    # every layer alike: one layer a chunk and a shard along axis 0 (as `format.geometry` cuts them)
+    by_layer = array.chunks[0] == 1 and array.shards[0] == 1 and bounds[0][1] - bounds[0][0] == 1
+    for shared in (True, False) if by_layer else (False,):
+        key = (array, bounds[1:] if shared else bounds, out.payload.shape, out.payload.strides,
+               out.scales.shape, out.scales.strides, compressed)
+        geometry = _GEOMETRIES.get(key)
+        if geometry is None:
+            geometry = _build_geometry(array, region, out, compressed, shared)
+            if geometry is None:
+                continue  # keys of another shape: one geometry per layer
+            if len(_GEOMETRIES) >= _GEOMETRIES_MAX:
+                _GEOMETRIES.clear()
+            _GEOMETRIES[key] = geometry
+        return geometry, str(bounds[0][0]) if shared else ""
+    raise AssertionError("unreachable: a geometry of one layer always splits")
+
+
+def _build_geometry(array: ArrayLayout, region: Sequence[slice], out: Encoded, compressed: bool,
+                    by_layer: bool) -> _Geometry | None:
+    """`_geometry`'s work (None: `by_layer` and a key does not split at the layer)."""
     parts = array.parts
-    comp = numcodecs_compressor(info.manifest.get("compressor"))
-    sums = info.manifest["checksums"]
-    plans = []
-    for item in items:
-        dst = out.region(item.into_region)
-        direct = (comp is None and item.whole and dst.payload.flags.c_contiguous
-                  and dst.scales.flags.c_contiguous)
-        plans.append(_ChunkRead(item, dst, direct))
-    scratch: dict[int, list[bytes | bytearray]] = {}
-    for pi, part in enumerate(parts):
-        skey = part.shard_key(shard)
-        want_shard = info.manifest["shards"].get(skey)
+    bases = (_address(out.payload), _address(out.scales))
+    # per shard, its chunks: (item, (runs of its codes, of its scales)) when read straight into
+    # `out`, else (item, its index in `scratch`)
+    by_shard: dict[tuple[int, ...], list[tuple[ChunkSlice, Any]]] = {}
+    scratch: list[tuple[tuple[slice, ...], tuple[slice, ...]]] = []
+    for item in chunk_plan(array, list(region)):
+        where: Any = None
+        if not compressed and item.whole:
+            dst = out.region(item.into_region)
+            where = (_runs(dst.payload, bases[0]), _runs(dst.scales, bases[1]))
+            if where[0] is None or (len(parts) > 1 and where[1] is None):
+                where = None
+        if where is None:
+            where = len(scratch)
+            scratch.append((item.into_region, item.into_chunk))
+        by_shard.setdefault(array.shard_of(item.coords), []).append((item, where))
+    shards = []
+    for shard, rows in by_shard.items():
+        for pi, part in enumerate(parts):
+            chunks = []
+            for item, where in rows:
+                ckey = _split(part.chunk_key(item.coords), item.coords, by_layer)
+                chunks.append((ckey, where if isinstance(where, int) else (where[pi], sum(n for _, n in where[pi]))))
+            skey = _split(part.shard_key(shard), shard, by_layer)
+            if by_layer and not all(k[1] for k in (skey, *(c[0] for c in chunks))):
+                return None
+            shards.append((skey, pi, tuple(chunks)))
+    return _Geometry(tuple(shards), tuple(scratch))
+
+
+def plan_reads(info: EntryInfo, array: ArrayLayout, region: Sequence[slice], out: Encoded) -> ReadPlan:
+    """The plan of reading the inner chunks of `region` of the field into `out` by byte range
+    (offsets from the manifest) from the shard files of each stored array (codes, scales), each
+    chunk checked against its crc32c and size (`read_planned`).
+
+    A chunk covered whole and uncompressed is read straight into its place in `out` (no
+    intermediate bytes), also where that place is a few runs apart (`_runs`: one buffer of the
+    `preadv` each); the others go through buffers of their own. `CorruptEntry` if the manifest
+    lacks a checksum, or gives a chunk read straight in another size than its place."""
+    compressed = numcodecs_compressor(info.manifest.get("compressor")) is not None
+    geometry, layer = _geometry(array, region, out, compressed)
+    sums, sizes = info.manifest["checksums"], info.manifest["shards"]
+    shards = []
+    for (shead, stail), pi, places in geometry.shards:
+        skey = shead + layer + stail if stail else shead
+        want_shard = sizes.get(skey)
         if want_shard is None:
             raise CorruptEntry(info.id, f"the manifest has no checksum for shard {skey}")
-        jobs = []
-        for ii, plan in enumerate(plans):
-            ckey = part.chunk_key(plan.chunk.coords)
+        chunks = []
+        for (head, tail), where in places:
+            ckey = head + layer + tail if tail else head
             expected = sums.get(ckey)
             if expected is None:
                 raise CorruptEntry(info.id, f"the manifest has no checksum for chunk {ckey}")
             crc, size, offset = expected
-            buf = None
-            if plan.direct:
-                target = plan.dst.payload if pi == 0 else plan.dst.scales
-                views = [target.data.cast("B")]
-                if views[0].nbytes != size:
-                    raise CorruptEntry(info.id, f"chunk {ckey} is {size} bytes in the manifest, its "
-                                       f"shape and codec make {views[0].nbytes}")
+            if isinstance(where, int):
+                chunks.append(_Chunk(offset, ckey, crc, size, None, where))
+                continue
+            runs, nbytes = where
+            if nbytes != size:
+                raise CorruptEntry(info.id, f"chunk {ckey} is {size} bytes in the manifest, its "
+                                   f"shape and codec make {nbytes}")
+            chunks.append(_Chunk(offset, ckey, crc, size, runs, -1))
+        chunks.sort(key=lambda c: c.offset)
+        shards.append(_ShardRead(skey, f"{info.path}/{skey}", want_shard[1], pi, tuple(chunks)))
+    return ReadPlan(tuple(shards), geometry.scratch)
+
+
+def _crc_of(views: list[memoryview], n: int) -> int:
+    """The crc32c of the first `n` bytes of `views` (what a read put there)."""
+    crc = 0
+    for v in views:
+        if n <= 0:
+            break
+        crc = crc32c(v if v.nbytes <= n else v[:n], value=crc)
+        n -= v.nbytes
+    return crc
+
+
+def read_planned(backend: Backend, info: EntryInfo, array: ArrayLayout, plan: ReadPlan, out: Encoded,
+                 payload: np.ndarray, scales: np.ndarray) -> None:
+    """Read what `plan` says into `out` (views of the flat `payload` bytes and `scales`): one
+    `read_ranges_into` per shard file, each chunk checked against its crc32c and size as soon as
+    it is read (a local file: its bytes still in the CPU's cache), before the next one is read;
+    `CorruptEntry` on the first that fails, on a shard file of another size than the manifest's,
+    or a missing one. A field encoded by a codec plug-in that is not installed raises
+    `MissingCodec` before anything is read."""
+    if array.codec.plugin:  # no byte is read for a field nobody here can decode
+        array.codec.impl(info.id, array.field)  # MissingCodec, one line naming the plug-in
+    flat = (payload.data.cast("B"), scales.view(np.uint8).data.cast("B"))
+    bases = (_address(out.payload) - _address(payload), _address(out.scales) - _address(scales))
+    comp = numcodecs_compressor(info.manifest.get("compressor")) if plan.scratch else None
+    scratch: dict[int, list[bytes | bytearray]] = {}
+    scratch_keys: dict[int, str] = {}
+    for shard in plan.shards:
+        buf, base = flat[shard.part], bases[shard.part]
+        ranges: list[tuple[int, list[memoryview]]] = []
+        own: list[bytearray | None] = []
+        for c in shard.chunks:
+            if c.runs is None:
+                b = bytearray(c.size)
+                ranges.append((c.offset, [memoryview(b)]))
+                own.append(b)
+                continue
+            if len(c.runs) == 1:
+                ((s, n),) = c.runs
+                ranges.append((c.offset, [buf[base + s : base + s + n]]))
             else:
-                buf = bytearray(size)
-                views = [memoryview(buf)]
-            jobs.append(_RangeRead(offset, ckey, crc, size, views, buf, ii))
-        jobs.sort(key=lambda j: j.offset)
-        try:
-            fsize, got = backend.read_ranges_into(f"{info.path}/{skey}", [(j.offset, j.views) for j in jobs])
-        except FileNotFoundError:
-            raise CorruptEntry(info.id, f"shard {skey} is missing (it holds chunk {jobs[0].key})") from None
-        if fsize != want_shard[1]:
-            raise CorruptEntry(
-                info.id,
-                f"shard {skey} (holding chunk {jobs[0].key}) is {fsize} bytes, expected {want_shard[1]} bytes: "
-                "truncated or overwritten; delete the entry (anchorkv rm) and recompute",
-            )
-        for job, n in zip(jobs, got, strict=True):
-            crc = 0
-            for v in job.views:
-                crc = crc32c(v, value=crc)
-            if n != job.size or crc != job.crc:
+                ranges.append((c.offset, [buf[base + s : base + s + n] for s, n in c.runs]))
+            own.append(None)
+
+        def check(fsize: int, i: int, n: int, shard: _ShardRead = shard,
+                  ranges: list[tuple[int, list[memoryview]]] = ranges) -> None:
+            if fsize != shard.size:
                 raise CorruptEntry(
                     info.id,
-                    f"chunk {job.key} fails its check: expected {job.size} bytes with crc32c {job.crc:#010x} at "
-                    f"bytes {job.offset}-{job.offset + job.size} of shard {skey}, found {n} bytes with crc32c "
+                    f"shard {shard.key} (holding chunk {shard.chunks[0].key}) is {fsize} bytes, expected "
+                    f"{shard.size} bytes: truncated or overwritten; delete the entry (anchorkv rm) and recompute",
+                )
+            c = shard.chunks[i]
+            views = ranges[i][1]
+            crc = crc32c(views[0], value=0) if n == c.size and len(views) == 1 else _crc_of(views, n)
+            if n != c.size or crc != c.crc:
+                raise CorruptEntry(
+                    info.id,
+                    f"chunk {c.key} fails its check: expected {c.size} bytes with crc32c {c.crc:#010x} at "
+                    f"bytes {c.offset}-{c.offset + c.size} of shard {shard.key}, found {n} bytes with crc32c "
                     f"{crc:#010x}; delete the entry (anchorkv rm) and recompute",
                 )
-            if job.buf is not None:
-                scratch.setdefault(job.item, []).append(comp.decode(job.buf) if comp is not None else job.buf)
+
+        try:
+            _, got = backend.read_ranges_into(shard.path, ranges, check=check)
+        except FileNotFoundError:
+            raise CorruptEntry(info.id, f"shard {shard.key} is missing (it holds chunk {shard.chunks[0].key})") \
+                from None
+        if len(got) != len(ranges):  # a backend must check every range it read
+            raise CorruptEntry(info.id, f"shard {shard.key}: {len(got)} of {len(ranges)} chunks were read")
+        for c, mine in zip(shard.chunks, own, strict=True):
+            if mine is not None:
+                scratch.setdefault(c.item, []).append(comp.decode(mine) if comp is not None else mine)
+                scratch_keys.setdefault(c.item, c.key)
     for ii, bufs in scratch.items():
-        plan = plans[ii]
+        into_region, into_chunk = plan.scratch[ii]
         pn, sn = array.codec.nbytes(array.chunks)
         sizes = [len(memoryview(b).cast("B")) for b in bufs]
-        if sizes != [pn, sn][: len(parts)]:
-            raise CorruptEntry(info.id, f"chunk {plan.chunk.key} decodes to {sizes} bytes, its shape and codec make "
-                               f"{[pn, sn][: len(parts)]}")
-        scales = np.frombuffer(bufs[1], np.float32) if len(bufs) > 1 else np.empty(0, np.float32)
-        enc = array.codec.views(np.frombuffer(bufs[0], np.uint8), scales, array.chunks)
-        copy_into(plan.dst, enc.region(plan.chunk.into_chunk))
+        if sizes != [pn, sn][: len(array.parts)]:
+            raise CorruptEntry(info.id, f"chunk {scratch_keys[ii]} decodes to {sizes} bytes, its shape and codec "
+                               f"make {[pn, sn][: len(array.parts)]}")
+        sc = np.frombuffer(bufs[1], np.float32) if len(bufs) > 1 else np.empty(0, np.float32)
+        enc = array.codec.views(np.frombuffer(bufs[0], np.uint8), sc, array.chunks)
+        copy_into(out.region(into_region), enc.region(into_chunk))
 
 
 def verify_shard(backend: Backend, info: EntryInfo, array: ArrayLayout, part: Part,

@@ -79,8 +79,8 @@ from anchorkv.store.paths import (
     key_path,
     zarr_json,
 )
-from anchorkv.store.plan import ChunkSlice, chunk_plan, rank_region
-from anchorkv.store.reader import copy_into, read_chunks, verify_shard
+from anchorkv.store.plan import rank_region
+from anchorkv.store.reader import ReadPlan, copy_into, plan_reads, read_planned, verify_shard
 from anchorkv.store.settings import cores
 from anchorkv.store.writer import EntryWriter
 
@@ -140,6 +140,8 @@ class Store:
         self._arrays: _Recent[str, tuple[EntryInfo, dict[str, ArrayLayout]]] = _Recent(CACHED_MANIFESTS)
         self._fingerprints: dict[int, tuple[Any, str]] = {}
         self._checked: _Recent[tuple, EntryInfo] = _Recent(8 * CACHED_MANIFESTS)
+        #: read plans of loads (`_read_plan`), with the manifest object each came from
+        self._plans: _Recent[tuple, tuple[EntryInfo, ReadPlan]] = _Recent(READ_PLANS)
         self._warned: set[str] = set()
         self.pins = eviction.Pins()
         self._touched: _Recent[str, float] = _Recent(8 * CACHED_MANIFESTS)
@@ -224,7 +226,8 @@ class Store:
     def begin_entry(self, layout: ModelLayout, codecs: Mapping[str, CodecSpec | str],
                     tokens: Sequence[int] | np.ndarray, *,
                     num_tokens: int | None = None, anchor: str | None = None, write_id: str | None = None,
-                    compressor: dict[str, Any] | None = None, scope: str | None = None) -> EntryWriter:
+                    compressor: dict[str, Any] | None = None, scope: str | None = None,
+                    window_align: int = 1) -> EntryWriter:
         """Start writing this rank's part of the entry for the first `num_tokens` of `tokens`.
 
         layout: this rank's `ModelLayout` (its tp_size/tp_rank say which slice it writes);
@@ -233,7 +236,9 @@ class Store:
         anchor or None for a token-keyed entry; write_id: the same string on every rank of one
         save (default: a fresh one, enough when tp_size == 1); compressor: an optional lossless
         stage, ``{"id": "zstd", "level": 3}``; scope: an isolation scope folded into the key and
-        prefix hash (never stored in clear; a lookup must pass the same scope to see the entry).
+        prefix hash (never stored in clear; a lookup must pass the same scope to see the entry);
+        window_align: a sliding-window field keeps rows from a multiple of this (whole blocks of
+        an engine whose in-block token order is opaque) at or before its window's first token.
         """
         fp = self._fingerprint(layout)
         hasher = PrefixHasher(tokens, fp, scope)
@@ -246,7 +251,7 @@ class Store:
         key = self.key_for(fp, anchor=norm, tokens=hasher.tokens[:n], scope=scope)
         phash = hasher.hash(n)
         numcodecs_compressor(compressor)  # validates
-        arrays = array_layouts(layout, dict(codecs), n)
+        arrays = array_layouts(layout, dict(codecs), n, window_align=window_align)
         for a in arrays.values():
             a.rank_range(layout.tp_size, layout.tp_rank)  # the rank's slice must be whole chunks
         wid = write_id or uuid.uuid4().hex
@@ -680,11 +685,7 @@ class Store:
                       zero_chunk(encoding, (1, 1, *whole[2:])))
             out = Encoded(out.encoding, out.payload[:, lead:], out.scales[:, lead:])
         with self.pins.pinned(info.id):
-            by_shard: dict[tuple[int, ...], list[ChunkSlice]] = {}
-            for item in chunk_plan(array, region):
-                by_shard.setdefault(array.shard_of(item.coords), []).append(item)
-            for shard, items in by_shard.items():
-                read_chunks(self.backend, info, array, shard, items, out)
+            read_planned(self.backend, info, array, self._read_plan(info, array, region, out), out, payload, scales)
             if array.kind == "paged":
                 end = -(-array.shape[1] // array.chunks[1]) * array.chunks[1]
                 if region[1].stop > end:
@@ -695,6 +696,20 @@ class Store:
         cols = encoding.columns
         return Packed(encoding.spec, shape, lf.dtype, payload_t,
                       scales_t.view(-1, cols) if cols else torch.empty(0, 0, dtype=torch.float32))
+
+    def _read_plan(self, info: EntryInfo, array: ArrayLayout, region: builtins.list[slice],
+                   out: Encoded) -> ReadPlan:
+        """What a load of `region` of `array` into `out` reads (`reader.plan_reads`), kept with the
+        manifest object it came from (as `_arrays`): every load of the same slice of the entry
+        (a restore of it again, another request's) reuses it."""
+        key = (info.id, array.field, tuple((s.start, s.stop) for s in region),
+               out.payload.shape, out.payload.strides, out.scales.shape, out.scales.strides)
+        cached = self._plans.get(key)
+        if cached is not None and cached[0] is info:
+            return cached[1]
+        plan = plan_reads(info, array, region, out)
+        self._plans[key] = (info, plan)
+        return plan
 
     def _check_array(self, info: EntryInfo, array: ArrayLayout, layout: ModelLayout, lf: Field) -> None:
         """The entry's array agrees with the reader's layout (layers holding the field, logical
@@ -883,6 +898,9 @@ class Store:
 SHARED_READS = 8
 #: Entries whose manifest (and arrays) a `Store` keeps in memory, the most recently used.
 CACHED_MANIFESTS = 512
+#: Read plans a `Store` keeps (one per field, layer and slice loaded: 47 a Kimi-Linear request at
+#: tp=1, ~1 KiB each), the most recently used.
+READ_PLANS = 4096
 
 K = TypeVar("K")
 V = TypeVar("V")

@@ -127,6 +127,32 @@ class BackendTests:
         assert size == 100 and got == [10, 5]
         assert bytes(head) == data[:10] and bytes(tail[:5]) == data[95:]
 
+    def test_read_ranges_into_checks_each_range_in_order(self, backend: Backend) -> None:
+        """`check(size, i, bytes read)` once per range, in order, after its bytes are in; what
+        it raises stops the read and reaches the caller."""
+        backend.ensure_root()
+        data = _payload(300, 4)
+        backend.write("checked", [data])
+        seen = []
+        a, b, c = bytearray(10), bytearray(20), bytearray(50)
+
+        def check(size: int, i: int, n: int) -> None:
+            seen.append((size, i, n, bytes((a, b, c)[i][:n])))
+
+        size, got = backend.read_ranges_into("checked", [(0, [memoryview(a)]), (10, [memoryview(b)]),
+                                                         (280, [memoryview(c)])], check=check)
+        assert size == 300 and got == [10, 20, 20]
+        assert seen == [(300, 0, 10, data[:10]), (300, 1, 20, data[10:30]), (300, 2, 20, data[280:])]
+
+        class Stop(Exception):
+            pass
+
+        def refuse(size: int, i: int, n: int) -> None:
+            raise Stop(i)
+
+        with pytest.raises(Stop, match="0"):
+            backend.read_ranges_into("checked", [(0, [memoryview(a)]), (10, [memoryview(b)])], check=refuse)
+
     def test_exists(self, backend: Backend) -> None:
         backend.ensure_root()
         assert not backend.exists("k/zarr.json")

@@ -105,9 +105,9 @@ class TestStoreConformance:
         calls = []
         real = store.backend.read_ranges_into
 
-        def spy(path, ranges):
+        def spy(path, ranges, **kw):
             calls.append((path.rsplit("/", 2)[-2:], [(o, sum(v.nbytes for v in views)) for o, views in ranges]))
-            return real(path, ranges)
+            return real(path, ranges, **kw)
 
         store.backend.read_ranges_into = spy
         try:

@@ -57,7 +57,7 @@ def test_entry_being_loaded_is_not_evicted(store):
             assert release.wait(30), "the test never released the reader"
 
     store.backend.read = lambda path: (hold(path), real_read(path))[1]
-    store.backend.read_ranges_into = lambda path, bufs: (hold(path), real_read_ranges_into(path, bufs))[1]
+    store.backend.read_ranges_into = lambda path, *a, **k: (hold(path), real_read_ranges_into(path, *a, **k))[1]
     try:
         fut = store.load_async(a, tiny_layout(), "model.layers.0.attn", "recurrent")
         assert reading.wait(30), "the load never started reading"

@@ -20,7 +20,7 @@ from typing import Any
 
 from anchorkv.store.backends._local import LocalBackend
 from anchorkv.store.backends._object import ObjectBackend
-from anchorkv.store.backends._protocol import Backend, Buffers
+from anchorkv.store.backends._protocol import Backend, Buffers, RangeCheck
 from anchorkv.store.errors import StoreUnavailable
 from anchorkv.store.paths import TRASH
 
@@ -41,4 +41,4 @@ def open_backend(url: str | os.PathLike, **options: Any) -> Backend:
     return LocalBackend(text.removeprefix("file://"))
 
 
-__all__ = ["TRASH", "Backend", "Buffers", "LocalBackend", "ObjectBackend", "open_backend"]
+__all__ = ["TRASH", "Backend", "Buffers", "LocalBackend", "ObjectBackend", "RangeCheck", "open_backend"]

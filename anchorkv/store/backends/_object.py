@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
 
-from anchorkv.store.backends._protocol import Buffers
+from anchorkv.store.backends._protocol import Buffers, RangeCheck
 from anchorkv.store.errors import StoreUnavailable, explain
 from anchorkv.store.paths import LAST_USE
 
@@ -87,9 +87,11 @@ class ObjectBackend:
                 raise FileNotFoundError(path) from e
             raise
 
-    def read_ranges_into(self, path: str, ranges: list[tuple[int, list[memoryview]]]) -> tuple[int, list[int]]:
+    def read_ranges_into(self, path: str, ranges: list[tuple[int, list[memoryview]]],
+                         check: RangeCheck | None = None) -> tuple[int, list[int]]:
         """As `LocalBackend.read_ranges_into`: one ranged GET from the first range's start to
-        the last one's end (a rank's chunks lie together in a shard), copied into the buffers."""
+        the last one's end (a rank's chunks lie together in a shard), copied into the buffers;
+        `check(object size, i, bytes read)` after range `i` is copied."""
         import obstore
 
         if not ranges:
@@ -119,6 +121,8 @@ class ObjectBackend:
                 if k < v.nbytes:
                     break
             got.append(n)
+            if check is not None:
+                check(size, len(got) - 1, n)
         return size, got
 
     def size(self, path: str) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -10,6 +10,9 @@ if TYPE_CHECKING:
 
 #: What `Backend.write` takes: the file's bytes as a sequence of buffers, written in order.
 Buffers = Sequence[bytes | bytearray | memoryview]
+#: What `Backend.read_ranges_into` calls after each range: (the object's size, the range's index,
+#: the bytes read into it); it raises to stop the read (`reader.read_planned`: a chunk's checksum).
+RangeCheck = Callable[[int, int, int], None]
 
 
 @runtime_checkable
@@ -48,10 +51,14 @@ class Backend(Protocol):
     def read(self, path: str) -> bytes:
         """The whole object."""
 
-    def read_ranges_into(self, path: str, ranges: list[tuple[int, list[memoryview]]]) -> tuple[int, list[int]]:
+    def read_ranges_into(self, path: str, ranges: list[tuple[int, list[memoryview]]],
+                         check: RangeCheck | None = None) -> tuple[int, list[int]]:
         """Read byte ranges of an object into buffers: each range `(offset, buffers)` fills its
-        buffers in order from `offset`. Returns (the object's size, bytes read per range: less
-        than asked where the object ends early)."""
+        buffers in order from `offset`. `check(the object's size, i, bytes read into range i)`,
+        if given, is called for every range in order once its bytes are in (a local file: right
+        after, before the next range is read); what it raises stops the read and propagates.
+        Returns (the object's size, bytes read per range: less than asked where the object ends
+        early)."""
 
     def write(self, path: str, buffers: Buffers, *, atomic: bool = False) -> None:
         """Write an object from `buffers` (creating its directories); `atomic`: readers see the

@@ -1,0 +1,142 @@
+"""The load's read path (`anchorkv.store.reader`): read plans, chunks read straight into their
+place in runs, each chunk checked as soon as it is read, plans reused only with their manifest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anchorkv.codec import HostArena
+from anchorkv.store import CorruptEntry
+from anchorkv.store import reader as reader_module
+from anchorkv.store.backends import _local
+from anchorkv.store.store import Store
+from tests.store.helpers import CODECS, RAW_CODECS, all_packed, tiny_layout, tokens
+
+N = 700
+
+
+def _save(store: Store, codecs=CODECS, seed: int = 0):
+    layout = tiny_layout()
+    return store.save(layout, codecs, tokens(N), all_packed(layout, codecs, N, seed), anchor="read-path")
+
+
+def _equal(got, ref, paged: bool) -> bool:
+    if not paged:
+        return torch.equal(got.payload, ref.payload) and torch.equal(got.scales, ref.scales)
+    k = N * got.payload.numel() // got.shape[0] // got.shape[1]  # the stored tokens' bytes
+    return torch.equal(got.payload[:k], ref.payload[:k]) and torch.equal(got.scales[:N], ref.scales[:N])
+
+
+@pytest.mark.parametrize("codecs", [CODECS, RAW_CODECS], ids=["quant", "raw"])
+def test_chunks_split_along_the_last_axis_are_read_straight_into_their_rows(tmp_path, codecs):
+    """The conv state is chunked along its last axis (channels): at tp=1 each chunk lies in the
+    load's output as one run per row. It is read there by one `preadv` of several buffers, no
+    chunk through a buffer of its own, and every byte is what was saved."""
+    store = Store.open(tmp_path / "s")
+    info = _save(store, codecs)
+    layout = tiny_layout()
+    arena = HostArena(pin=False)
+    for (layer, field), ref in all_packed(layout, codecs, N).items():
+        got = store.load(info.id, layout, layer, field, host=arena)
+        assert _equal(got, ref, layout.layer(layer).kind.value == "paged"), (layer, field)
+    plans = [plan for key, (_, plan) in store._plans._items.items() if key[1] == "conv"]
+    assert plans and all(not plan.scratch for plan in plans)
+    runs = [len(c.runs) for plan in plans for shard in plan.shards for c in shard.chunks]
+    assert min(runs) == 3 * 3, runs  # [1, 3 taps, 3, 8 channels]: 9 rows of each chunk
+
+
+def test_a_flipped_byte_of_a_chunk_read_in_runs_is_detected(tmp_path):
+    store = Store.open(tmp_path / "s")
+    info = _save(store)
+    key, shard = "conv/c.2.0.0.5", "conv/c.2.0.0.0"  # channels 40-47 of the third state layer, codes
+    assert info.arrays()["conv"].layers[2] == "model.layers.3.attn"
+    crc, size, offset = info.manifest["checksums"][key]
+    path = f"{info.path}/{shard}"
+    data = bytearray(store.backend.read(path))
+    data[offset + size - 1] ^= 0x10  # its last row
+    store.backend.write(path, [bytes(data)])
+    with pytest.raises(CorruptEntry, match=f"{info.id}.*chunk {key} fails its check.*{shard}"):
+        Store.open(tmp_path / "s").load(info.id, tiny_layout(), "model.layers.3.attn", "conv")
+    # tp=2 rank 0 reads channels 0-31 only: intact
+    assert Store.open(tmp_path / "s").load(info.id, tiny_layout(2, 0), "model.layers.3.attn", "conv") is not None
+
+
+def test_each_chunk_is_checked_before_the_next_is_read(tmp_path, monkeypatch):
+    """A local load reads a shard chunk by chunk and checks each right after its read (its
+    bytes still in the CPU's cache); the first that fails stops the read, so the chunks after
+    it are never read into the caller's memory."""
+    store = Store.open(tmp_path / "s")
+    info = _save(store, RAW_CODECS)
+    layer = "model.layers.1.attn"
+    events: list[str] = []
+    real_preadv, real_crc = _local._preadv_all, reader_module.crc32c
+    monkeypatch.setattr(_local, "_preadv_all", lambda *a: (events.append("read"), real_preadv(*a))[1])
+    monkeypatch.setattr(reader_module, "crc32c", lambda *a, **k: (events.append("check"), real_crc(*a, **k))[1])
+    fresh = Store.open(tmp_path / "s")
+    ref = all_packed(tiny_layout(), RAW_CODECS, N)[(layer, "recurrent")]
+    assert torch.equal(fresh.load(info.id, tiny_layout(), layer, "recurrent").payload, ref.payload)
+    assert events == ["read", "check"] * 8, events  # 8 head chunks, one shard
+    # damage the first chunk: the other seven are not read
+    key, shard = "recurrent/c.1.0.0.0", "recurrent/c.1.0.0.0"
+    crc, size, offset = info.manifest["checksums"][key]
+    path = f"{info.path}/{shard}"
+    data = bytearray(store.backend.read(path))
+    data[offset] ^= 0x01
+    store.backend.write(path, [bytes(data)])
+    events.clear()
+    out = torch.full((ref.payload.numel(),), 0xAB, dtype=torch.uint8)
+    with pytest.raises(CorruptEntry, match=f"chunk {key} fails its check"):
+        Store.open(tmp_path / "s").load(info.id, tiny_layout(), layer, "recurrent", host=lambda n: out[:n])
+    assert events == ["read", "check"], events
+    assert bool((out[size:] == 0xAB).all()), "a chunk after the damaged one was read"
+
+
+def test_a_read_plan_is_reused_only_with_its_manifest(tmp_path, monkeypatch):
+    """A load of the same slice again reuses its plan; an entry deleted and saved again under
+    the same id (other bytes, other checksums) is read by a plan of its own manifest."""
+    store = Store.open(tmp_path / "s")
+    info = _save(store, seed=0)
+    layout, layer = tiny_layout(), "model.layers.4.attn"
+    made = []
+    real = reader_module.plan_reads
+    monkeypatch.setattr("anchorkv.store.store.plan_reads", lambda *a: made.append(a[0]) or real(*a))
+    first = store.load(info.id, layout, layer, "latent")
+    again = store.load(info.id, layout, layer, "latent")
+    assert len(made) == 1 and torch.equal(first.payload, again.payload)
+    store.delete(info.id)
+    other = _save(store, seed=5)
+    assert other.id == info.id and other.manifest["checksums"] != info.manifest["checksums"]
+    got = store.load(other.id, layout, layer, "latent")
+    assert len(made) == 2 and made[1] is not made[0]
+    ref = all_packed(layout, CODECS, N, seed=5)[(layer, "latent")]
+    assert _equal(got, ref, paged=True) and not torch.equal(got.payload, first.payload)
+
+
+def test_layers_share_one_geometry_and_keep_their_own_checksums(tmp_path):
+    """Every layer of a field is read by one geometry (its chunks and places), each with the
+    chunk keys and checksums of its own layer: a damaged chunk of one layer fails that layer
+    alone."""
+    reader_module._GEOMETRIES.clear()
+    store = Store.open(tmp_path / "s")
+    info = _save(store, RAW_CODECS)
+    layout = tiny_layout()
+    state = [layer.name for layer in layout.layers if layer.kind.value == "state"]
+    for name in state:
+        store.load(info.id, layout, name, "recurrent")
+    assert sum(1 for key in reader_module._GEOMETRIES if key[0].field == "recurrent") == 1
+    key, shard = "recurrent/c.2.2.0.0", "recurrent/c.2.0.0.0"  # heads 2 of the array's third layer
+    crc, size, offset = info.manifest["checksums"][key]
+    path = f"{info.path}/{shard}"
+    data = bytearray(store.backend.read(path))
+    data[offset + 5] ^= 0x04
+    store.backend.write(path, [bytes(data)])
+    fresh = Store.open(tmp_path / "s")
+    bad = info.arrays()["recurrent"].layers[2]
+    for name in state:
+        if name == bad:
+            with pytest.raises(CorruptEntry, match=f"chunk {key} fails its check"):
+                fresh.load(info.id, layout, name, "recurrent")
+        else:
+            ref = all_packed(layout, RAW_CODECS, N)[(name, "recurrent")]
+            assert torch.equal(fresh.load(info.id, layout, name, "recurrent").payload, ref.payload)
