@@ -26,6 +26,20 @@ Providers (all in the same process, on the same filesystem, none calls fsync):
     safetensors   one safetensors file per layer (`save_file` / `load_file`), as vLLM's
                   ExampleConnector stores KV caches
 
+The load rows above read into fresh memory each round (a new tensor / bytearray per file: page
+faults are a large, noisy part of them) on one thread. The warm load rows (`test_kimi_warm_load`,
+their own group) read as the connector's worker restores: into memory reused round after round,
+on `worker.READ_THREADS` threads (the parts of the request submitted to a pool of that many, as
+`WorkerSide._read` does; 2 on 2 cores), `WARM_ROUNDS` rounds:
+    plain:warm    `readinto` of each plain file into its span of a reused `HostArena` (pageable)
+    store-<codecs>:warm       `Store.load(..., host=arena)` of every part into a reused
+                  `HostArena`, a fresh `Store` each round (the entry's manifest read and its read
+                  plans made inside the timing: a worker's first restore of that entry, after
+                  restores of others of the same model and length: the plans' geometry, module
+                  wide, is warm)
+    store-<codecs>:warm-kept  the same on one `Store` kept across rounds (manifest and read plans
+                  cached: the entry restored again by the same worker)
+
 `extra_info`: `state_GBps` (raw state bytes / time, the same numerator for every provider, so
 compression makes it exceed what the disk moves), `io_GBps` (stored bytes / time), stored
 bytes (on disk), and `ratio_vs_plain` = plain time / this time measured in the same
@@ -215,6 +229,44 @@ def store_load(req: Request, root: Path, entry: str):
     return [store.load(entry, req.layout, layer, field) for layer, field in req.raw]
 
 
+class WarmReads:
+    """The warm load rows' reader: the request's parts read on `READ_THREADS` threads (a pool
+    the parts are all submitted to, as the connector's worker reads a restore) into one reused
+    `HostArena` (pageable), reset before each round."""
+
+    def __init__(self, req: Request) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from anchorkv.codec.api import HostArena
+        from anchorkv.connector.worker import READ_THREADS
+
+        self.req, self.threads = req, READ_THREADS
+        self.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="bench-read")
+        self.arena = HostArena(pin=False)
+
+    def _all(self, read) -> list:
+        self.arena.reset()
+        futures = [self.pool.submit(read, layer, field) for layer, field in self.req.raw]
+        return [f.result() for f in futures]
+
+    def plain(self, root: Path) -> list[torch.Tensor]:
+        def read(layer: str, field: str) -> torch.Tensor:
+            buf = self.arena(self.req.raw[(layer, field)].nbytes)
+            with open(_layer_file(root, layer, field), "rb", buffering=0) as f:
+                n = f.readinto(memoryview(buf.numpy()))
+            assert n == buf.numel()
+            return buf
+        return self._all(read)
+
+    def store(self, root: Path, entry: str, store: Store | None = None) -> list:
+        # fresh: the manifest is read in the timing (opened read-only: no write probe)
+        s = store if store is not None else Store.open(root, create=False)
+        return self._all(lambda layer, field: s.load(entry, self.req.layout, layer, field, host=self.arena))
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
 # ----------------------------------------------------------------------------- harness
 
 
@@ -310,6 +362,9 @@ def _run(benchmark, op: str, provider: str, req: Request, root: Path, rounds: in
 
 
 PROVIDERS = ["plain", "store-raw", "store-quant", "safetensors"]
+WARM_PROVIDERS = ["plain:warm", "store-raw:warm", "store-quant:warm", "store-raw:warm-kept", "store-quant:warm-kept"]
+#: rounds of the warm load rows (each ~5-20 ms here; the 5 of the others left medians 30% apart)
+WARM_ROUNDS = 25
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -354,3 +409,48 @@ def test_short_entries(benchmark, op, tokens, provider, quick, rounds, tmp_path_
     req = request(tokens, ("paged",), block=tokens)
     _run(benchmark, op, provider, req, tmp_path_factory.mktemp("short"), rounds,
          f"mla latent x7 {tokens} tokens (short) {op}")
+
+
+@pytest.mark.parametrize("provider", WARM_PROVIDERS)
+def test_kimi_warm_load(benchmark, provider, quick, rounds, tmp_path_factory):
+    """The request's load as the connector's worker reads a restore: into reused memory, on
+    `READ_THREADS` threads (`WarmReads`), against plain files read the same way (`plain:warm`,
+    the first row of its group); `WARM_ROUNDS` rounds."""
+    req = request(TOKENS)
+    root = tmp_path_factory.mktemp("warm")
+    n = rounds if quick else max(rounds, WARM_ROUNDS)
+    reads = WarmReads(req)
+    kind, _, how = provider.partition(":")
+    try:
+        if kind == "plain":
+            plain_save(req, root)
+            fn = lambda: reads.plain(root)  # noqa: E731
+        else:
+            entry = store_save(req, root, kind.removeprefix("store-")).id
+            kept = Store.open(root) if how == "warm-kept" else None
+            fn = lambda: reads.store(root, entry, kept)  # noqa: E731
+        benchmark.group = (f"kimi-linear request tp=1 {TOKENS} tokens load (warm: reused memory, "
+                           f"{reads.threads} threads)")
+        # two warm-ups: the first sizes the arena (several slabs), the second makes it one slab
+        benchmark.pedantic(fn, rounds=n, iterations=1, warmup_rounds=2)
+        median = benchmark.stats.stats.median
+        key = ("load-warm", req.tokens, tuple(sorted(req.raw)))
+        if kind == "plain":
+            _plain[key] = median
+        elif key not in _plain:  # the plain row was deselected: measure it here
+            d = tmp_path_factory.mktemp("warm-plain")
+            plain_save(req, d)
+            _plain[key] = _time(lambda: reads.plain(d), lambda: None, n)
+    finally:
+        reads.close()
+    plain = _plain[key]
+    size, alloc = tree_bytes(root)
+    info = {
+        "op": "load", "provider": provider, "tokens": req.tokens, "raw_bytes": req.raw_bytes,
+        "median_s": round(median, 6), "rounds": n, "threads": reads.threads,
+        "state_GBps": round(req.raw_bytes / median / 1e9, 3), "io_GBps": round(size / median / 1e9, 3),
+        "stored_bytes": size, "allocated_bytes": alloc, "size_vs_raw": round(size / req.raw_bytes, 4),
+        "plain_median_s": round(plain, 6), "ratio_vs_plain": round(plain / median, 3),
+    }
+    benchmark.extra_info.update(info)
+    _rows.append({"group": benchmark.group, **info})
