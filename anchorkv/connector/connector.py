@@ -156,6 +156,7 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
         # attention pages whose in-block token order anchorkv cannot read: whole blocks only
         opaque = opaque_kv_layout(kv_cache_config)
         granularity = self.model_layout.block_size if opaque else 1
+        self.store.window_align = granularity  # (a sliding window's rows too: whole blocks)
         # an engine that cannot prefill after restored tokens: restore only what leaves one token
         no_prefill = no_prefill_after_restore(vllm_config)
         # one side per process: the other stays None (see `_scheduler_side`, `_worker_side`)

@@ -152,6 +152,9 @@ class ZarrEntryStore:
                 ) from e
         self.store = store
         self._layouts: dict[tuple[int, int], ModelLayout] = {}
+        #: a sliding-window field keeps rows from a multiple of this (whole blocks of an engine
+        #: whose in-block token order is opaque: a row there is not one token's)
+        self.window_align = 1
 
     def __repr__(self) -> str:
         return f"ZarrEntryStore({self.store.url!r}, codecs={ {k: str(v) for k, v in self.codecs.items()} })"
@@ -249,7 +252,8 @@ class ZarrEntryStore:
         layout = self.layout(tp_size, tp_rank)
         wid = write_id_of(spec, self.fingerprint_hash)
         writer = self.store.begin_entry(layout, self.codecs, spec.token_ids, num_tokens=n,
-                                        anchor=spec.anchor, write_id=wid, scope=spec.scope)
+                                        anchor=spec.anchor, write_id=wid, scope=spec.scope,
+                                        window_align=self.window_align)
         written = 0
         try:
             for (layer, fname), p in parts.items():

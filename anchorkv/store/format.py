@@ -64,7 +64,9 @@ of a field whose plug-in is not installed fails with `MissingCodec` before readi
 **Sliding-window fields** (format version 6): a field of sliding-window attention layers (a
 layer `window`, the tokens a query attends to) keeps only the rows the entry's next query can
 see: tokens `[first_token, T)`, `first_token = max(0, T - window + 1)` (block-independent: the
-restoring engine's blocks may start anywhere before it). Stored as a paged field of
+restoring engine's blocks may start anywhere before it), or a token before it where the writer
+asks (`window_align`: whole blocks of an engine whose in-block token order is opaque, vLLM's
+CPU attention). Stored as a paged field of
 `T - first_token` rows, row 0 being token `first_token`; its array attributes name ``window``
 and ``first_token``. Such a field restores only with the whole entry (a shorter prefix would
 need rows the entry does not keep). An older anchorkv lists such an entry as ``newer-format``.
@@ -621,10 +623,11 @@ def crc32c_combine_fixed(crc1: int, crc2: int, len2: int) -> int:
     return t0[crc1 & 255] ^ t1[(crc1 >> 8) & 255] ^ t2[(crc1 >> 16) & 255] ^ t3[crc1 >> 24] ^ crc2
 
 
-def window_first(num_tokens: int, window: int | None) -> int:
+def window_first(num_tokens: int, window: int | None, align: int = 1) -> int:
     """The first token a sliding-window field of an entry of `num_tokens` tokens keeps (0
-    without a window): the first one the entry's next query attends to."""
-    return 0 if window is None else max(0, num_tokens - window + 1)
+    without a window): the first one the entry's next query attends to, down to a multiple of
+    `align` (whole blocks where the engine's in-block token order is opaque)."""
+    return 0 if window is None else max(0, num_tokens - window + 1) // align * align
 
 
 def shard_chunk(n: int) -> int:
@@ -665,9 +668,9 @@ def geometry(name: str, kind: str, num_layers: int, logical: tuple[int, ...], ax
 
 
 def array_layouts(layout: ModelLayout, codecs: Mapping[str, CodecSpec | str],
-                  num_tokens: int) -> dict[str, ArrayLayout]:
+                  num_tokens: int, *, window_align: int = 1) -> dict[str, ArrayLayout]:
     """The arrays of an entry of `layout` holding `num_tokens` tokens, with shards cut for the
-    writer's tp (`layout.tp_size`)."""
+    writer's tp (`layout.tp_size`); sliding-window fields from `window_first(..., window_align)`."""
     out: dict[str, ArrayLayout] = {}
     fields: dict[str, tuple] = {}
     for layer in layout.layers:
@@ -693,7 +696,7 @@ def array_layouts(layout: ModelLayout, codecs: Mapping[str, CodecSpec | str],
         if kind is LayerKind.PAGED and shard == 0:
             raise FormatError(f"paged field {name!r} cannot be sharded along its token axis")
         axis = None if shard is None else shard + 1
-        first = window_first(num_tokens, window)
+        first = window_first(num_tokens, window, window_align)
         shape, chunks, shards = geometry(name, kind.value, len(layers), logical, axis, num_tokens - first,
                                          layout.tp_size)
         if name not in codecs:

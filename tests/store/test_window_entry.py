@@ -109,7 +109,7 @@ def test_a_save_from_a_later_token_than_the_window_keeps_is_refused(tmp_path):
     lay = layout()
     writer = store.begin_entry(lay, {"kv": "raw", "kv_window": "raw"}, tokens(100), anchor="a")
     try:
-        with pytest.raises(Exception, match="keeps tokens from 61"):
+        with pytest.raises(Exception, match="keeps tokens from 61"):  # (n - window + 1)
             writer.write_layer(lay.layers[0].name, "kv_window", packed_rows(values(0, 100), 64, 112, "raw"),
                                first_token=64)
     finally:
@@ -133,13 +133,40 @@ def test_window_field_reads_as_a_standard_zarr_array(tmp_path):
     assert (attrs["window"], attrs["first_token"]) == (WINDOW, first)  # what a plain reader goes by
 
 
-def test_verify_finds_a_first_token_that_does_not_match_the_window(tmp_path):
+def test_verify_finds_a_first_token_past_the_window(tmp_path):
     from anchorkv.store.manifest import _check_manifest, manifest_checksum
 
     store = Store.open(tmp_path / "s")
     info = save(store, layout(), 100, "raw", from_window=True)
     m = dict(info.manifest)
-    m["arrays"] = {**m["arrays"], "kv_window": {**m["arrays"]["kv_window"], "first_token": 0}}
+    m["arrays"] = {**m["arrays"], "kv_window": {**m["arrays"]["kv_window"], "first_token": 62}}
     m["checksum"] = manifest_checksum(m)
-    assert any("first_token 0" in p for p in _check_manifest(info.id, m))
+    assert any("first_token 62" in p for p in _check_manifest(info.id, m))
     assert _check_manifest(info.id, dict(info.manifest)) == []
+
+
+def test_whole_blocks_of_the_window_where_rows_are_not_tokens(tmp_path):
+    """`window_align`: an engine whose in-block token order is opaque (vLLM's CPU attention)
+    keeps whole blocks: rows from the block of the first attended token, restored as they were
+    (no row zeroed: a row there is not one token's)."""
+    store = Store.open(tmp_path / "s")
+    lay = layout()
+    n, start = 100, window_start(100, WINDOW, BS)
+    writer = store.begin_entry(lay, {"kv": "raw", "kv_window": "raw"}, tokens(n), anchor="a", window_align=BS)
+    blocks = {}
+    for layer in lay.layers:
+        f = layer.page.fields[0].name
+        first = start if layer.window else 0
+        blocks[layer.name] = packed_rows(values(layer.index, n), first, 112, "raw")  # (rows past n: junk)
+        writer.write_layer(layer.name, f, blocks[layer.name], first_token=first)
+    info = writer.commit()
+    assert info.arrays()["kv_window"].first == start == 48 and _check_manifest_ok(info)
+    got = store.load(info, lay, lay.layers[0].name, "kv_window", start_token=start)
+    want = packed_rows(values(0, n), start, 112, "raw", keep=(start, n))  # rows [48, 61) kept too
+    assert torch.equal(got.payload, want.payload)
+
+
+def _check_manifest_ok(info) -> bool:
+    from anchorkv.store.manifest import _check_manifest
+
+    return _check_manifest(info.id, dict(info.manifest)) == []

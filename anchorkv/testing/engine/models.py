@@ -3,6 +3,7 @@
     .venv-engine/bin/python -m anchorkv.testing.engine.models qwen3_next DIR ['{"num_hidden_layers": 6}']
     .venv-engine/bin/python -m anchorkv.testing.engine.models llama DIR
     .venv-engine/bin/python -m anchorkv.testing.engine.models deepseek_v2 DIR
+    .venv-engine/bin/python -m anchorkv.testing.engine.models gemma3 DIR
 
 Runs in the engine environment (its transformers writes the config vLLM reads). Weights come
 from a seeded initialization and are saved with `save_pretrained`, so every engine process of a
@@ -40,7 +41,15 @@ DEEPSEEK_V2 = dict(
     topk_method="greedy", n_group=1, topk_group=1, max_position_embeddings=16384,
     initializer_range=0.1, tie_word_embeddings=False,
 )
-KINDS = ("qwen3_next", "llama", "deepseek_v2")
+#: Gemma 3 text: three sliding-window layers (window 200, longer than vLLM's 128-token CPU block,
+#: so a prompt's early blocks are freed) and one full-attention layer
+GEMMA3 = dict(
+    vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=200,
+    layer_types=["sliding_attention"] * 3 + ["full_attention"], max_position_embeddings=16384,
+    initializer_range=0.1, tie_word_embeddings=False,  # (tied, its greedy tokens repeat one token whatever the prompt)
+)
+KINDS = ("qwen3_next", "llama", "deepseek_v2", "gemma3")
 
 
 def make(kind: str, path: str | Path, seed: int = 0, **overrides) -> Path:
@@ -59,6 +68,9 @@ def make(kind: str, path: str | Path, seed: int = 0, **overrides) -> Path:
     elif kind == "deepseek_v2":
         config = transformers.DeepseekV2Config(**{**DEEPSEEK_V2, **overrides})
         cls = transformers.DeepseekV2ForCausalLM
+    elif kind == "gemma3":
+        config = transformers.Gemma3TextConfig(**{**GEMMA3, **overrides})
+        cls = transformers.Gemma3ForCausalLM
     else:
         raise ValueError(f"model kind must be one of {KINDS}, found {kind!r}")
     torch.manual_seed(seed)
