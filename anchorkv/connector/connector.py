@@ -96,7 +96,8 @@ def tp_rank() -> int:
 
 def raw_entry_size(layout: Any) -> tuple[int, int]:
     """(fixed bytes, bytes per token) of one raw entry of `layout`'s model (every rank's part):
-    the state layers' logical states, and the paged layers' logical rows."""
+    the state layers' logical states and the sliding-window layers' window of rows (at most
+    that many), and the other paged layers' logical rows."""
     from anchorkv.codec import LayerKind
 
     fixed = per_token = 0
@@ -107,6 +108,8 @@ def raw_entry_size(layout: Any) -> tuple[int, int]:
                 n *= d
             if layer.kind is LayerKind.STATE:
                 fixed += n
+            elif layer.window is not None:
+                fixed += n * layer.window
             else:
                 per_token += n
     return fixed, per_token

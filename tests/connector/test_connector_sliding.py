@@ -303,3 +303,12 @@ def test_an_entry_of_another_window_is_not_restored(model_dir, tmp_path, granula
 
 def test_config_parses():  # (the codec keys used above name roles)
     assert ConnectorConfig.from_extra_config({"store": "/x", **RAW}).codec_for("k_window") is not None
+
+
+def test_the_size_estimate_counts_a_window_once():
+    """The start-up sizing line: a sliding layer adds its window's rows once, not per token."""
+    from anchorkv.connector.connector import raw_entry_size
+    from tests.store.test_window_entry import ROW, layout
+
+    lay = layout(window=40)  # 2 sliding and 2 full layers of one bf16 row of ROW values
+    assert raw_entry_size(lay) == (2 * 40 * ROW * 2, 2 * ROW * 2)
