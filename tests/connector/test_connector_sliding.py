@@ -18,7 +18,6 @@ pytest.importorskip("vllm", reason="vLLM not installed; install it with scripts/
 
 import torch  # noqa: E402
 
-from anchorkv.connector.config import ConnectorConfig  # noqa: E402
 from anchorkv.connector.plan import GroupInfo, GroupKind, first_row, select_blocks  # noqa: E402
 from tests.connector import engine as E  # noqa: E402
 from tests.connector import vllm_harness as H  # noqa: E402
@@ -299,10 +298,6 @@ def test_an_entry_of_another_window_is_not_restored(model_dir, tmp_path, granula
     eng2.add("b", eng.tokens["a"][:302] + prompt(30, seed=5), max_tokens=2)
     eng2.run()
     assert stats(eng2)["restored_tokens"] == 0
-
-
-def test_config_parses():  # (the codec keys used above name roles)
-    assert ConnectorConfig.from_extra_config({"store": "/x", **RAW}).codec_for("k_window") is not None
 
 
 def test_the_size_estimate_counts_a_window_once():

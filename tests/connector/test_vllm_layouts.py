@@ -345,6 +345,11 @@ def test_sliding_window_layers_keep_kv_fields_of_their_own(tp):
     f = layout.layer(name).page.field("k_window")
     assert f.logical_shape == (BLOCK, 4, 16) and f.shard_axis == 1 and f.role == "k"
     assert layout.layer(name).window == 43
+    from anchorkv.connector.config import ConnectorConfig
+    from anchorkv.connector.storage_zarr import wanted_codecs
+
+    codecs = wanted_codecs(ConnectorConfig.from_extra_config({"store": "/x", "codec": {"k": "fp8:whole"}}), layout)
+    assert codecs["k_window"].id == "fp8" and codecs["v_window"].id == "raw"  # keyed by role, as `k`
     assert [g.window for g in VL.groups_of(cfg)] == [43]
     full, _, _ = make(LLAMA, tp, state_layers=(), paged_layers=(0, 1))
     assert VL.model_layout(full, LLAMA, tp_size=tp).fingerprint_hash() != layout.fingerprint_hash()
