@@ -429,6 +429,7 @@ def test_kimi_warm_load(benchmark, provider, quick, rounds, tmp_path_factory):
             entry = store_save(req, root, kind.removeprefix("store-")).id
             kept = Store.open(root) if how == "warm-kept" else None
             fn = lambda: reads.store(root, entry, kept)  # noqa: E731
+        os.sync()  # no writeback of what was just written (or of earlier rows) during the rounds
         benchmark.group = (f"kimi-linear request tp=1 {TOKENS} tokens load (warm: reused memory, "
                            f"{reads.threads} threads)")
         # two warm-ups: the first sizes the arena (several slabs), the second makes it one slab
