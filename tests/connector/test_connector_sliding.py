@@ -75,6 +75,13 @@ class SlidingEngine(E.Engine):
         finally:
             out.new_block_ids_to_zero = zero
 
+    @staticmethod
+    def _heads(rank, rows: torch.Tensor, view, kname: str) -> torch.Tensor:
+        """The rank's heads of K/V rows `[..., HEADS, HEAD]` (tp splits the heads)."""
+        per = view.tensor(kname).shape[2]
+        r = rank.connector.worker.tp_rank
+        return rows[..., r * per:(r + 1) * per, :]
+
     def _layers(self, rank):
         for gi, group in enumerate(self.kv.kv_cache_groups):
             for name in group.layer_names:
@@ -94,8 +101,8 @@ class SlidingEngine(E.Engine):
                     lo = lo // bs * bs
                 table = rank.tables[rid][gi]
                 pos = torch.arange(lo, start)
-                want = kv_rows(layer, pos, torch.tensor(toks[lo:start]))
                 kname, vname = self._fields(gi)
+                want = self._heads(rank, kv_rows(layer, pos, torch.tensor(toks[lo:start])), rank.views[name], kname)
                 for p in range(lo, start):
                     block = table[p // bs]
                     if block == 0:
@@ -113,9 +120,10 @@ class SlidingEngine(E.Engine):
             toks = self.tokens[rid]
             rows = {}
             for gi, name, layer in self._layers(rank):
-                if layer not in rows:
-                    rows[layer] = kv_rows(layer, torch.arange(start, start + n), torch.tensor(toks[start:start + n]))
                 kname, vname = self._fields(gi)
+                if layer not in rows:
+                    written = kv_rows(layer, torch.arange(start, start + n), torch.tensor(toks[start:start + n]))
+                    rows[layer] = self._heads(rank, written, rank.views[name], kname)
                 table = rank.tables[rid][gi]
                 for p in range(start, start + n):
                     block = table[p // bs]
@@ -140,7 +148,8 @@ def granularity(request, monkeypatch) -> int:
 
 
 def make_engine(model_dir: str, store: str, *, num_blocks: int = 64, max_num_batched_tokens: int = 48,
-                extra: dict | None = RAW, tp: int = 1, window: int = WINDOW) -> SlidingEngine:
+                extra: dict | None = RAW, tp: int = 1, window: int = WINDOW, monkeypatch=None,
+                reserve_full_isl: bool = True) -> SlidingEngine:
     """The engine; on a platform whose in-block order is opaque (the "cpu" `granularity`) its
     model checks whole blocks of restored rows."""
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -148,11 +157,13 @@ def make_engine(model_dir: str, store: str, *, num_blocks: int = 64, max_num_bat
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
+    import anchorkv.connector.connector as conn_mod
     from anchorkv.connector import AnchorKVConnector
 
     cfg = H.make_vllm_config(model_dir, connector=E.CONNECTOR, connector_module_path=E.MODULE,
                              extra_config={"store": store, **(extra or {})}, enable_prefix_caching=True,
                              block_size=BS, tp=tp, max_num_batched_tokens=max_num_batched_tokens, max_model_len=2048)
+    cfg.scheduler_config.scheduler_reserve_full_isl = reserve_full_isl
     common = dict(block_size=BS, num_kv_heads=HEADS // tp, head_size=HEAD, dtype=torch.bfloat16)
     specs = {H.layer_name(i): SlidingWindowSpec(sliding_window=window, **common) for i in SLIDING}
     specs[H.layer_name(FULL)] = FullAttentionSpec(**common)
@@ -162,7 +173,9 @@ def make_engine(model_dir: str, store: str, *, num_blocks: int = 64, max_num_bat
     assert kv.num_blocks == num_blocks and len(kv.kv_cache_groups) == 4, kv
     scheduler = H.make_scheduler(cfg, kv)
     ranks = []
-    for _ in range(tp):
+    for r in range(tp):
+        if monkeypatch is not None:
+            monkeypatch.setattr(conn_mod, "tp_rank", lambda r=r: r)
         c = AnchorKVConnector(cfg, KVConnectorRole.WORKER, kv)
         caches = H.allocate_kv_caches(kv)
         for t in {t.untyped_storage().data_ptr(): t for t in caches.values()}.values():
@@ -307,3 +320,45 @@ def test_the_size_estimate_counts_a_window_once():
 
     lay = layout(window=40)  # 2 sliding and 2 full layers of one bf16 row of ROW values
     assert raw_entry_size(lay) == (2 * 40 * ROW * 2, 2 * ROW * 2)
+
+
+def test_an_entry_saved_at_tp2_restores_at_tp1(model_dir, tmp_path, granularity, monkeypatch):
+    """Each rank of tp=2 saves its heads of the window's rows; tp=1 restores both halves."""
+    store = str(tmp_path / "store")
+    eng = make_engine(model_dir, store, tp=2, monkeypatch=monkeypatch)
+    eng.add("a", prompt(300, seed=40), max_tokens=3)
+    eng.run()
+    assert stats(eng)["saves"] >= 1
+    eng2 = make_engine(model_dir, store, monkeypatch=monkeypatch)
+    eng2.add("b", prompt(300, seed=40), max_tokens=2)
+    eng2.run()
+    assert stats(eng2)["restored_tokens"] == 299 // granularity * granularity
+    assert eng2.reads_checked > 0
+
+
+@pytest.mark.parametrize("async_load", [True, False])
+def test_a_preempted_request_saves_from_its_replacement_blocks(model_dir, tmp_path, granularity, async_load):
+    """B is preempted mid-prefill (too few blocks for both) and resumes in other blocks, vLLM
+    sending a replacement table; its save reads those, and a restart restores it (sync and
+    async loads)."""
+    store = str(tmp_path / "store")
+    extra = {**RAW, "async_load": async_load}
+    eng = make_engine(model_dir, store, num_blocks=40, max_num_batched_tokens=32, extra=extra,
+                      reserve_full_isl=False)
+    eng.add("A", prompt(60, seed=50), max_tokens=60)
+    eng.add("B", prompt(330, seed=51), max_tokens=3)
+    preempted, resumed = [], []
+    for _ in range(300):
+        out = eng.step()
+        preempted += list(out.preempted_req_ids or ())
+        resumed += list(out.scheduled_cached_reqs.resumed_req_ids)
+        if not eng.scheduler.requests:
+            break
+    eng.flush()
+    assert "B" in preempted and "B" in resumed
+    assert stats(eng)["saves"] >= 1
+    eng2 = make_engine(model_dir, store, extra=extra)
+    eng2.add("b", prompt(330, seed=51), max_tokens=2)
+    eng2.run()
+    assert stats(eng2)["restored_tokens"] == 329 // granularity * granularity
+    assert eng2.reads_checked > 0
