@@ -362,3 +362,29 @@ def test_a_preempted_request_saves_from_its_replacement_blocks(model_dir, tmp_pa
     eng2.run()
     assert stats(eng2)["restored_tokens"] == 329 // granularity * granularity
     assert eng2.reads_checked > 0
+
+
+def test_a_load_on_top_of_a_local_prefix_hit(model_dir, tmp_path, granularity):
+    """vLLM finds the first blocks in its own prefix cache (another request computed them); the
+    load restores the rest of the entry: the full layer's rows from the local hit on, the
+    sliding layers' from the block of the first token their window reaches.
+
+    (vLLM 0.33 drops the hash of a sliding block it frees before the request ends: x must end
+    where the window it still holds covers the hit, 177 tokens for a hit of 176.)"""
+    store = str(tmp_path / "store")
+    extra = {**RAW, "async_load": False}  # (scheduled in the step that plans it: its local hit is seen)
+    eng = make_engine(model_dir, store, extra=extra)
+    p = prompt(300, seed=60)
+    eng.add("a", p, max_tokens=3)
+    eng.run()
+    assert stats(eng)["saves"] >= 1
+    eng2 = make_engine(model_dir, store, extra=extra, num_blocks=256)  # (room to keep x's blocks cached)
+    eng2.add("x", p[:177], max_tokens=1)  # (too short to look up: < 256 tokens)
+    eng2.run()
+    n = 302 if granularity == 1 else 288
+    eng2.add("b", eng.tokens["a"][:302] + prompt(30, seed=62), max_tokens=2)
+    first = eng2.step()
+    assert [(r.req_id, r.num_computed_tokens) for r in first.scheduled_new_reqs] == [("b", n)]
+    eng2.run()
+    assert stats(eng2)["restored_tokens"] == n - 176  # past the local hit (11 blocks of x)
+    assert eng2.reads_checked > 0
