@@ -22,6 +22,7 @@ from anchorkv.connector.plan import (
     Metadata,
     SaveSpec,
     cdiv,
+    first_row,
     select_blocks,
 )
 from anchorkv.connector.storage import EntryRef, EntryStore
@@ -496,9 +497,10 @@ class SchedulerSide:
             for g in self.groups:
                 if g.kind is GroupKind.STATE:
                     out.append((per_group[g.index],))
-                else:
-                    ids = list(table[g.index])[: cdiv(n, g.block_size)]
-                    if len(ids) < cdiv(n, g.block_size) or 0 in ids:
+                else:  # (a sliding window's blocks from its first row: vLLM nulls those before)
+                    first, last = first_row(g, 0, n) // g.block_size, cdiv(n, g.block_size)
+                    ids = list(table[g.index])[first:last]
+                    if len(ids) < last - first or 0 in ids:
                         break
                     out.append(tuple(ids))
             else:

@@ -213,6 +213,21 @@ def test_first_row_and_blocks_of_a_sliding_group():
     assert select_blocks(g, ([1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 0, 9, 10, 11]), 0, 100, "none") is None
 
 
+def test_a_boundary_state_of_a_hybrid_with_a_sliding_window_takes_the_windows_blocks():
+    """Align mode (a hybrid with Mamba-type state and sliding-window layers): the boundary save
+    vLLM offers reads the sliding group's blocks from its window's first row, not the nulled
+    ones before it."""
+    from anchorkv.connector.config import ConnectorConfig
+    from anchorkv.connector.scheduler import SchedulerSide
+
+    groups = [GroupInfo(0, GroupKind.STATE, BS, ("ssm",)), GroupInfo(1, GroupKind.PAGED, BS, ("full",)),
+              GroupInfo(2, GroupKind.PAGED, BS, ("swa",), WINDOW)]
+    side = SchedulerSide(ConnectorConfig.from_extra_config({"store": "/nonexistent"}), groups, "align", object())
+    table = ([0, 0, 0, 0, 0, 31, 32], [1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 8, 9, 10, 11])
+    assert side._offered_boundary(table, [(0, 31, 96)], 96) == (96, ((31,), (1, 2, 3, 4, 5, 6), (8, 9, 10)))
+    assert side._offered_boundary(([0] * 7, table[1], [0, 0, 0, 0, 9, 10, 11]), [(0, 31, 96)], 96) == (0, None)
+
+
 # ----------------------------------------------------------------------------- real scheduler
 
 
