@@ -140,3 +140,24 @@ def test_layers_share_one_geometry_and_keep_their_own_checksums(tmp_path):
         else:
             ref = all_packed(layout, RAW_CODECS, N)[(name, "recurrent")]
             assert torch.equal(fresh.load(info.id, layout, name, "recurrent").payload, ref.payload)
+
+
+def test_a_backend_that_skips_the_checks_still_gets_every_chunk_checked(tmp_path, monkeypatch):
+    """`check` is the backend's to call; one that reads the ranges without calling it (an older
+    or third-party backend) still has every chunk checked by the reader before `load` returns."""
+    store = Store.open(tmp_path / "s")
+    info = _save(store, RAW_CODECS)
+    layer = "model.layers.1.attn"
+    key, shard = "recurrent/c.1.5.0.0", "recurrent/c.1.0.0.0"
+    crc, size, offset = info.manifest["checksums"][key]
+    path = f"{info.path}/{shard}"
+    data = bytearray(store.backend.read(path))
+    data[offset + 7] ^= 0x80
+    store.backend.write(path, [bytes(data)])
+    fresh = Store.open(tmp_path / "s")
+    real = fresh.backend.read_ranges_into
+    monkeypatch.setattr(fresh.backend, "read_ranges_into", lambda path, ranges, check=None: real(path, ranges))
+    with pytest.raises(CorruptEntry, match=f"chunk {key} fails its check"):
+        fresh.load(info.id, tiny_layout(), layer, "recurrent")
+    ref = all_packed(tiny_layout(), RAW_CODECS, N)[("model.layers.0.attn", "recurrent")]
+    assert torch.equal(fresh.load(info.id, tiny_layout(), "model.layers.0.attn", "recurrent").payload, ref.payload)
