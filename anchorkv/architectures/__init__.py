@@ -28,7 +28,8 @@ MODULES: dict[str, tuple[str, ...]] = {
                    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
     "nemotron_h": ("NemotronHForCausalLM",),
     "dense_attention": ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                        "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM"),
+                        "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                        "Gemma3ForConditionalGeneration", "GptOssForCausalLM"),
     "deepseek_mla": ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
 }
 

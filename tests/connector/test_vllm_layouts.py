@@ -359,6 +359,21 @@ def test_sliding_window_layers_keep_kv_fields_of_their_own(tp):
                             LLAMA, tp_size=t).fingerprint_hash() for t in (1, 2, 4)} == {layout.fingerprint_hash()}
 
 
+@pytest.mark.parametrize("config", [
+    {"architectures": ["Gemma3ForCausalLM"], "num_key_value_heads": 4, "sliding_window": 40},
+    {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {"num_key_value_heads": 4}},
+    {"architectures": ["GptOssForCausalLM"], "num_key_value_heads": 4, "sliding_window": 128},
+], ids=["gemma3", "gemma3-multimodal", "gpt-oss"])
+def test_sliding_window_models_are_described(config):
+    """Their K/V split along heads at any tp dividing them: entries move between tp sizes."""
+    from anchorkv.architectures import describe
+
+    assert describe(config).paged.kv_heads == 4
+    fps = {VL.model_layout(make(LLAMA, t, state_layers=(), paged_layers=(0, 1), spec_factory=_sliding(40, 0, t))[0],
+                           config, tp_size=t).fingerprint_hash() for t in (1, 2, 4)}
+    assert len(fps) == 1
+
+
 def test_a_full_attention_spec_with_a_window_is_saved_whole():
     """With the hybrid allocator off vLLM hands a sliding layer over as full attention with
     `sliding_window` set, and keeps all its blocks: saved as full attention."""
