@@ -395,22 +395,26 @@ class SchedulerSide:
 
         A chunk that runs past the prompt (a preempted request recomputing its output
         tokens) leaves no state at the prompt's end; align mode then saves the longest
-        boundary state vLLM offers in this step (`boundary_state_offloads`, exact blocks)."""
+        boundary state vLLM offers in this step (`boundary_state_offloads`, exact blocks).
+
+        Sliding-window attention without state: an entry restores only whole, so one of the
+        prompt's own length would serve no prompt that is not longer; it is saved one token
+        short (whole attention blocks where only those can be saved), which serves the same
+        prompt sent again too, in the step whose chunk computes its last token: vLLM frees the
+        blocks before the window of the chunk's first token in the step it schedules it, so a
+        later chunk may no longer hold the window of a length inside an earlier one."""
         prompt_len = len(tracked.prompt)
         end = computed + scheduled
-        if ("prefill" not in self.config.save_points or tracked.prefill_saved or not tracked.cacheable
-                or not computed < prompt_len <= end):
+        if "prefill" not in self.config.save_points or tracked.prefill_saved or not tracked.cacheable:
+            return
+        window_only = self.whole_only and not self.state_groups
+        n = (prompt_len - 1) // self.granularity * self.granularity if window_only else prompt_len
+        if not computed < n <= end:
             return
         tracked.prefill_saved = True
-        n, blocks = prompt_len, None
-        if self.whole_only and not self.state_groups:
-            # sliding-window attention without state: an entry restores only whole, so one of
-            # the prompt's own length would serve no prompt that is not longer; one token short
-            # (whole attention blocks where only those can be saved) serves the same prompt sent
-            # again too. Its rows are all in this step's blocks: the window of any token from
-            # the chunk's first on is
-            n = (prompt_len - 1) // self.granularity * self.granularity
-            blocks = select_blocks(self.groups, table, 0, n, self.mode) if n > 0 else None
+        blocks = None
+        if window_only:
+            blocks = select_blocks(self.groups, table, 0, n, self.mode)
         elif end == prompt_len:
             blocks = select_blocks(self.groups, table, 0, n, self.mode)
         elif self.mode == "align":

@@ -403,3 +403,22 @@ def test_a_load_on_top_of_a_local_prefix_hit(model_dir, tmp_path, granularity):
     eng2.run()
     assert stats(eng2)["restored_tokens"] == n - 176  # past the local hit (11 blocks of x)
     assert eng2.reads_checked > 0
+
+
+def test_the_prompts_entry_is_saved_in_the_chunk_that_computes_its_last_token(model_dir, tmp_path, granularity):
+    """Chunks of 40 over a 285-token prompt: the last runs [280, 285), and vLLM frees the sliding
+    blocks before its window (token 241) in the step that schedules it. On CPU the prompt's
+    entry (272 tokens, whole blocks) needs rows from token 233: it is saved in the step that
+    computes [240, 280), while they are held (planned in the last step, it was not saved)."""
+    store = str(tmp_path / "store")
+    extra = {**RAW, "save_points": ["prefill"]}
+    eng = make_engine(model_dir, store, max_num_batched_tokens=40, extra=extra)
+    p = prompt(285, seed=7)
+    eng.add("a", p, max_tokens=2)
+    eng.run()
+    assert stats(eng)["saves"] == 1
+    eng2 = make_engine(model_dir, store, max_num_batched_tokens=40, extra=extra)
+    eng2.add("b", p, max_tokens=2)
+    eng2.run()
+    assert stats(eng2)["restored_tokens"] == 284 // granularity * granularity
+    assert eng2.reads_checked > 0
