@@ -57,11 +57,14 @@ def field_codecs(codecs: Mapping[str, Any], field_roles: Mapping[str, str | None
                  default: Any = "raw") -> dict[str, Any]:
     """`codecs` (keyed by role, field name, or the old names ``conv`` / ``recurrent``) applied
     to fields ``{name: role}``: a field's own name wins, then an old name, then its role;
-    `default` otherwise. The one rule the store (`storage_zarr.wanted_codecs`) and the
-    benchmarks share."""
-    from anchorkv.codec.models import ROLE_ALIASES
+    `default` otherwise. A key that names a role keys the role even where a field has that
+    name too (``k`` sets the full layers' `k` and the sliding layers' `k_window` of a Gemma 3;
+    ``k_window`` sets the latter alone). The one rule the store (`storage_zarr.wanted_codecs`)
+    and the benchmarks share."""
+    from anchorkv.codec.models import ROLE_ALIASES, Role
 
-    by_role = {k: v for k, v in codecs.items() if k not in field_roles and k not in ROLE_ALIASES}
+    roles = {r.value for r in Role}
+    by_role = {k: v for k, v in codecs.items() if (k not in field_roles or k in roles) and k not in ROLE_ALIASES}
     # an alias is only ever written by a user (the defaults and presets use roles): it wins
     by_role.update({ROLE_ALIASES[k].value: v for k, v in codecs.items() if k in ROLE_ALIASES and k not in field_roles})
     out = {}

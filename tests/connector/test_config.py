@@ -143,3 +143,15 @@ def test_the_default_model_id_is_what_every_process_is_given():
     assert model_id_of(engine("acme/Linear-7B")) == "acme/Linear-7B"
     assert model_id_of(engine("acme/Linear-7B", "0123abc")) == "acme/Linear-7B@0123abc"
     assert model_id_of(engine("/models/linear")) == "/models/linear"
+
+
+def test_a_role_key_reaches_every_field_of_the_role_even_where_a_field_has_its_name():
+    """Gemma 3: full layers' `k`, sliding layers' `k_window` (role k). `"k"` sets both (as on a
+    model whose layers all slide, where no field is named `k`); `"k_window"` the sliding alone."""
+    from anchorkv.connector.config import field_codecs
+
+    roles = {"k": "k", "v": "v", "k_window": "k", "v_window": "v"}
+    assert field_codecs({"k": "fp8:whole"}, roles) == {"k": "fp8:whole", "v": "raw", "k_window": "fp8:whole",
+                                                        "v_window": "raw"}
+    assert field_codecs({"k": "fp8:whole", "k_window": "bf16"}, roles)["k_window"] == "bf16"
+    assert field_codecs({"k": "fp8:whole"}, {"k_window": "k"}) == {"k_window": "fp8:whole"}
