@@ -295,3 +295,13 @@ def test_a_profile_follow_up_keeps_its_rows_and_fails_the_step_without_any(tmp_p
     gpu_validate._follow_up(res, "timeline", [sys.executable, "-c", "pass"], 30, log, env,
                             gpu_validate.save_timeline_rows, "timeline_rows", "timeline")
     assert res["status"] == "timeout" and res["timeline_rows"] == [] and "timeline" in res
+
+
+def test_the_warm_store_loads_are_held_to_the_design_target():
+    """The warm load rows (how a restore reads: reused memory, the worker's read threads) are
+    targets next to the default store rows; the other variants are reported only."""
+    rows = [{"suite": "store", "case": "load 7680 tokens", "provider": p, "ratio": 0.5}
+            for p in ("store-raw", "store-raw:warm", "store-quant:warm", "store-raw:warm-kept", "store-raw:put-2")]
+    got = {t["target"] for t in gpu_validate.targets(rows, on_gpu=True)}
+    assert got == {f"store load 7680 tokens, {p}: >= 0.8 x plain files"
+                   for p in ("store-raw", "store-raw:warm", "store-quant:warm")}
