@@ -413,9 +413,7 @@ class SchedulerSide:
             return
         tracked.prefill_saved = True
         blocks = None
-        if window_only:
-            blocks = select_blocks(self.groups, table, 0, n, self.mode)
-        elif end == prompt_len:
+        if window_only or end == prompt_len:
             blocks = select_blocks(self.groups, table, 0, n, self.mode)
         elif self.mode == "align":
             n, blocks = self._offered_boundary(table, offers, prompt_len)

@@ -258,9 +258,9 @@ class ZarrEntryStore:
         try:
             for (layer, fname), p in parts.items():
                 first = 0  # a sliding window's part holds the entry's last rows (from its first_row)
-                if layout.layer(layer).kind is LayerKind.PAGED:
-                    windowed = layout.layer(layer).window is not None
-                    if p.shape[0] != n and not (windowed and 0 < p.shape[0] < n):
+                lay = layout.layer(layer)
+                if lay.kind is LayerKind.PAGED:
+                    if p.shape[0] != n and not (lay.window is not None and 0 < p.shape[0] < n):
                         raise ValueError(f"request {spec.req_id}: {layer}.{fname} holds {p.shape[0]} "
                                          f"token rows, the save is of {n} tokens")
                     first = n - p.shape[0]

@@ -276,8 +276,9 @@ def model_layout(kv_cache_config: Any, hf_config: Any, *, tp_size: int, tp_rank:
         page = pages.get(key)
         if page is None:
             page = _page(kind, spec, desc, view, block_size, tp_size, tp_rank, conv_layout, undescribed, name, planar)
-            if kind == "window" and len(windows) > 1:
-                page = PageLayout(tuple(dataclasses.replace(f, name=f"{f.name}{window_of(spec)}") for f in page.fields),
+            if kind == "window":  # its own arrays in an entry: they keep only the window's rows
+                suffix = WINDOW_SUFFIX + (str(window_of(spec)) if len(windows) > 1 else "")
+                page = PageLayout(tuple(dataclasses.replace(f, name=f.name + suffix) for f in page.fields),
                                   page.page_bytes)
             pages[key] = page
         layers.append(LayerLayout(name, layer_number(name) if layer_number(name) >= 0 else order,
@@ -338,9 +339,6 @@ def _page(kind: str, spec: Any, desc: Any, view: torch.Tensor | None, block_size
         raise UnsupportedModelError(f"layer {name!r}: {e}") from None
     if not described:
         undescribed.add("attention")
-    if kind == "window":  # its own arrays in an entry: they keep only the window's rows
-        page = PageLayout(tuple(dataclasses.replace(f, name=f"{f.name}{WINDOW_SUFFIX}") for f in page.fields),
-                          page.page_bytes)
     return page
 
 

@@ -89,7 +89,7 @@ import numpy as np
 import torch
 
 from anchorkv.codec.layout import tp_slice
-from anchorkv.codec.models import LayerKind, ModelLayout
+from anchorkv.codec.models import LayerKind, ModelLayout, window_start
 from anchorkv.codec.packed import dtype_name
 from anchorkv.codec.spec import CodecSpec
 from anchorkv.kernels import reference
@@ -627,7 +627,7 @@ def window_first(num_tokens: int, window: int | None, align: int = 1) -> int:
     """The first token a sliding-window field of an entry of `num_tokens` tokens keeps (0
     without a window): the first one the entry's next query attends to, down to a multiple of
     `align` (whole blocks where the engine's in-block token order is opaque)."""
-    return 0 if window is None else max(0, num_tokens - window + 1) // align * align
+    return 0 if window is None else window_start(num_tokens, window, align)
 
 
 def shard_chunk(n: int) -> int:

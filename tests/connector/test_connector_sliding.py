@@ -187,6 +187,18 @@ def make_engine(model_dir: str, store: str, *, num_blocks: int = 64, max_num_bat
     return eng
 
 
+def serve(model_dir: str, store: str, requests: dict[str, list[int]], *, max_tokens: int = 3,
+          max_steps: int = 50, **engine_kw) -> SlidingEngine:
+    """An engine on `store` (`make_engine`'s options) that serves `requests` ({id: prompt}) to
+    the end, its saves stored."""
+    eng = make_engine(model_dir, store, **engine_kw)
+    for rid, p in requests.items():
+        eng.add(rid, p, max_tokens=max_tokens)
+    eng.run(max_steps=max_steps)
+    eng.flush()
+    return eng
+
+
 def prompt(n: int, seed: int = 0) -> list[int]:
     return [(i * 37 + 11 + seed * 101) % 1000 + 5 for i in range(n)]
 
@@ -236,11 +248,7 @@ def test_a_restarted_engine_restores_the_window_and_the_full_layer(model_dir, tm
     their window only); after a restart a longer prompt that extends it restores it whole,
     and every row the model reads is the one a recompute leaves there."""
     store = str(tmp_path / "store")
-    eng = make_engine(model_dir, store)
-    p = prompt(300)
-    eng.add("a", p, max_tokens=3)
-    eng.run()
-    eng.flush()
+    eng = serve(model_dir, store, {"a": prompt(300)})
     # the prompt one token short (whole blocks on CPU), and on finish (a CPU engine: not inside a block)
     assert stats(eng)["saves"] == (2 if granularity == 1 else 1)
     from anchorkv.store.store import Store
@@ -253,10 +261,7 @@ def test_a_restarted_engine_restores_the_window_and_the_full_layer(model_dir, tm
     first = (n - WINDOW + 1) // granularity * granularity  # (whole blocks on CPU)
     assert arrays["k"].shape[1] == n and arrays["k_window"].shape[1] == n - first
     assert arrays["k_window"].first == first
-    eng2 = make_engine(model_dir, store)  # a restart
-    q = eng.tokens["a"][:n] + prompt(60, seed=3)
-    eng2.add("b", q, max_tokens=2)
-    eng2.run()
+    eng2 = serve(model_dir, store, {"b": eng.tokens["a"][:n] + prompt(60, seed=3)}, max_tokens=2)  # a restart
     s = stats(eng2)
     assert s["restored_tokens"] == n, s
     assert eng2.reads_checked > 0
@@ -266,14 +271,10 @@ def test_the_same_prompt_again_restores_all_but_its_last_token(model_dir, tmp_pa
     """The prompt's own entry is saved one token short (an entry restores only whole), so the
     same prompt after a restart restores all of it but the token vLLM computes to sample."""
     store = str(tmp_path / "store")
-    eng = make_engine(model_dir, store, extra={**RAW, "save_points": ["prefill"]})
+    extra = {**RAW, "save_points": ["prefill"]}
     p = prompt(300, seed=1)
-    eng.add("a", p, max_tokens=2)
-    eng.run()
-    assert stats(eng)["saves"] == 1
-    eng2 = make_engine(model_dir, store, extra={**RAW, "save_points": ["prefill"]})
-    eng2.add("b", p, max_tokens=2)
-    eng2.run()
+    assert stats(serve(model_dir, store, {"a": p}, max_tokens=2, extra=extra))["saves"] == 1
+    eng2 = serve(model_dir, store, {"b": p}, max_tokens=2, extra=extra)
     assert stats(eng2)["restored_tokens"] == 299 // granularity * granularity
     assert eng2.reads_checked > 0
 
@@ -282,14 +283,9 @@ def test_a_prefix_of_an_entry_is_not_restored(model_dir, tmp_path, granularity):
     """A prompt that shares only the first tokens of an entry restores nothing from it (the
     entry's sliding rows are its last ones): it is computed, and reads what it computed."""
     store = str(tmp_path / "store")
-    eng = make_engine(model_dir, store)
     p = prompt(300, seed=2)
-    eng.add("a", p, max_tokens=3)
-    eng.run()
-    eng.flush()
-    eng2 = make_engine(model_dir, store)
-    eng2.add("b", p[:280] + prompt(40, seed=9), max_tokens=2)
-    eng2.run()
+    serve(model_dir, store, {"a": p})
+    eng2 = serve(model_dir, store, {"b": p[:280] + prompt(40, seed=9)}, max_tokens=2)
     assert stats(eng2)["restored_tokens"] == 0
     assert eng2.reads_checked > 0
 
@@ -298,17 +294,11 @@ def test_several_requests_chunked_and_restored_in_one_engine(model_dir, tmp_path
     """Several requests per step, prefills in 48-token chunks, restores and computes side by
     side; each request's reads are checked every step."""
     store = str(tmp_path / "store")
-    eng = make_engine(model_dir, store, num_blocks=128)
-    for i in range(3):
-        eng.add(f"a{i}", prompt(260 + 30 * i, seed=10 + i), max_tokens=3)
-    eng.run(max_steps=200)
-    eng.flush()
-    done = {f"a{i}": eng.tokens[f"a{i}"] for i in range(3)}
-    eng2 = make_engine(model_dir, store, num_blocks=128)
-    for i in range(3):
-        eng2.add(f"b{i}", done[f"a{i}"][:262 + 30 * i] + prompt(20, seed=30 + i), max_tokens=2)
-    eng2.add("c", prompt(270, seed=77), max_tokens=2)  # nothing to restore
-    eng2.run(max_steps=200)
+    eng = serve(model_dir, store, {f"a{i}": prompt(260 + 30 * i, seed=10 + i) for i in range(3)},
+                max_steps=200, num_blocks=128)
+    second = {f"b{i}": eng.tokens[f"a{i}"][:262 + 30 * i] + prompt(20, seed=30 + i) for i in range(3)}
+    second["c"] = prompt(270, seed=77)  # nothing to restore
+    eng2 = serve(model_dir, store, second, max_tokens=2, max_steps=200, num_blocks=128)
     # each restores its entry on finish (GPU: prompt + 2 computed), or its prompt's (CPU)
     want = [262 + 30 * i if granularity == 1 else (259 + 30 * i) // BS * BS for i in range(3)]
     assert stats(eng2)["restored_tokens"] == sum(want)
@@ -317,14 +307,9 @@ def test_several_requests_chunked_and_restored_in_one_engine(model_dir, tmp_path
 
 def test_an_entry_of_another_window_is_not_restored(model_dir, tmp_path, granularity):
     store = str(tmp_path / "store")
-    eng = make_engine(model_dir, store)
-    p = prompt(300, seed=4)
-    eng.add("a", p, max_tokens=3)
-    eng.run()
-    eng.flush()
-    eng2 = make_engine(model_dir, store, window=WINDOW + 16)
-    eng2.add("b", eng.tokens["a"][:302] + prompt(30, seed=5), max_tokens=2)
-    eng2.run()
+    eng = serve(model_dir, store, {"a": prompt(300, seed=4)})
+    eng2 = serve(model_dir, store, {"b": eng.tokens["a"][:302] + prompt(30, seed=5)}, max_tokens=2,
+                 window=WINDOW + 16)
     assert stats(eng2)["restored_tokens"] == 0
 
 
@@ -340,13 +325,8 @@ def test_the_size_estimate_counts_a_window_once():
 def test_an_entry_saved_at_tp2_restores_at_tp1(model_dir, tmp_path, granularity, monkeypatch):
     """Each rank of tp=2 saves its heads of the window's rows; tp=1 restores both halves."""
     store = str(tmp_path / "store")
-    eng = make_engine(model_dir, store, tp=2, monkeypatch=monkeypatch)
-    eng.add("a", prompt(300, seed=40), max_tokens=3)
-    eng.run()
-    assert stats(eng)["saves"] >= 1
-    eng2 = make_engine(model_dir, store, monkeypatch=monkeypatch)
-    eng2.add("b", prompt(300, seed=40), max_tokens=2)
-    eng2.run()
+    assert stats(serve(model_dir, store, {"a": prompt(300, seed=40)}, tp=2, monkeypatch=monkeypatch))["saves"] >= 1
+    eng2 = serve(model_dir, store, {"b": prompt(300, seed=40)}, max_tokens=2, monkeypatch=monkeypatch)
     assert stats(eng2)["restored_tokens"] == 299 // granularity * granularity
     assert eng2.reads_checked > 0
 
@@ -372,9 +352,7 @@ def test_a_preempted_request_saves_from_its_replacement_blocks(model_dir, tmp_pa
     eng.flush()
     assert "B" in preempted and "B" in resumed
     assert stats(eng)["saves"] >= 1
-    eng2 = make_engine(model_dir, store, extra=extra)
-    eng2.add("b", prompt(330, seed=51), max_tokens=2)
-    eng2.run()
+    eng2 = serve(model_dir, store, {"b": prompt(330, seed=51)}, max_tokens=2, extra=extra)
     assert stats(eng2)["restored_tokens"] == 329 // granularity * granularity
     assert eng2.reads_checked > 0
 
@@ -388,14 +366,11 @@ def test_a_load_on_top_of_a_local_prefix_hit(model_dir, tmp_path, granularity):
     where the window it still holds covers the hit, 177 tokens for a hit of 176.)"""
     store = str(tmp_path / "store")
     extra = {**RAW, "async_load": False}  # (scheduled in the step that plans it: its local hit is seen)
-    eng = make_engine(model_dir, store, extra=extra)
     p = prompt(300, seed=60)
-    eng.add("a", p, max_tokens=3)
-    eng.run()
+    eng = serve(model_dir, store, {"a": p}, extra=extra)
     assert stats(eng)["saves"] >= 1
-    eng2 = make_engine(model_dir, store, extra=extra, num_blocks=256)  # (room to keep x's blocks cached)
-    eng2.add("x", p[:177], max_tokens=1)  # (too short to look up: < 256 tokens)
-    eng2.run()
+    # (x: too short to look up, < 256 tokens; room to keep its blocks cached)
+    eng2 = serve(model_dir, store, {"x": p[:177]}, max_tokens=1, extra=extra, num_blocks=256)
     n = 302 if granularity == 1 else 288
     eng2.add("b", eng.tokens["a"][:302] + prompt(30, seed=62), max_tokens=2)
     first = eng2.step()
@@ -412,13 +387,8 @@ def test_the_prompts_entry_is_saved_in_the_chunk_that_computes_its_last_token(mo
     computes [240, 280), while they are held (planned in the last step, it was not saved)."""
     store = str(tmp_path / "store")
     extra = {**RAW, "save_points": ["prefill"]}
-    eng = make_engine(model_dir, store, max_num_batched_tokens=40, extra=extra)
     p = prompt(285, seed=7)
-    eng.add("a", p, max_tokens=2)
-    eng.run()
-    assert stats(eng)["saves"] == 1
-    eng2 = make_engine(model_dir, store, max_num_batched_tokens=40, extra=extra)
-    eng2.add("b", p, max_tokens=2)
-    eng2.run()
+    assert stats(serve(model_dir, store, {"a": p}, max_tokens=2, max_num_batched_tokens=40, extra=extra))["saves"] == 1
+    eng2 = serve(model_dir, store, {"b": p}, max_tokens=2, max_num_batched_tokens=40, extra=extra)
     assert stats(eng2)["restored_tokens"] == 284 // granularity * granularity
     assert eng2.reads_checked > 0

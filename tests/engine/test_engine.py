@@ -67,7 +67,7 @@ S3 = SYSTEM + H.prompt(12, 100)
 
 def _singles(requests):
     """One batch (generate call) per request, vLLM's prefix cache emptied before each."""
-    return [{"reset_prefix_cache": True, "max_tokens": MAX_TOKENS, "requests": [r]} for r in requests]
+    return [H.single(r, MAX_TOKENS) for r in requests]
 
 
 def _siblings():

@@ -46,30 +46,26 @@ COLD_TOKENS = 16
 WARNING = "cannot prefill after cached tokens"
 
 
-def _single(req: dict, max_tokens: int) -> dict:
-    return {"reset_prefix_cache": True, "max_tokens": max_tokens, "requests": [req]}
-
-
 @pytest.fixture(scope="module")
 def runs(engine_env, tmp_path_factory):
     work = tmp_path_factory.mktemp("engine-mla")
     models, store = work / "models", work / "store"
     common = {"model": str(models / "deepseek_v2"), "prefix_caching": True}
-    base = [_single({"id": k, "prompt": p}, BASE_TOKENS) for k, p in PROMPTS.items()]
-    base += [_single({"id": "a_edited", "prompt": A_EDITED}, COLD_TOKENS)]
-    base += [_single({"id": f"{k}.2", "extend": k, "append": NEW_MESSAGES[k]}, COLD_TOKENS) for k in PROMPTS]
+    base = [H.single({"id": k, "prompt": p}, BASE_TOKENS) for k, p in PROMPTS.items()]
+    base += [H.single({"id": "a_edited", "prompt": A_EDITED}, COLD_TOKENS)]
+    base += [H.single({"id": f"{k}.2", "extend": k, "append": NEW_MESSAGES[k]}, COLD_TOKENS) for k in PROMPTS]
     cold = H.run_driver({"models": {"dir": str(models), "kinds": {"deepseek_v2": {}}}, "runs": [
         {"name": "base", **common, "connector": None, "batches": base},
         {"name": "cold", **common, "connector": {"store": str(store)},
-         "batches": [_single({"id": k, "prompt": p}, COLD_TOKENS) for k, p in PROMPTS.items()]},
+         "batches": [H.single({"id": k, "prompt": p}, COLD_TOKENS) for k, p in PROMPTS.items()]},
     ]}, work, "cold")
     by_name = {r["name"]: r for r in cold["runs"]}
     entries = sorted(p.name.split("-")[0] for p in H.entry_dirs(store))
     baseline = H.requests_of(by_name["base"])
-    warm_batches = [_single({"id": f"{k}.again", "prompt": p}, COLD_TOKENS) for k, p in PROMPTS.items()]
-    warm_batches += [_single({"id": f"{k}.cont", "prompt": baseline[k]["prompt"] + baseline[k]["tokens"][:COLD_TOKENS]},
-                            COLD_TOKENS) for k in PROMPTS]
-    warm_batches += [_single({"id": f"{k}.2", "prompt": baseline[f"{k}.2"]["prompt"]}, COLD_TOKENS) for k in PROMPTS]
+    warm_batches = [H.single({"id": f"{k}.again", "prompt": p}, COLD_TOKENS) for k, p in PROMPTS.items()]
+    cont = {k: baseline[k]["prompt"] + baseline[k]["tokens"][:COLD_TOKENS] for k in PROMPTS}
+    warm_batches += [H.single({"id": f"{k}.cont", "prompt": cont[k]}, COLD_TOKENS) for k in PROMPTS]
+    warm_batches += [H.single({"id": f"{k}.2", "prompt": baseline[f"{k}.2"]["prompt"]}, COLD_TOKENS) for k in PROMPTS]
     warm = H.run_driver({"runs": [{"name": "warm", **common, "connector": {"store": str(store)},
                                    "batches": warm_batches}]}, work, "warm")
     return {"base": by_name["base"], "cold": by_name["cold"], "warm": warm["runs"][0], "entries": entries}

@@ -35,10 +35,6 @@ MAX_TOKENS = 16
 WINDOW = 200
 
 
-def _single(req: dict) -> dict:
-    return {"reset_prefix_cache": True, "max_tokens": MAX_TOKENS, "requests": [req]}
-
-
 @pytest.fixture(scope="module")
 def runs(engine_env, tmp_path_factory):
     work = tmp_path_factory.mktemp("engine-sliding")
@@ -48,13 +44,14 @@ def runs(engine_env, tmp_path_factory):
     turn2 = [{"id": f"{k}.2", "extend": k, "append": NEW_MESSAGES[k]} for k in PROMPTS]
     cold = H.run_driver({"models": {"dir": str(models), "kinds": {"gemma3": {}}}, "runs": [
         {"name": "base", **common, "connector": None,
-         "batches": [_single(r) for r in [*turn1, {"id": "a_edited", "prompt": A_EDITED}, *turn2]]},
-        {"name": "cold", **common, "connector": {"store": str(store)}, "batches": [_single(r) for r in turn1]},
+         "batches": [H.single(r, MAX_TOKENS) for r in [*turn1, {"id": "a_edited", "prompt": A_EDITED}, *turn2]]},
+        {"name": "cold", **common, "connector": {"store": str(store)},
+         "batches": [H.single(r, MAX_TOKENS) for r in turn1]},
     ]}, work, "cold")
     by_name = {r["name"]: r for r in cold["runs"]}
     baseline = H.requests_of(by_name["base"])
-    warm_batches = [_single({"id": f"{k}.again", "prompt": p}) for k, p in PROMPTS.items()]
-    warm_batches += [_single({"id": f"{k}.2", "prompt": baseline[f"{k}.2"]["prompt"]}) for k in PROMPTS]
+    warm_batches = [H.single({"id": f"{k}.again", "prompt": p}, MAX_TOKENS) for k, p in PROMPTS.items()]
+    warm_batches += [H.single({"id": f"{k}.2", "prompt": baseline[f"{k}.2"]["prompt"]}, MAX_TOKENS) for k in PROMPTS]
     warm = H.run_driver({"runs": [{"name": "warm", **common, "connector": {"store": str(store)},
                                    "batches": warm_batches}]}, work, "warm")
     return {"base": by_name["base"], "cold": by_name["cold"], "warm": warm["runs"][0], "store": store}
@@ -99,14 +96,20 @@ def test_cold_tokens_unchanged_and_entries_keep_the_window(runs):
     assert infos[-1].arrays()["k_window"].first > 0  # the blocks before the window are not kept
 
 
-def test_the_same_prompt_restores_its_entry_and_answers_as_the_baseline(runs):
+def _restored_as_baseline(runs: dict, warm_id: str, base_id: str) -> None:
+    """Each prompt's warm request `warm_id.format(k)` restored its first prompt's entry (vLLM
+    and the connector agree) and answered as the baseline's `base_id.format(k)`."""
     base, warm = _tokens(runs["base"]), runs["warm"]
-    block = warm["block_size"]
-    expected = {f"{k}.again": _restorable(len(p), block) for k, p in PROMPTS.items()}
+    expected = {warm_id.format(k): _restorable(len(p), warm["block_size"]) for k, p in PROMPTS.items()}
     reqs = H.requests_of(warm)
     assert {k: H.restored(warm).get(k, 0) for k in expected} == expected
     assert {k: reqs[k]["num_cached_tokens"] for k in expected} == expected
-    assert {k: _tokens(warm)[f"{k}.again"] for k in PROMPTS} == {k: base[k] for k in PROMPTS}
+    assert {k: _tokens(warm)[warm_id.format(k)] for k in PROMPTS} == {k: base[base_id.format(k)] for k in PROMPTS}
+
+
+def test_the_same_prompt_restores_its_entry_and_answers_as_the_baseline(runs):
+    _restored_as_baseline(runs, "{}.again", "{}")
+    warm = runs["warm"]
     assert sum(b["local_hits"] for b in warm["batches"]) == 0
     assert not H.failed_loads(warm)
 
@@ -114,10 +117,4 @@ def test_the_same_prompt_restores_its_entry_and_answers_as_the_baseline(runs):
 def test_the_second_turn_restores_the_prompts_entry_and_answers_as_the_baseline(runs):
     """Turn 2 (prompt + answer + new message) restores the first prompt's entry whole, then
     computes the rest on top of the restored window."""
-    base, warm = _tokens(runs["base"]), runs["warm"]
-    block = warm["block_size"]
-    expected = {f"{k}.2": _restorable(len(p), block) for k, p in PROMPTS.items()}
-    reqs = H.requests_of(warm)
-    assert {k: H.restored(warm).get(k, 0) for k in expected} == expected
-    assert {k: reqs[k]["num_cached_tokens"] for k in expected} == expected
-    assert {k: _tokens(warm)[k] for k in expected} == {k: base[k] for k in expected}
+    _restored_as_baseline(runs, "{}.2", "{}.2")

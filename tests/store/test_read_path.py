@@ -28,6 +28,17 @@ def _equal(got, ref, paged: bool) -> bool:
     return torch.equal(got.payload[:k], ref.payload[:k]) and torch.equal(got.scales[:N], ref.scales[:N])
 
 
+def _flip(store: Store, info, key: str, shard: str, at: int, bit: int) -> int:
+    """Flip `bit` of byte `at` of chunk `key` (-1: its last) in shard file `shard`; the chunk's
+    size."""
+    crc, size, offset = info.manifest["checksums"][key]
+    path = f"{info.path}/{shard}"
+    data = bytearray(store.backend.read(path))
+    data[offset + at % size] ^= bit
+    store.backend.write(path, [bytes(data)])
+    return size
+
+
 @pytest.mark.parametrize("codecs", [CODECS, RAW_CODECS], ids=["quant", "raw"])
 def test_chunks_split_along_the_last_axis_are_read_straight_into_their_rows(tmp_path, codecs):
     """The conv state is chunked along its last axis (channels): at tp=1 each chunk lies in the
@@ -51,11 +62,7 @@ def test_a_flipped_byte_of_a_chunk_read_in_runs_is_detected(tmp_path):
     info = _save(store)
     key, shard = "conv/c.2.0.0.5", "conv/c.2.0.0.0"  # channels 40-47 of the third state layer, codes
     assert info.arrays()["conv"].layers[2] == "model.layers.3.attn"
-    crc, size, offset = info.manifest["checksums"][key]
-    path = f"{info.path}/{shard}"
-    data = bytearray(store.backend.read(path))
-    data[offset + size - 1] ^= 0x10  # its last row
-    store.backend.write(path, [bytes(data)])
+    _flip(store, info, key, shard, -1, 0x10)  # its last row
     with pytest.raises(CorruptEntry, match=f"{info.id}.*chunk {key} fails its check.*{shard}"):
         Store.open(tmp_path / "s").load(info.id, tiny_layout(), "model.layers.3.attn", "conv")
     # tp=2 rank 0 reads channels 0-31 only: intact
@@ -79,11 +86,7 @@ def test_each_chunk_is_checked_before_the_next_is_read(tmp_path, monkeypatch):
     assert events == ["read", "check"] * 8, events  # 8 head chunks, one shard
     # damage the first chunk: the other seven are not read
     key, shard = "recurrent/c.1.0.0.0", "recurrent/c.1.0.0.0"
-    crc, size, offset = info.manifest["checksums"][key]
-    path = f"{info.path}/{shard}"
-    data = bytearray(store.backend.read(path))
-    data[offset] ^= 0x01
-    store.backend.write(path, [bytes(data)])
+    size = _flip(store, info, key, shard, 0, 0x01)
     events.clear()
     out = torch.full((ref.payload.numel(),), 0xAB, dtype=torch.uint8)
     with pytest.raises(CorruptEntry, match=f"chunk {key} fails its check"):
@@ -126,11 +129,7 @@ def test_layers_share_one_geometry_and_keep_their_own_checksums(tmp_path):
         store.load(info.id, layout, name, "recurrent")
     assert sum(1 for key in reader_module._GEOMETRIES if key[0].field == "recurrent") == 1
     key, shard = "recurrent/c.2.2.0.0", "recurrent/c.2.0.0.0"  # heads 2 of the array's third layer
-    crc, size, offset = info.manifest["checksums"][key]
-    path = f"{info.path}/{shard}"
-    data = bytearray(store.backend.read(path))
-    data[offset + 5] ^= 0x04
-    store.backend.write(path, [bytes(data)])
+    _flip(store, info, key, shard, 5, 0x04)
     fresh = Store.open(tmp_path / "s")
     bad = info.arrays()["recurrent"].layers[2]
     for name in state:
@@ -149,11 +148,7 @@ def test_a_backend_that_skips_the_checks_still_gets_every_chunk_checked(tmp_path
     info = _save(store, RAW_CODECS)
     layer = "model.layers.1.attn"
     key, shard = "recurrent/c.1.5.0.0", "recurrent/c.1.0.0.0"
-    crc, size, offset = info.manifest["checksums"][key]
-    path = f"{info.path}/{shard}"
-    data = bytearray(store.backend.read(path))
-    data[offset + 7] ^= 0x80
-    store.backend.write(path, [bytes(data)])
+    _flip(store, info, key, shard, 7, 0x80)
     fresh = Store.open(tmp_path / "s")
     real = fresh.backend.read_ranges_into
     monkeypatch.setattr(fresh.backend, "read_ranges_into", lambda path, ranges, check=None: real(path, ranges))

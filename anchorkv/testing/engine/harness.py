@@ -67,6 +67,12 @@ def prompt(seed: int, n: int, vocab: int = 1024) -> list[int]:
     return [rng.randrange(1, vocab) for _ in range(n)]
 
 
+def single(request: dict, max_tokens: int) -> dict:
+    """A batch of the driver's plan: one request in a generate call of its own, vLLM's prefix
+    cache emptied before it (so a cached token can only come from the store)."""
+    return {"reset_prefix_cache": True, "max_tokens": max_tokens, "requests": [request]}
+
+
 def requests_of(run: dict) -> dict[str, dict]:
     """Request id of the plan -> its result, over every batch of a run."""
     return {r["id"]: r for b in run["batches"] for r in b["requests"]}
