@@ -65,7 +65,8 @@ NEEDS = {
     "torch": "everything", "triton": "the kernels on CUDA", "numpy": "the store",
     "pytest": "every step", "pytest_benchmark": "the benchmarks", "hypothesis": "tests/kernels/test_properties.py",
     "zarr": "the store (save path)", "numcodecs": "the store", "blake3": "the store's keys",
-    "google_crc32c": "the store's checksums", "yaml": "zarr (through donfig)", "matplotlib": "the plot",
+    "google_crc32c": "the store's checksums", "fastcrc": "the store's checksums at full speed (else a fallback)",
+    "yaml": "zarr (through donfig)", "matplotlib": "the plot",
 }
 TARGETS = {"copy": 0.85, "eager": 3.0, "d2h": 0.8, "plain": 0.8}  # issue 13's GPU targets; DESIGN's store
 #: bench_kernels providers that time anchorkv's kernels (`stream`: ten `set` calls, one synchronization)
@@ -89,7 +90,7 @@ def environment() -> tuple[str, dict, list[str]]:
     machine = machine_name(device)
     versions = {}
     for dist in ("torch", "triton", "numpy", "pytest", "pytest-benchmark", "hypothesis", "zarr",
-                 "numcodecs", "blake3", "google-crc32c", "matplotlib"):
+                 "numcodecs", "blake3", "google-crc32c", "fastcrc", "matplotlib"):
         try:
             versions[dist] = _md.version(dist)
         except _md.PackageNotFoundError:

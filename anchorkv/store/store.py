@@ -44,6 +44,7 @@ from anchorkv.store.errors import (
 from anchorkv.store.format import (
     CRC32C_LIB,
     FORMAT_VERSION,
+    GIL_FREE_CRC32C,
     ArrayLayout,
     Encoded,
     array_layouts,
@@ -88,14 +89,15 @@ log = logging.getLogger("anchorkv.store")
 Mode = Literal["exact", "semantic"]
 def chunk_threads(cores: int, crc_lib: str) -> int:
     """Threads that compute a shard's crc32c while the writing thread writes it; below 2 the
-    writing thread computes them itself, before the write. os.writev releases the GIL; the
-    `crc32c` package releases it too, so on 2 cores the thread is faster (`bench_store.py`'s
+    writing thread computes them itself, before the write. os.writev releases the GIL; fastcrc
+    and the `crc32c` package (`format.GIL_FREE_CRC32C`) release it too, so on 2 cores the thread
+    is faster (measured with the `crc32c` package: `bench_store.py`'s
     `crc-thread` / `crc-inline` rows with it, two runs: raw 31.1 / 30.4 vs 38.9 / 38.9 ms a
     Kimi-Linear save, plain files 23.4 / 22.8). google-crc32c holds the GIL for each call, so a
     checksum thread overlaps only the write in flight and, on 2 cores, costs more than it gives
     (raw 41.5 vs 40.6 ms, quant 44.1 vs 30.3 in an earlier run): there the thread is used only
     with more cores."""
-    if crc_lib == "crc32c":
+    if crc_lib in GIL_FREE_CRC32C:
         return 2 if cores >= 2 else 1
     return 2 if cores > 2 else 1
 

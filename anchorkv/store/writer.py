@@ -241,8 +241,8 @@ class EntryWriter:
         chunk and of the whole file.
 
         A chunk thread computes the checksums while this thread writes the file (they go only
-        to the manifest; os.writev releases the GIL, and so does the `crc32c` package, while
-        google-crc32c holds it for each call: see `store.chunk_threads`). With `put_submit` (an object
+        to the manifest; os.writev releases the GIL, and so do fastcrc and the `crc32c` package,
+        while google-crc32c holds it for each call: see `store.chunk_threads`). With `put_submit` (an object
         store's round trips, a local directory's `store.LOCAL_PUT_THREADS`) both run on a put
         thread, one shard after another, and this returns at once: `finish_rank` waits for every write in flight.
         The buffers stay referenced until then (views of the caller's `Packed`, which must not

@@ -137,16 +137,16 @@ def test_the_connector_fails_at_start_up_on_an_unwritable_store(tmp_path, monkey
 
 def test_packaging_extras():
     """triton only in the [gpu] extra (and [test]: the interpreter tests); google-crc32c (zarr's,
-    Apache-2.0) required, the `crc32c` package (LGPL-2.1-or-later, computes without the GIL)
-    only in the [fast-crc] extra and [test] (both libraries' paths tested); a [bench] extra that
-    runs `anchorkv bench`, tensorstore tested."""
+    Apache-2.0) and fastcrc (MIT, the store's default crc32c) required, the `crc32c` package
+    (LGPL-2.1-or-later, the fallback without the GIL) only in the [fast-crc] extra and [test]
+    (every library's path tested); a [bench] extra that runs `anchorkv bench`, tensorstore tested."""
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     names = lambda reqs: {r.split(">")[0].split("=")[0].split("[")[0].strip().lower() for r in reqs}  # noqa: E731
     base, extras = names(project["dependencies"]), {k: names(v) for k, v in project["optional-dependencies"].items()}
     assert "triton" not in base and "triton" in extras["gpu"]
-    assert "google-crc32c" in base and "crc32c" not in base
+    assert {"google-crc32c", "fastcrc"} <= base and "crc32c" not in base
     assert {k for k, v in extras.items() if "crc32c" in v} == {"fast-crc", "test"}
     assert {"pytest", "pytest-benchmark", "matplotlib", "safetensors"} <= extras["bench"]
     assert "tensorstore" in extras["test"]

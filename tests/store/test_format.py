@@ -14,7 +14,7 @@ from anchorkv.codec import CodecSpec
 from anchorkv.kernels import reference
 from anchorkv.store import format as F
 from anchorkv.store.errors import FormatError
-from anchorkv.store.format import MAX_TP, TOKEN_CHUNK, QuantChunkEncoding, crc32c
+from anchorkv.store.format import MAX_TP, TOKEN_CHUNK, QuantChunkEncoding
 from anchorkv.store.store import Store
 from tests.store import golden
 from tests.store.helpers import CODECS, RAW_CODECS, all_packed, logical_values, rank_packed, tiny_layout, tokens
@@ -305,80 +305,6 @@ def test_an_older_reader_leaves_sized_chunk_entries_alone(tmp_path, monkeypatch)
     store = Store.open(tmp_path / "s", create=False)
     assert [e.state for e in store.scan()] == ["newer-format"]
     assert store.gc(stale_after=0)["removed"] == []
-
-
-@pytest.fixture(params=["crc32c", "google-crc32c"])
-def crc_lib(request, monkeypatch):
-    """Each crc32c library anchorkv can use, in turn (the test extra installs both; the
-    `crc32c` package is optional for users)."""
-    import crc32c as icrar  # the test extra's: a missing one fails here, in CI as anywhere
-
-    from anchorkv.store import format as F
-
-    monkeypatch.setattr(F, "_CRC_FREE", icrar.crc32c if request.param == "crc32c" else None)
-    return request.param
-
-
-def test_crc32c_check_value(crc_lib):
-    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
-    assert crc32c(memoryview(bytearray(b"56789")), value=crc32c(b"1234")) == 0xE3069283
-    assert crc32c(b"") == 0 and crc32c(b"", value=0xE3069283) == 0xE3069283
-
-
-def test_the_two_crc32c_libraries_agree():
-    """Random buffers of every size class (below and above the 32 KiB where `crc32c` releases
-    the GIL), ndarray and memoryview inputs, continuations: the same values."""
-    import crc32c as icrar
-    import google_crc32c
-
-    rng = np.random.default_rng(7)
-    for n in (1, 3, 8, 63, 4096, 32767, 32768, 32769, 100_003, 1 << 20):
-        a = rng.integers(0, 256, n, dtype=np.uint8)
-        want = google_crc32c.value(a)
-        assert icrar.crc32c(a) == want == icrar.crc32c(memoryview(a.tobytes()))
-        seed = int(rng.integers(1, 2**32))
-        assert icrar.crc32c(a, seed) == google_crc32c.extend(seed, a)
-
-
-def test_a_store_saved_with_either_crc32c_library_is_the_same(tmp_path, monkeypatch):
-    """The manifest (every chunk's and shard's checksum) and the files are identical; each
-    store verifies with the other library."""
-    import crc32c as icrar
-
-    from anchorkv.store import format as F
-
-    layout = tiny_layout()
-    stores = {}
-    for lib in ("crc32c", "google-crc32c"):
-        monkeypatch.setattr(F, "_CRC_FREE", icrar.crc32c if lib == "crc32c" else None)
-        store = Store.open(tmp_path / lib)
-        info = store.save(layout, CODECS, tokens(300), all_packed(layout, CODECS, 300), anchor="a")
-        stores[lib] = (store, info)
-    (a, ia), (b, ib) = stores.values()
-    assert ia.manifest["checksums"] == ib.manifest["checksums"] and ia.manifest["shards"] == ib.manifest["shards"]
-    for lib in ("crc32c", "google-crc32c"):  # each verified by the other library
-        monkeypatch.setattr(F, "_CRC_FREE", icrar.crc32c if lib == "google-crc32c" else None)
-        store, info = stores[lib]
-        assert Store.open(store.backend.url, create=False).verify(info.id) == []
-
-
-@pytest.mark.parametrize("cores,lib,want", [(1, "crc32c", 1), (2, "crc32c", 2), (16, "crc32c", 2),
-                                            (1, "google-crc32c", 1), (2, "google-crc32c", 1),
-                                            (16, "google-crc32c", 2)])
-def test_checksum_threads_by_cores_and_library(cores, lib, want):
-    from anchorkv.store.store import chunk_threads
-
-    assert chunk_threads(cores, lib) == want
-
-
-@pytest.mark.parametrize("n1,n2", [(0, 5), (5, 0), (1, 1), (1000, 77), (65536, 4097)])
-def test_crc32c_combine(n1, n2):
-    from anchorkv.store.format import crc32c_combine, crc32c_combine_fixed
-
-    rng = np.random.default_rng(n1 * 100003 + n2)
-    a, b = rng.bytes(n1), rng.bytes(n2)
-    assert crc32c_combine(crc32c(a), crc32c(b), n2) == crc32c(a + b)
-    assert crc32c_combine_fixed(crc32c(a), crc32c(b), n2) == crc32c(a + b)
 
 
 def test_group_for_last_axis_shard_is_fixed(tmp_path):
