@@ -96,8 +96,16 @@ class ModelLayout:
     tp_rank: int = 0
     #: the weights' name (the connector's `model_id`): two checkpoints of one architecture
     #: (a fine-tune, another revision) have the same layers and must not restore each other's
-    #: state. None: not part of the fingerprint (layouts made outside an engine).
+    #: state. None: not part of the fingerprint (layouts made outside an engine, or where the
+    #: weights' content names them: `weights`).
     model: str | None = None
+    #: the weights' content (`connector.weights.weights_digest`): equal files, equal digest,
+    #: wherever they are loaded from. None: not part of the fingerprint.
+    weights: str | None = None
+    #: what besides the weights decides the computed state (`connector.weights.config_digest`:
+    #: the model's config, overrides included, the dtype and the quantization). None: not part
+    #: of the fingerprint.
+    model_config: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -128,13 +136,16 @@ class ModelLayout:
     def fingerprint(self) -> dict[str, Any]:
         """What a stored entry must agree with to be restored: TP-independent by design.
 
-        The model's name (`model`, when set), layer names, kinds (and sliding windows) and each
-        field's logical shape and dtype; not the rank, the block size or the strides (those change with tp and with
-        vLLM's allocator, and the logical arrays do not).
+        The model's name, weights and config (`model`, `weights`, `model_config`, when set),
+        layer names, kinds (and sliding windows) and each field's logical shape and dtype; not
+        the rank, the block size or the strides (those change with tp and with vLLM's
+        allocator, and the logical arrays do not).
         """
         return {
             "architecture": self.architecture,
             **({"model": self.model} if self.model is not None else {}),
+            **({"weights": self.weights} if self.weights is not None else {}),
+            **({"model_config": self.model_config} if self.model_config is not None else {}),
             "layers": [
                 {
                     "name": layer.name,

@@ -98,10 +98,10 @@ class ConnectorConfig:
     #: that finds the queued ones holding this much is dropped (`save_dropped`), so a store
     #: slower than the engine's saves cannot use up (page-locked) host memory; one always goes
     save_backlog: int = DEFAULT_SAVE_BACKLOG
-    #: what names the model's weights in the store: entries restore only under the same name.
-    #: None: vLLM's `model` as given (a Hugging Face id or a path) and its `revision` (see
-    #: `connector.model_id_of`). Set it to share entries between engines that load the same
-    #: weights from different paths.
+    #: a name for the model's weights, keyed with their content (`connector.weights`): entries
+    #: restore only under the same name. None: no name where the weight files can be read (the
+    #: content names them), else vLLM's `model` as given and its `revision`
+    #: (`connector.model_id_of`): set it where weights are streamed or generated.
     model_id: str | None = None
 
     @classmethod

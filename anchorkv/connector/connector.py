@@ -38,6 +38,7 @@ from typing import Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -58,6 +59,7 @@ from anchorkv.connector.vllm_layout import (
     no_prefill_after_restore,
     opaque_kv_layout,
 )
+from anchorkv.connector.weights import config_digest, weights_digest
 from anchorkv.connector.worker import WorkerSide
 
 log = logging.getLogger("anchorkv.connector")
@@ -68,16 +70,45 @@ FINISHED_ID_CALLS = 64
 
 
 def model_id_of(vllm_config: Any) -> str:
-    """The default `model_id`: vLLM's `model` as given (a Hugging Face id, or a path: engines
-    loading one checkpoint from different paths set `model_id` to share entries), with its
-    `revision` when one is set. Only what every process of the engine is given alike (the
-    scheduler's and each worker's connector must key entries the same): not what a process
-    finds on its disk, such as the commit a hub cache resolves a revision to (a review: a node
-    with `config.json` cached and one with only the weights named one model two ways)."""
+    """The model's name where its weights cannot be read (see `model_identity`): vLLM's `model`
+    as given (a Hugging Face id, or a path; the object-storage URL of streamed weights), with
+    its `revision` when one is set. Only what every process of the engine is given alike: not
+    what a process finds on its disk, such as the commit a hub cache resolves a revision to (a
+    review: a node with `config.json` cached and one with only the weights named one model two
+    ways)."""
     model_config = vllm_config.model_config
-    name = str(getattr(model_config, "model", None) or "unknown")
+    name = str(getattr(model_config, "model_weights", None) or getattr(model_config, "model", None) or "unknown")
     revision = getattr(model_config, "revision", None)
     return f"{name}@{revision}" if revision else name
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelIdentity:
+    """What names the model in an entry's fingerprint (`ModelLayout.model`, `.weights`,
+    `.model_config`): see `model_identity`."""
+
+    model: str | None
+    weights: str | None
+    model_config: str
+
+
+def model_identity(vllm_config: Any, hf_config: dict, model_id: str | None) -> ModelIdentity:
+    """The weights by their content where this process can read them (`weights.weights_digest`:
+    equal files share entries wherever they are loaded from, and weights rewritten at one path
+    never restore the old ones' state); the model's name as well where they cannot (vLLM's
+    random `dummy` weights, streamed or plug-in loaders, a node without the files) or where
+    `model_id` names them; and the config, dtype and quantization the state is computed with."""
+    digest = weights_digest(vllm_config)
+    name = model_id or (model_id_of(vllm_config) if digest is None or digest == "dummy" else None)
+    return ModelIdentity(name, digest, config_digest(vllm_config, hf_config))
+
+
+class AnchorKVHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler once at start-up (vLLM's connector handshake): the
+    model identity it keys its saves to, which the scheduler's lookups must use too."""
+
+    def __init__(self, identity: ModelIdentity) -> None:
+        self.identity = identity
 
 
 class AnchorKVMetadata(KVConnectorMetadata):
@@ -147,9 +178,10 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
         # fingerprint, what entries must agree with, is TP-independent for described models)
         # (rank 0's: the store and the fingerprint need only shapes, which every rank shares)
         # and the weights' name: two checkpoints of one architecture never share entries
+        self.identity = model_identity(vllm_config, hf_config, self.config.model_id)
         self.model_layout = dataclasses.replace(
             model_layout(kv_cache_config, hf_config, tp_size=self.tp_size, tp_rank=0),
-            model=self.config.model_id or model_id_of(vllm_config))
+            **dataclasses.asdict(self.identity))
         self.store = ZarrEntryStore(self.config, self.model_layout)
         self.config = self.store.config  # codec groups resolved as the entries store them
         self._hf_config = hf_config
@@ -180,8 +212,8 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
             log.warning("anchorkv: %s: a request is restored only when the entry leaves its last token "
                         "to compute, otherwise computed in full (counted as miss 'needs_prefill'); saves "
                         "are unaffected", no_prefill)
-        log.info("anchorkv: %s side, store %s, model %s, codecs %s, lookup %s, mamba cache mode %s",
-                 role.name.lower(), self.config.store, self.model_layout.model,
+        log.info("anchorkv: %s side, store %s, model %s (weights %s), codecs %s, lookup %s, mamba cache mode %s",
+                 role.name.lower(), self.config.store, self.model_layout.model, self.identity.weights or "unread",
                  {k: str(v) for k, v in self.config.codec.items()}, self.config.lookup, self.mode)
         log.log(*codec_banner(self.config.codec))  # a WARNING when any field's codec is lossy
         if role == KVConnectorRole.SCHEDULER:  # once per engine, not per rank
@@ -242,7 +274,30 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Any, block_ids: list[int]):
         return self._scheduler_side.request_finished(request, (block_ids,))
 
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """The workers' model identity, once at start-up: lookups must find what the workers save.
+        Where rank 0 keys entries otherwise than this process (its weights read where this node
+        has none, a config the model's loading changed), the scheduler takes rank 0's."""
+        ours = {rank: m.identity for rank, m in metadata.items() if isinstance(m, AnchorKVHandshake)}
+        if not ours or self.scheduler is None:
+            return
+        if len(set(ours.values())) > 1:
+            log.error("anchorkv: the tensor-parallel ranks key entries to different models %s: their "
+                      "weight files differ; a rank's part of an entry restores only where the weights agree",
+                      {r: i.weights for r, i in sorted(ours.items())})
+        first = ours[min(ours)]
+        if first != self.identity:
+            log.warning("anchorkv: the workers key entries to model %s, weights %s (this process: %s, %s); "
+                        "lookups use the workers'", first.model, first.weights or "unread",
+                        self.identity.model, self.identity.weights or "unread")
+            self.identity = first
+            self.model_layout = dataclasses.replace(self.model_layout, **dataclasses.asdict(first))
+            self.store.set_model_layout(self.model_layout)
+
     # ================================================================ worker side
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return AnchorKVHandshake(self.identity)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         # block ids count the scheduler's blocks, whatever kernel block the backend views
@@ -251,7 +306,7 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
         worker = self._worker_side
         layout, views = build_views(kv_caches, self._kv_config, self._hf_config, tp_size=self.tp_size,
                                     tp_rank=worker.tp_rank, backends=backends)
-        layout = dataclasses.replace(layout, model=self.model_layout.model)
+        layout = dataclasses.replace(layout, **dataclasses.asdict(self.identity))
         if layout.fingerprint_hash() != self.model_layout.fingerprint_hash():
             raise RuntimeError("anchorkv: the registered caches do not match vLLM's KV-cache specs "
                                f"({layout.fingerprint()} vs {self.model_layout.fingerprint()}); this is a bug")

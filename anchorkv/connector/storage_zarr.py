@@ -73,7 +73,8 @@ def store_layout(model: ModelLayout, tp_size: int, tp_rank: int) -> ModelLayout:
                 offset = nf.extent
             page = pages[id(layer.page)] = PageLayout(tuple(fields), offset)
         layers.append(LayerLayout(layer.name, layer.index, layer.kind, page, layer.window))
-    return ModelLayout(model.architecture, tuple(layers), 1, tp_size, tp_rank, model=model.model)
+    return ModelLayout(model.architecture, tuple(layers), 1, tp_size, tp_rank, model=model.model,
+                       weights=model.weights, model_config=model.model_config)
 
 
 def wanted_codecs(config: ConnectorConfig, model: ModelLayout) -> dict[str, CodecSpec]:
@@ -158,6 +159,15 @@ class ZarrEntryStore:
 
     def __repr__(self) -> str:
         return f"ZarrEntryStore({self.store.url!r}, codecs={ {k: str(v) for k, v in self.codecs.items()} })"
+
+    def set_model_layout(self, model_layout: ModelLayout) -> None:
+        """Key lookups and saves to `model_layout` from now on (the same layers: the model's
+        identity changed, see `AnchorKVConnector.set_xfer_handshake_metadata`)."""
+        if model_layout.layers != self.model_layout.layers:
+            raise ValueError("set_model_layout takes the same layers with another model identity")
+        self.model_layout = model_layout
+        self.fingerprint_hash = model_layout.fingerprint_hash()
+        self._layouts.clear()
 
     def layout(self, tp_size: int, tp_rank: int) -> ModelLayout:
         key = (tp_size, tp_rank)

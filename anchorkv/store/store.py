@@ -609,8 +609,15 @@ class Store:
         fp = self._fingerprint(layout)
         if entry.fingerprint_hash != fp:
             written = entry.manifest["model_fingerprint"]
-            differs = ("the model's weights differ (model_id)" if written.get("model") != layout.model
-                       else "layers, field shapes or dtypes differ")
+            if written.get("weights") != layout.weights:
+                differs = (f"the model's weights differ (content {written.get('weights')!r} vs "
+                           f"{layout.weights!r})")
+            elif written.get("model") != layout.model:
+                differs = "the model's weights differ (model_id)"
+            elif written.get("model_config") != layout.model_config:
+                differs = "the model's config, dtype or quantization differ"
+            else:
+                differs = "layers, field shapes or dtypes differ"
             raise FingerprintMismatch(
                 f"entry {entry.id} was written for model fingerprint {entry.fingerprint_hash[:16]} "
                 f"({written['architecture']}, model {written.get('model')!r}), the reader's layout is "

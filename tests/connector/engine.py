@@ -368,4 +368,5 @@ def make_engine(model_dir: str, store: str, *, mode: str = "none", tp: int = 1, 
             torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).fill_(0xFF)  # NaN
         c.register_kv_caches(caches)
         out.append(Rank(c, caches, c.worker.views))
+    H.handshake(scheduler, [r.connector for r in out])
     return Engine(cfg, kv, scheduler, out, KVOutputAggregator(max(len(out), 1)), check=check)

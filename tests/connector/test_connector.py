@@ -175,9 +175,10 @@ def test_other_model_fingerprint_gets_nothing(model_dir, other_model_dir, tmp_pa
 
 def test_another_checkpoint_of_the_same_architecture_gets_nothing(model_dir, tmp_path):
     """Two checkpoints of one architecture (a fine-tune, another revision: the same config,
-    other weights) have the same layers: the entries are keyed to vLLM's model as given
-    (`model_id`), so one never restores the other's state. Engines loading one checkpoint from
-    different paths share entries by naming it (`model_id`)."""
+    other weights) have the same layers. Where no weights can be read (this config-only
+    folder: vLLM's `dummy` weights, streamed ones) the entries are keyed to vLLM's model as
+    given (`model_id`), so one never restores the other's state; engines loading one
+    checkpoint from different paths share entries by naming it (`model_id`)."""
     import shutil
 
     finetune = str(shutil.copytree(model_dir, tmp_path / "finetune"))  # the same config.json
@@ -190,6 +191,81 @@ def test_another_checkpoint_of_the_same_architecture_gets_nothing(model_dir, tmp
         assert matched(eng, NONE_PROMPT + EXTRA, ANCHOR) == (300, True)
         want = (300, True) if named else (0, False)
         assert matched(other, NONE_PROMPT + EXTRA, ANCHOR) == want
+
+
+def _with_weights(model_dir, where, content: bytes) -> str:
+    """A copy of `model_dir` with a weight file of `content` (the harness never loads weights:
+    only the connector reads them, to key entries to them)."""
+    import shutil
+
+    out = shutil.copytree(model_dir, where)
+    (out / "model.safetensors").write_bytes(content)
+    return str(out)
+
+
+def test_entries_are_keyed_to_the_weights_content(model_dir, tmp_path, monkeypatch):
+    """The weight files' content names the model: one checkpoint at two paths shares entries
+    without `model_id`; other weights, at another path or rewritten at the same one (a
+    fine-tune saved over the last), never restore the first weights' state, `model_id` or not."""
+    monkeypatch.setenv("ANCHORKV_CACHE_DIR", str(tmp_path / "cache"))
+    w1, w2 = bytes(range(256)) * 64, bytes(range(255, -1, -1)) * 64
+    a = _with_weights(model_dir, tmp_path / "a", w1)
+    copy = _with_weights(model_dir, tmp_path / "copy", w1)
+    other = _with_weights(model_dir, tmp_path / "other", w2)
+    for named in (False, True):
+        extra = {**RAW, "model_id": "kimi-linear-48b"} if named else RAW
+        store = str(tmp_path / f"store-{named}")
+        eng = E.make_engine(a, store, mode="none", num_blocks=8, extra=extra)
+        assert eng.scheduler.connector.model_layout.weights.startswith("sha256:")
+        first_turn(eng, NONE_PROMPT, ANCHOR)
+        assert matched(eng, NONE_PROMPT + EXTRA, ANCHOR) == (300, True)
+        same = E.make_engine(copy, store, mode="none", num_blocks=8, extra=extra, ranks=[])
+        assert matched(same, NONE_PROMPT + EXTRA, ANCHOR) == (300, True)
+        diff = E.make_engine(other, store, mode="none", num_blocks=8, extra=extra, ranks=[])
+        assert matched(diff, NONE_PROMPT + EXTRA, ANCHOR) == (0, False)
+    (tmp_path / "a" / "model.safetensors").write_bytes(w2)  # the same path, the same size
+    for named in (False, True):
+        extra = {**RAW, "model_id": "kimi-linear-48b"} if named else RAW
+        again = E.make_engine(a, str(tmp_path / f"store-{named}"), mode="none", num_blocks=8, extra=extra,
+                              ranks=[])
+        assert matched(again, NONE_PROMPT + EXTRA, ANCHOR) == (0, False)
+
+
+def test_the_scheduler_keys_lookups_to_the_workers_identity(model_dir, tmp_path, monkeypatch):
+    """A scheduler on a node without the weight files (a multi-node engine) cannot read them;
+    vLLM's connector handshake gives it rank 0's identity, so its lookups find what the workers
+    save. Without the handshake they would find nothing."""
+    import anchorkv.connector.connector as conn_mod
+
+    calls = []
+
+    def digest(vllm_config):  # the scheduler's connector is made first (EngineCore's order)
+        calls.append(1)
+        return None if len(calls) == 1 else "sha256:" + "ab" * 16
+
+    monkeypatch.setattr(conn_mod, "weights_digest", digest)
+    eng = E.make_engine(model_dir, str(tmp_path / "store"), mode="none", num_blocks=8, extra=RAW)
+    sched = eng.scheduler.connector
+    assert sched.model_layout.weights == "sha256:" + "ab" * 16 and sched.model_layout.model is None
+    first_turn(eng, NONE_PROMPT, ANCHOR)
+    assert matched(eng, NONE_PROMPT + EXTRA, ANCHOR) == (300, True)
+
+    calls.clear()
+    monkeypatch.setattr(E.H, "handshake", lambda scheduler, workers: None)
+    eng = E.make_engine(model_dir, str(tmp_path / "store2"), mode="none", num_blocks=8, extra=RAW)
+    first_turn(eng, NONE_PROMPT, ANCHOR)
+    assert matched(eng, NONE_PROMPT + EXTRA, ANCHOR) == (0, False)
+
+
+def test_ranks_with_different_weights_are_reported(model_dir, tmp_path, monkeypatch, caplog):
+    import anchorkv.connector.connector as conn_mod
+
+    values = iter([None, "sha256:" + "01" * 16, "sha256:" + "02" * 16])
+    monkeypatch.setattr(conn_mod, "weights_digest", lambda vllm_config: next(values))
+    with caplog.at_level("ERROR", logger="anchorkv.connector"):
+        E.make_engine(model_dir, str(tmp_path / "store"), mode="none", num_blocks=8, extra=RAW, tp=2,
+                      monkeypatch=monkeypatch)
+    assert "ranks key entries to different models" in caplog.text, caplog.text
 
 
 # ------------------------------------------------------------------------------ align mode

@@ -182,6 +182,7 @@ def make_engine(model_dir: str, store: str, *, num_blocks: int = 64, max_num_bat
             torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).fill_(0xFF)  # NaN: a stale byte
         c.register_kv_caches(caches)
         ranks.append(E.Rank(c, caches, c.worker.views))
+    H.handshake(scheduler, [r.connector for r in ranks])
     eng = SlidingEngine(cfg, kv, scheduler, ranks, KVOutputAggregator(tp))
     eng.whole_blocks = ranks[0].connector.worker.granularity > 1
     return eng

@@ -297,6 +297,17 @@ def make_scheduler(vllm_config, kv_cache_config):
     )
 
 
+def handshake(scheduler, workers) -> None:
+    """What EngineCore does once its scheduler exists (`_set_kv_connector_handshake_metadata`):
+    each worker connector's handshake metadata, keyed by (pp rank, tp rank), to the scheduler's."""
+    connector = scheduler.get_kv_connector()
+    if connector is None:
+        return
+    content = {(0, r): md for r, w in enumerate(workers) if (md := w.get_handshake_metadata()) is not None}
+    if content:
+        connector.set_xfer_handshake_metadata_pp_aware(content)
+
+
 def request_block_hasher(vllm_config, kv_cache_config):
     """The block hasher EngineCore attaches to requests (prefix caching or a connector)."""
     from vllm.utils.hashing import get_hash_fn_by_name

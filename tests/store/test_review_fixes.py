@@ -374,6 +374,14 @@ def test_a_load_for_other_weights_says_so(tmp_path):
     with pytest.raises(FingerprintMismatch, match="layers, field shapes or dtypes differ"):
         store.load(info.id, dataclasses.replace(tiny_layout(tp_size=1), model="acme/a@1", architecture="Other"),
                    "model.layers.1.attn", "recurrent")
+    # keyed by content (`weights`) and by config (`model_config`): each refusal names its reason
+    w1 = dataclasses.replace(base, weights="sha256:" + "1" * 32, model_config="c" * 32)
+    info = store.save(w1, CODECS, tokens(300), all_packed(w1, CODECS, 300), anchor="y")
+    assert store.load(info.id, w1, "model.layers.1.attn", "recurrent").shape
+    with pytest.raises(FingerprintMismatch, match=r"weights differ \(content 'sha256:1+' vs 'sha256:2+'\)"):
+        store.load(info.id, dataclasses.replace(w1, weights="sha256:" + "2" * 32), "model.layers.1.attn", "recurrent")
+    with pytest.raises(FingerprintMismatch, match="config, dtype or quantization differ"):
+        store.load(info.id, dataclasses.replace(w1, model_config="d" * 32), "model.layers.1.attn", "recurrent")
 
 
 @pytest.mark.parametrize("meanwhile", ["evicted", "written again"])
