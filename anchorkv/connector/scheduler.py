@@ -123,10 +123,14 @@ class SchedulerSide:
         self._pending_loads: list[LoadSpec] = []
         self._pending_saves: list[SaveSpec] = []
         self._requests: dict[str, _Tracked] = {}
-        self._loading: dict[str, str] = {}  # req id -> entry id of a planned async load
-        self._aborted_loads: dict[str, str] = {}  # the same, of requests finished while it runs
+        #: req id -> (entry id, write) of a planned async load
+        self._loading: dict[str, tuple[str, str | None]] = {}
+        self._aborted_loads: dict[str, tuple[str, str | None]] = {}  # the same, of requests finished while it runs
         self._failed: set[str] = set()  # requests whose load failed: vLLM computes them
-        self._bad_entries: dict[str, float] = {}  # entry id -> when its load failed
+        #: entry id -> (when its load failed, the write that failed): a new write of the id (the
+        #: worker deletes an entry a load found damaged, and the next save writes it again) is
+        #: not bad
+        self._bad_entries: dict[str, tuple[float, str | None]] = {}
         self.stats = Counters()
         self._outcome: dict[str, Miss | None] = {}  # req id -> its last lookup's miss (None: found)
 
@@ -231,7 +235,7 @@ class SchedulerSide:
                 if miss is Miss.NO_ENTRY and why:
                     miss = Miss(why[0]) if why[0] in Miss._value2member_map_ else Miss.NO_ENTRY
                 return None, miss
-            if not self._is_bad(ref.entry_id):
+            if not self._is_bad(ref.entry_id, ref.version):
                 return ref, None
             log.debug("anchorkv: entry %s failed to load recently; trying other entries", ref.entry_id)
             bad.add(ref.entry_id)
@@ -271,7 +275,7 @@ class SchedulerSide:
         self._pending_loads.append(LoadSpec(request.request_id, ref.entry_id, start, take, blocks, sync=sync,
                                             version=ref.version))
         if not sync:
-            self._loading[request.request_id] = ref.entry_id
+            self._loading[request.request_id] = (ref.entry_id, ref.version)
         tracked = self._requests.get(request.request_id)
         if tracked is not None:
             tracked.loaded = take
@@ -294,12 +298,12 @@ class SchedulerSide:
         last block never hold stale bytes (the worker zeroes them again after writing)."""
         return self.state_groups
 
-    def _is_bad(self, entry_id: str) -> bool:
-        t = self._bad_entries.get(entry_id)
-        if t is not None and time.monotonic() - t > BAD_ENTRY_TTL_S:
+    def _is_bad(self, entry_id: str, version: str | None) -> bool:
+        mark = self._bad_entries.get(entry_id)
+        if mark is not None and time.monotonic() - mark[0] > BAD_ENTRY_TTL_S:
             del self._bad_entries[entry_id]
-            t = None
-        return t is not None
+            mark = None
+        return mark is not None and (mark[1] is None or version is None or mark[1] == version)
 
     def loads_finished(self, finished: set[str], failed: set[str]) -> None:
         """Workers reported these loads done (`finished`) or failed (`failed`, a subset)."""
@@ -314,10 +318,10 @@ class SchedulerSide:
                 if tracked is not None:
                     tracked.loaded = 0  # vLLM recomputes it: its own state is worth saving
                 if entry is not None:
-                    self._bad_entries[entry] = time.monotonic()
-                    self.store.forget(entry)  # a stale manifest here is read again after the TTL
+                    self._bad_entries[entry[0]] = (time.monotonic(), entry[1])
+                    self.store.forget(entry[0])  # a new write of it is read, not a stale manifest
                 log.info("anchorkv: load of request %s from entry %s failed; vLLM recomputes it",
-                         req_id, entry)
+                         req_id, entry and entry[0])
 
     # -------------------------------------------------------------------- saves
 

@@ -61,6 +61,11 @@ class EntryStore(Protocol):
         """A load of the entry failed: whatever is cached of it is read again at its next use
         (it may have been deleted and written again by another process since it was cached)."""
 
+    def discard_damaged(self, entry_id: str, version: str | None) -> bool:
+        """A load of the entry failed its checks: check the whole entry and delete it if it is
+        damaged and still the write `version`, so that the next save of its tokens writes it
+        again (a save never replaces an entry that exists). True if deleted."""
+
     def save_part(self, spec: SaveSpec, parts: dict[tuple[str, str], Packed], *, tp_size: int,
                   tp_rank: int) -> int:
         """Write this rank's part of the entry; the entry becomes visible once every rank's part

@@ -41,7 +41,7 @@ from anchorkv.codec.models import ROLE_ALIASES, Role
 from anchorkv.connector.config import ConnectorConfig, field_codecs
 from anchorkv.connector.plan import SaveSpec
 from anchorkv.connector.storage import EntryRef
-from anchorkv.store.errors import CorruptEntry, FormatError, IncompleteEntry
+from anchorkv.store.errors import CorruptEntry, EntryNotFound, FormatError, IncompleteEntry
 from anchorkv.store.format import array_layouts
 from anchorkv.store.keys import TOKEN_BLOCK
 from anchorkv.store.manifest import EntryInfo
@@ -244,6 +244,28 @@ class ZarrEntryStore:
     def forget(self, entry_id: str) -> None:
         """Read the entry's manifest again at its next use (a load of it failed)."""
         self.store.forget(entry_id)
+
+    def discard_damaged(self, entry_id: str, version: str | None) -> bool:
+        """See `EntryStore.discard_damaged`: what `anchorkv gc --verify` would remove, at once.
+        Nothing is deleted where the whole entry reads clean (the failure was not its data's) or
+        where it is now another write (saved again meanwhile: judged by its own loads)."""
+        try:
+            info = self.entry(entry_id, version)
+        except (EntryNotFound, CorruptEntry):
+            return False  # gone, another write, or a manifest no lookup returns
+        problems = self.store.verify(info)
+        if not problems:
+            return False
+        try:
+            if self.store.get(entry_id).version != info.version:
+                return False
+            self.store.delete(entry_id)
+        except (EntryNotFound, CorruptEntry):
+            return False
+        log.warning("anchorkv: entry %s is damaged (%s%s); deleted, so the next save of its tokens writes it "
+                    "again", entry_id, problems[0].removeprefix(f"entry {entry_id}: "),
+                    f"; {len(problems) - 1} more problems" if len(problems) > 1 else "")
+        return True
 
     # ------------------------------------------------------------------ save
 

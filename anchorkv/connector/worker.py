@@ -127,6 +127,8 @@ class WorkerSide:
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-load")
         self._read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="anchorkv-read")
         self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-save")
+        #: checks (and deletes) entries a load found damaged, off the load thread
+        self._repair_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-repair")
         #: the last job queued on each one-thread pool (`flush` waits for it: its end is all of them)
         self._last_save: Future | None = None
         self._last_load: Future | None = None
@@ -433,6 +435,10 @@ class WorkerSide:
                 job.state = "done" if ok else "failed"
                 if error is not None:  # not when it was cancelled meanwhile (counted then)
                     self.stats.load_failed(load_miss_of(error))
+        if error is not None and load_miss_of(error) is Miss.CORRUPT:
+            # a damaged entry would fail every load and block every save of its tokens (a save
+            # never replaces an entry): check it whole and delete it if its data is at fault
+            self._repair_pool.submit(self._discard_damaged, spec.entry_id, spec.version)
         if ok:
             nbytes = sum(p.nbytes for p in parts.values())
             seconds = time.perf_counter() - t0
@@ -638,8 +644,15 @@ class WorkerSide:
         of every flush on a 2-core CPU and ~120 us on the H100's host with nothing queued.)"""
         wait([f for f in (self._last_save, self._last_load) if f is not None])
 
+    def _discard_damaged(self, entry_id: str, version: str | None) -> None:
+        try:
+            self.store.discard_damaged(entry_id, version)
+        except Exception as e:  # a store error: `anchorkv gc --verify` removes it later
+            log.warning("anchorkv: could not check damaged entry %s (%s)", entry_id, e)
+
     def shutdown(self) -> None:
         self._save_pool.shutdown(wait=True)
+        self._repair_pool.shutdown(wait=False, cancel_futures=True)
         self._load_pool.shutdown(wait=False, cancel_futures=True)
         self._read_pool.shutdown(wait=False, cancel_futures=True)
 

@@ -105,6 +105,51 @@ def test_corrupt_chunk_fails_the_load_and_vllm_recomputes(model_dir, tmp_path, m
     _load_fails_cleanly(eng, monkeypatch)
 
 
+def test_a_damaged_entry_is_deleted_and_its_tokens_saved_again(model_dir, tmp_path, monkeypatch, caplog):
+    """A load that finds an entry damaged fails and vLLM recomputes; the worker then checks the
+    whole entry and deletes it, so the same tokens computed again save a new entry, which the
+    next request restores bit for bit. (Before, every save of those tokens found the damaged
+    entry and wrote nothing, and each load once the bad mark expired failed again.)"""
+    store = tmp_path / "store"
+    eng = E.make_engine(model_dir, str(store), mode="none", num_blocks=8, extra=RAW)
+    first_turn(eng, NONE_PROMPT, ANCHOR)
+    damaged = max(Store.open(store).list(), key=lambda e: e.num_tokens)
+    assert damaged.num_tokens == 302
+    chunk = store / "entries" / damaged.id / "recurrent" / "c.7.0.0.0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    chunk.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="anchorkv.connector"):
+        _load_fails_cleanly(eng, monkeypatch)
+        for rank in eng.ranks:
+            rank.connector.worker._repair_pool.submit(lambda: None).result()  # the check has run
+    assert f"entry {damaged.id} is damaged" in caplog.text
+    assert 302 not in entries(store)
+    first_turn(eng, NONE_PROMPT, ANCHOR, req_id="r3")  # its finish saves prompt + output again
+    again = max((e for e in Store.open(store).list() if e.num_tokens == 302), key=lambda e: e.created)
+    assert again.id == damaged.id and again.version != damaged.version
+    spec, snaps = start_load(eng, "r4", PROMPT2, ANCHOR)  # the new write is not the one marked bad
+    assert spec is not None and spec.num_tokens == 302 and spec.version == again.version
+    check_load(eng, spec, snaps, PROMPT2)
+
+
+def test_an_entry_that_reads_clean_is_kept_after_a_failed_load(model_dir, tmp_path, monkeypatch):
+    """A load that failed for a reason the entry's data does not show (a read error, a chunk
+    changed and changed back) deletes nothing: the whole entry is checked first."""
+    from anchorkv.store.errors import CorruptEntry
+
+    store = tmp_path / "store"
+    eng = E.make_engine(model_dir, str(store), mode="none", num_blocks=8, extra=RAW)
+    first_turn(eng, NONE_PROMPT, ANCHOR)
+    before = entries(store)
+    worker_store = eng.ranks[0].connector.worker.store
+    monkeypatch.setattr(worker_store, "load", lambda entry_id, *a, **k: (_ for _ in ()).throw(
+        CorruptEntry(entry_id, "a chunk read short (simulated)")))
+    _load_fails_cleanly(eng, monkeypatch)
+    eng.ranks[0].connector.worker._repair_pool.submit(lambda: None).result()
+    assert set(before) <= set(entries(store))
+
+
 def test_entry_deleted_between_lookup_and_load(model_dir, tmp_path, monkeypatch):
     store = tmp_path / "store"
     eng = E.make_engine(model_dir, str(store), mode="none", num_blocks=8, extra=RAW)
