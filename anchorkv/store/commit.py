@@ -12,12 +12,13 @@ down to its capacity).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 
 import numpy as np
 
 from anchorkv.store.backends import Backend
-from anchorkv.store.errors import CorruptEntry, IncompleteEntry
+from anchorkv.store.errors import CorruptEntry, IncompleteEntry, OtherFormat
 from anchorkv.store.format import array_keys
 from anchorkv.store.manifest import (
     EntryInfo,
@@ -35,6 +36,8 @@ from anchorkv.store.paths import (
     staging_path,
     zarr_json,
 )
+
+log = logging.getLogger("anchorkv.store")
 
 #: What a commit tells its caller: the entry it published (or the one another write published
 #: first, which the caller keeps).
@@ -124,8 +127,21 @@ def _publish(backend: Backend, data: str, final: str, entry_id: str, manifest: d
         except FileNotFoundError:
             ensure_key_group(backend, key)  # (the winner's delete may have removed the key's group)
             continue
+        try:
+            info = parse_group(entry_id, winner)
+        except CorruptEntry as e:
+            if isinstance(e, OtherFormat) and e.newer:
+                backend.delete_tree(data)  # a newer anchorkv's entry: its readers keep it
+                raise
+            # a damaged manifest (a crash before it reached the disk) or an older format's entry
+            # of the same tokens: nothing restores it, and keeping it would refuse every save of
+            # these tokens until `anchorkv gc`; this write replaces it
+            log.warning("anchorkv: entry %s is replaced by a new write of its tokens: %s", entry_id,
+                        str(e).removeprefix(f"entry {entry_id}: "))
+            backend.delete_tree(final)
+            continue
         backend.delete_tree(data)
-        return parse_group(entry_id, winner)
+        return info
     backend.delete_tree(data)
     raise CorruptEntry(entry_id, f"its name is held by a directory without a manifest ({PUBLISH_TRIES} publishes "
                                  "failed); `anchorkv gc` removes that damaged entry, the next save writes it")

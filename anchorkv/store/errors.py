@@ -36,8 +36,10 @@ class OtherFormat(CorruptEntry):
     def __init__(self, entry: str, version: object, readable: tuple[int, ...]) -> None:
         """`readable`: the format versions this anchorkv reads (the manifest reader's)."""
         self.version = version
+        #: written by a newer anchorkv (its readers use it; this one leaves it alone)
+        self.newer = isinstance(version, int) and version > max(readable)
         readable_text = ", ".join(map(str, readable))
-        if isinstance(version, int) and version > max(readable):
+        if self.newer:
             what = (f"format version {version}, newer than the versions this anchorkv reads ({readable_text}): "
                     "upgrade anchorkv to load it (this one leaves it alone)")
         else:

@@ -250,7 +250,10 @@ def parse_group(entry_id: str, data: bytes) -> EntryInfo:
         manifest = doc["attributes"][ATTR]
         version = manifest["format_version"]
     except (ValueError, KeyError, TypeError) as e:
-        raise CorruptEntry(entry_id, f"its zarr.json holds no anchorkv manifest ({e!r})") from None
+        # (a decode error's text quotes the whole file: a zero-filled manifest made a 60 kB line)
+        what = (f"{len(data)} bytes that are not UTF-8 JSON" if isinstance(e, UnicodeDecodeError)
+                else f"{type(e).__name__}: {str(e)[:120]}")
+        raise CorruptEntry(entry_id, f"its zarr.json holds no anchorkv manifest ({what})") from None
     if doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
         raise CorruptEntry(entry_id, f"its zarr.json is not a Zarr v3 group (zarr_format {doc.get('zarr_format')!r}, "
                                      f"node_type {doc.get('node_type')!r}); delete the entry (anchorkv rm)")
