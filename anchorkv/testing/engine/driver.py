@@ -178,6 +178,9 @@ def main(plan_path: str, out_path: str) -> None:
         for kind, overrides in plan["models"]["kinds"].items():
             models.make(kind, Path(plan["models"]["dir"]) / kind, **overrides)
         result["models_s"] = time.perf_counter() - t
+    if not plan["runs"]:  # models only (`harness.run_driver` makes them in a process of their own)
+        Path(out_path).write_text(json.dumps(result))
+        return
     t = time.perf_counter()
     import vllm
 

@@ -42,8 +42,14 @@ def engine_python() -> Path:
 
 def run_driver(plan: dict, workdir: Path, name: str, timeout_s: float = 900) -> dict:
     """Run the driver on `plan` in a new process; its JSON result, or an AssertionError with
-    the end of its output."""
+    the end of its output. The plan's models are made first, by a process of their own."""
     workdir.mkdir(parents=True, exist_ok=True)
+    if "models" in plan and plan.get("runs"):  # made by a process of their own, before the engine's:
+        # files written after an engine process began are weights it may not have loaded (anchorkv
+        # keys its entries to that process alone)
+        models = plan["models"]
+        plan = {k: v for k, v in plan.items() if k != "models"}
+        run_driver({"models": models, "runs": []}, workdir, f"{name}-models", timeout_s)
     plan_path, out_path, log_path = (workdir / f"{name}{s}" for s in (".plan.json", ".json", ".log"))
     plan_path.write_text(json.dumps(plan))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
