@@ -49,7 +49,13 @@ GEMMA3 = dict(
     layer_types=["sliding_attention"] * 3 + ["full_attention"], max_position_embeddings=16384,
     initializer_range=0.1, tie_word_embeddings=False,  # (tied, its greedy tokens repeat one token whatever the prompt)
 )
-KINDS = ("qwen3_next", "llama", "deepseek_v2", "gemma3")
+GPT_OSS = dict(
+    vocab_size=1024, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=128,
+    layer_types=["sliding_attention", "full_attention"] * 2, num_local_experts=4, num_experts_per_tok=2,
+    max_position_embeddings=16384, initializer_range=0.1, tie_word_embeddings=False,
+)
+KINDS = ("qwen3_next", "llama", "deepseek_v2", "gemma3", "gpt_oss")
 
 
 def make(kind: str, path: str | Path, seed: int = 0, **overrides) -> Path:
@@ -71,6 +77,9 @@ def make(kind: str, path: str | Path, seed: int = 0, **overrides) -> Path:
     elif kind == "gemma3":
         config = transformers.Gemma3TextConfig(**{**GEMMA3, **overrides})
         cls = transformers.Gemma3ForCausalLM
+    elif kind == "gpt_oss":
+        config = transformers.GptOssConfig(**{**GPT_OSS, **overrides})
+        cls = transformers.GptOssForCausalLM
     else:
         raise ValueError(f"model kind must be one of {KINDS}, found {kind!r}")
     torch.manual_seed(seed)
