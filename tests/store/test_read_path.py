@@ -42,8 +42,10 @@ def _flip(store: Store, info, key: str, shard: str, at: int, bit: int) -> int:
 @pytest.mark.parametrize("codecs", [CODECS, RAW_CODECS], ids=["quant", "raw"])
 def test_chunks_split_along_the_last_axis_are_read_straight_into_their_rows(tmp_path, codecs):
     """The conv state is chunked along its last axis (channels): at tp=1 each chunk lies in the
-    load's output as one run per row. It is read there by one `preadv` of several buffers, no
-    chunk through a buffer of its own, and every byte is what was saved."""
+    load's output as one run per row, the chunks' rows at regular steps. A shard's chunks are
+    read together into one buffer, each checked there by one crc32c, and copied into their
+    rows by one strided copy (`_Group.strided`); none goes through a buffer of its own, and
+    every byte is what was saved."""
     store = Store.open(tmp_path / "s")
     info = _save(store, codecs)
     layout = tiny_layout()
@@ -55,6 +57,8 @@ def test_chunks_split_along_the_last_axis_are_read_straight_into_their_rows(tmp_
     assert plans and all(not plan.scratch for plan in plans)
     runs = [len(c.runs) for plan in plans for shard in plan.shards for c in shard.chunks]
     assert min(runs) == 3 * 3, runs  # [1, 3 taps, 3, 8 channels]: 9 rows of each chunk
+    groups = [g for plan in plans for shard in plan.shards for g in shard.groups]
+    assert all(g.strided is not None for g in groups), groups
 
 
 def test_a_flipped_byte_of_a_chunk_read_in_runs_is_detected(tmp_path):
@@ -69,13 +73,16 @@ def test_a_flipped_byte_of_a_chunk_read_in_runs_is_detected(tmp_path):
     assert Store.open(tmp_path / "s").load(info.id, tiny_layout(2, 0), "model.layers.3.attn", "conv") is not None
 
 
-def test_each_chunk_is_checked_before_the_next_is_read(tmp_path, monkeypatch):
-    """A local load reads a shard chunk by chunk and checks each right after its read (its
-    bytes still in the CPU's cache); the first that fails stops the read, so the chunks after
-    it are never read into the caller's memory."""
+def test_each_group_of_chunks_is_checked_before_the_next_is_read(tmp_path, monkeypatch):
+    """A local load reads a shard in groups of neighbouring chunks (here 2 a group: at most
+    `GROUP_BYTES`) and checks each chunk of a group right after the group's read (its bytes
+    still in the CPU's cache); the first that fails stops the read, so the groups after it are
+    never read into the caller's memory."""
     store = Store.open(tmp_path / "s")
     info = _save(store, RAW_CODECS)
     layer = "model.layers.1.attn"
+    crc, size, offset = info.manifest["checksums"]["recurrent/c.1.0.0.0"]
+    monkeypatch.setattr(reader_module, "GROUP_BYTES", 2 * size)
     events: list[str] = []
     real_preadv, real_crc = _local._preadv_all, reader_module.crc32c
     monkeypatch.setattr(_local, "_preadv_all", lambda *a: (events.append("read"), real_preadv(*a))[1])
@@ -83,16 +90,33 @@ def test_each_chunk_is_checked_before_the_next_is_read(tmp_path, monkeypatch):
     fresh = Store.open(tmp_path / "s")
     ref = all_packed(tiny_layout(), RAW_CODECS, N)[(layer, "recurrent")]
     assert torch.equal(fresh.load(info.id, tiny_layout(), layer, "recurrent").payload, ref.payload)
-    assert events == ["read", "check"] * 8, events  # 8 head chunks, one shard
-    # damage the first chunk: the other seven are not read
-    key, shard = "recurrent/c.1.0.0.0", "recurrent/c.1.0.0.0"
-    size = _flip(store, info, key, shard, 0, 0x01)
+    assert events == ["read", "check", "check"] * 4, events  # 8 head chunks, one shard
+    # damage the third chunk (the second group's first): the last two groups are not read
+    key, shard = "recurrent/c.1.2.0.0", "recurrent/c.1.0.0.0"
+    _flip(store, info, key, shard, 0, 0x01)
     events.clear()
     out = torch.full((ref.payload.numel(),), 0xAB, dtype=torch.uint8)
     with pytest.raises(CorruptEntry, match=f"chunk {key} fails its check"):
         Store.open(tmp_path / "s").load(info.id, tiny_layout(), layer, "recurrent", host=lambda n: out[:n])
-    assert events == ["read", "check"], events
-    assert bool((out[size:] == 0xAB).all()), "a chunk after the damaged one was read"
+    assert events == ["read", "check", "check", "read", "check"], events
+    assert bool((out[4 * size :] == 0xAB).all()), "a group after the damaged chunk's was read"
+
+
+def test_small_neighbouring_chunks_are_read_together(tmp_path, monkeypatch):
+    """Chunks that follow each other in a shard and fit `GROUP_BYTES` together are read by one
+    `preadv` (one system call, not one a chunk), each still checked by its own crc32c."""
+    store = Store.open(tmp_path / "s")
+    info = _save(store, RAW_CODECS)
+    layer = "model.layers.1.attn"
+    assert 8 * info.manifest["checksums"]["recurrent/c.1.0.0.0"][1] <= reader_module.GROUP_BYTES
+    events: list[str] = []
+    real_preadv, real_crc = _local._preadv_all, reader_module.crc32c
+    monkeypatch.setattr(_local, "_preadv_all", lambda *a: (events.append("read"), real_preadv(*a))[1])
+    monkeypatch.setattr(reader_module, "crc32c", lambda *a, **k: (events.append("check"), real_crc(*a, **k))[1])
+    ref = all_packed(tiny_layout(), RAW_CODECS, N)[(layer, "recurrent")]
+    assert torch.equal(Store.open(tmp_path / "s").load(info.id, tiny_layout(), layer, "recurrent").payload,
+                       ref.payload)
+    assert events == ["read"] + ["check"] * 8, events
 
 
 def test_a_read_plan_is_reused_only_with_its_manifest(tmp_path, monkeypatch):
@@ -156,3 +180,20 @@ def test_a_backend_that_skips_the_checks_still_gets_every_chunk_checked(tmp_path
         fresh.load(info.id, tiny_layout(), layer, "recurrent")
     ref = all_packed(tiny_layout(), RAW_CODECS, N)[("model.layers.0.attn", "recurrent")]
     assert torch.equal(fresh.load(info.id, tiny_layout(), "model.layers.0.attn", "recurrent").payload, ref.payload)
+
+
+def test_a_strided_group_is_only_chunks_in_rows_at_regular_steps():
+    """`_strided` describes a group by one byte view only where that view holds exactly each
+    chunk's runs, in order; anything else is read straight into its runs."""
+    def chunk(runs):
+        return reader_module._Chunk(0, "k", 0, sum(n for _, n in runs), tuple(runs), -1)
+
+    rows = [chunk([(i * 8 + j * 64, 8) for j in range(3)]) for i in range(4)]  # 4 chunks x 3 rows of 8 bytes
+    assert reader_module._strided(rows) == (0, (4, 3, 8), (8, 64, 1))
+    assert reader_module._strided(rows[:1]) == (0, (1, 3, 8), (0, 64, 1))
+    odd_row = [*rows[:3], chunk([(24, 8), (88, 8), (160, 8)])]  # its last row one step too far
+    assert reader_module._strided(odd_row) is None
+    odd_chunk = [*rows[:3], chunk([(32, 8), (96, 8), (160, 8)])]  # a step of 8 between chunks, then 16
+    assert reader_module._strided(odd_chunk) is None
+    assert reader_module._strided([chunk([(0, 24)])]) is None  # one run: read straight in
+    assert reader_module._strided([rows[0], reader_module._Chunk(0, "k", 0, 24, None, 0)]) is None  # a buffered one
