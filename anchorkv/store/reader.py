@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -63,16 +64,21 @@ class _ShardRead(NamedTuple):
     groups: tuple[_Group, ...]  # the chunks read together (`GROUP_BYTES`)
 
 
+#: `_steps`: (the first chunk's first row's start, rows a chunk, bytes a row, step between
+#: chunks, step between rows)
+_Steps = tuple[int, int, int, int, int]
+
+
 class _Group(NamedTuple):
     """Chunks that follow each other in a shard file, read by one range and checked after it."""
 
     first: int  # [first, stop): indices into `_ShardRead.chunks`
     stop: int
     nbytes: int
-    #: chunks whose places lie in rows at regular steps (a conv state's chunks of channels, one
-    #: row of each per tap): read into a buffer of their own, checked there by one crc32c call
-    #: each, then copied into the output by one strided copy of this byte view of it, `(start,
-    #: shape, strides)` from the output's first byte: [chunk, row, byte]. None: read straight in
+    #: chunks whose places lie in rows at regular steps (`_steps`): read into a buffer of their
+    #: own, checked there by one crc32c call each, then copied into the output by one strided
+    #: copy of this byte view of it, `(start, shape, strides)` from the output's first byte:
+    #: [chunk, row, byte]. None: read straight in
     strided: tuple[int, tuple[int, int, int], tuple[int, int, int]] | None
 
 
@@ -123,11 +129,11 @@ class _Geometry(NamedTuple):
     """The layout part of a `ReadPlan`: the same for every layer of a field, and for every entry
     whose array is alike (a field's chunks, shards and places in the output). Per shard and
     stored array (codes, scales), its key and its chunks' keys, each as the text before and
-    after the layer's coordinate, and where each chunk goes: `(runs, bytes)` (read straight into
+    after the layer's coordinate, where each chunk goes: `(runs, bytes)` (read straight into
     the output) or an index into `scratch` (the chunk's covered part, as slices into the
-    region's block and into the chunk)."""
+    region's block and into the chunk), and the chunks' `_steps`."""
 
-    shards: tuple[tuple[tuple[str, str], int, tuple[tuple[tuple[str, str], Any], ...]], ...]
+    shards: tuple[tuple[tuple[str, str], int, tuple[tuple[tuple[str, str], Any], ...], _Steps | None], ...]
     scratch: tuple[tuple[tuple[slice, ...], tuple[slice, ...]], ...]
 
 
@@ -200,7 +206,7 @@ def _build_geometry(array: ArrayLayout, region: Sequence[slice], out: Encoded, c
             skey = _split(part.shard_key(shard), shard, by_layer)
             if by_layer and not all(k[1] for k in (skey, *(c[0] for c in chunks))):
                 return None
-            shards.append((skey, pi, tuple(chunks)))
+            shards.append((skey, pi, tuple(chunks), _steps([None if isinstance(w, int) else w[0] for _, w in chunks])))
     return _Geometry(tuple(shards), tuple(scratch))
 
 
@@ -217,12 +223,12 @@ def plan_reads(info: EntryInfo, array: ArrayLayout, region: Sequence[slice], out
     geometry, layer = _geometry(array, region, out, compressed)
     sums, sizes = info.manifest["checksums"], info.manifest["shards"]
     shards = []
-    for (shead, stail), pi, places in geometry.shards:
+    for (shead, stail), pi, places, steps in geometry.shards:
         skey = shead + layer + stail if stail else shead
         want_shard = sizes.get(skey)
         if want_shard is None:
             raise CorruptEntry(info.id, f"the manifest has no checksum for shard {skey}")
-        chunks = []
+        chunks: list[_Chunk] = []
         for (head, tail), where in places:
             ckey = head + layer + tail if tail else head
             expected = sums.get(ckey)
@@ -237,43 +243,57 @@ def plan_reads(info: EntryInfo, array: ArrayLayout, region: Sequence[slice], out
                 raise CorruptEntry(info.id, f"chunk {ckey} is {size} bytes in the manifest, its "
                                    f"shape and codec make {nbytes}")
             chunks.append(_Chunk(offset, ckey, crc, size, runs, -1))
-        chunks.sort(key=lambda c: c.offset)
-        shards.append(_ShardRead(skey, f"{info.path}/{skey}", want_shard[1], pi, tuple(chunks), _groups(chunks)))
+        if any(a.offset > b.offset for a, b in pairwise(chunks)):  # not in the geometry's order
+            chunks.sort(key=lambda c: c.offset)
+            steps = None
+        shards.append(_ShardRead(skey, f"{info.path}/{skey}", want_shard[1], pi, tuple(chunks),
+                                 _groups(chunks, steps)))
     return ReadPlan(tuple(shards), geometry.scratch)
 
 
-def _groups(chunks: Sequence[_Chunk]) -> tuple[_Group, ...]:
+def _groups(chunks: Sequence[_Chunk], steps: _Steps | None) -> tuple[_Group, ...]:
     """`chunks` (by offset) cut into runs of neighbours in the file of at most `GROUP_BYTES`
-    and `GROUP_BUFFERS` (a chunk larger than that alone)."""
-    cuts, first, nbytes, nbufs = [], 0, 0, 0
+    and `GROUP_BUFFERS` (a chunk larger than that alone); `steps`: their `_steps`, in this
+    order."""
+    groups, first, nbytes, nbufs, end = [], 0, 0, 0, 0
     for i, c in enumerate(chunks):
         k = 1 if c.runs is None else len(c.runs)
-        if i > first and (c.offset != chunks[i - 1].offset + chunks[i - 1].size
-                          or nbytes + c.size > GROUP_BYTES or nbufs + k > GROUP_BUFFERS):
-            cuts.append((first, i, nbytes))
+        if i > first and (c.offset != end or nbytes + c.size > GROUP_BYTES or nbufs + k > GROUP_BUFFERS):
+            groups.append(_group(first, i, nbytes, steps))
             first, nbytes, nbufs = i, 0, 0
         nbytes += c.size
         nbufs += k
+        end = c.offset + c.size
     if chunks:
-        cuts.append((first, len(chunks), nbytes))
-    return tuple(_Group(first, stop, nbytes, _strided(chunks[first:stop])) for first, stop, nbytes in cuts)
+        groups.append(_group(first, len(chunks), nbytes, steps))
+    return tuple(groups)
 
 
-def _strided(chunks: Sequence[_Chunk]) -> tuple[int, tuple[int, int, int], tuple[int, int, int]] | None:
-    """`_Group.strided` of `chunks`: where each is read straight in as rows of one size at one
-    step, the chunks' first rows at one step too (None otherwise). Saves a memoryview and a
-    crc32c call per row: 1,440 rows of a Kimi-Linear request's conv states."""
-    first = chunks[0].runs
+def _group(first: int, stop: int, nbytes: int, steps: _Steps | None) -> _Group:
+    if steps is None:
+        return _Group(first, stop, nbytes, None)
+    start, rows, inner, spacing, step = steps
+    return _Group(first, stop, nbytes, (start + first * spacing, (stop - first, rows, inner), (spacing, step, 1)))
+
+
+def _steps(places: Sequence[tuple[tuple[int, int], ...] | None]) -> _Steps | None:
+    """Where chunks read straight in lie in the output as rows of one size at one step, the
+    chunks' first rows at one step too (a conv state's chunks of channels, a row of each per
+    tap), given their places (runs; None: a buffer of its own), the steps of those rows (None
+    otherwise): then a group of them is one strided byte view of the output (`_Group.strided`).
+    Saves a memoryview and a crc32c call per row: 1,440 rows of a Kimi-Linear request's conv
+    states."""
+    first = places[0] if places else None
     if first is None or len(first) < 2:
         return None
     (start, inner), (second, _) = first[0], first[1]
     step, rows = second - start, len(first)
-    spacing = chunks[1].runs[0][0] - start if len(chunks) > 1 and chunks[1].runs else 0
-    for i, c in enumerate(chunks):
+    spacing = places[1][0][0] - start if len(places) > 1 and places[1] else 0
+    for i, runs in enumerate(places):
         at = start + i * spacing
-        if c.runs != tuple((at + j * step, inner) for j in range(rows)):
+        if runs != tuple((at + j * step, inner) for j in range(rows)):
             return None
-    return start, (len(chunks), rows, inner), (spacing, step, 1)
+    return start, rows, inner, spacing, step
 
 
 def _crc_of(views: list[memoryview], n: int) -> int:

@@ -183,17 +183,17 @@ def test_a_backend_that_skips_the_checks_still_gets_every_chunk_checked(tmp_path
 
 
 def test_a_strided_group_is_only_chunks_in_rows_at_regular_steps():
-    """`_strided` describes a group by one byte view only where that view holds exactly each
-    chunk's runs, in order; anything else is read straight into its runs."""
-    def chunk(runs):
-        return reader_module._Chunk(0, "k", 0, sum(n for _, n in runs), tuple(runs), -1)
-
-    rows = [chunk([(i * 8 + j * 64, 8) for j in range(3)]) for i in range(4)]  # 4 chunks x 3 rows of 8 bytes
-    assert reader_module._strided(rows) == (0, (4, 3, 8), (8, 64, 1))
-    assert reader_module._strided(rows[:1]) == (0, (1, 3, 8), (0, 64, 1))
-    odd_row = [*rows[:3], chunk([(24, 8), (88, 8), (160, 8)])]  # its last row one step too far
-    assert reader_module._strided(odd_row) is None
-    odd_chunk = [*rows[:3], chunk([(32, 8), (96, 8), (160, 8)])]  # a step of 8 between chunks, then 16
-    assert reader_module._strided(odd_chunk) is None
-    assert reader_module._strided([chunk([(0, 24)])]) is None  # one run: read straight in
-    assert reader_module._strided([rows[0], reader_module._Chunk(0, "k", 0, 24, None, 0)]) is None  # a buffered one
+    """`_steps` describes chunks' places by one byte view only where that view holds exactly
+    each chunk's runs, in order; anything else is read straight into its runs."""
+    rows = [tuple((i * 8 + j * 64, 8) for j in range(3)) for i in range(4)]  # 4 chunks x 3 rows of 8 bytes
+    assert reader_module._steps(rows) == (0, 3, 8, 8, 64)
+    assert reader_module._steps(rows[:1]) == (0, 3, 8, 0, 64)
+    assert reader_module._steps([*rows[:3], ((24, 8), (88, 8), (160, 8))]) is None  # its last row a step too far
+    assert reader_module._steps([*rows[:3], ((32, 8), (96, 8), (160, 8))]) is None  # chunks 8 bytes apart, then 16
+    assert reader_module._steps([((0, 24),)]) is None  # one run: read straight in
+    assert reader_module._steps([rows[0], None]) is None  # one through a buffer of its own
+    # a group of the 2nd and 3rd chunks: the view of those two only
+    chunk = reader_module._Chunk(0, "k", 0, 24, rows[0], -1)
+    assert reader_module._group(1, 3, 48, reader_module._steps(rows)) == (1, 3, 48, (8, (2, 3, 8), (8, 64, 1)))
+    groups = reader_module._groups([chunk._replace(offset=24 * i) for i in range(4)], reader_module._steps(rows))
+    assert [g.strided for g in groups] == [(0, (4, 3, 8), (8, 64, 1))]
