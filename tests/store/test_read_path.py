@@ -197,3 +197,27 @@ def test_a_strided_group_is_only_chunks_in_rows_at_regular_steps():
     assert reader_module._group(1, 3, 48, reader_module._steps(rows)) == (1, 3, 48, (8, (2, 3, 8), (8, 64, 1)))
     groups = reader_module._groups([chunk._replace(offset=24 * i) for i in range(4)], reader_module._steps(rows))
     assert [g.strided for g in groups] == [(0, (4, 3, 8), (8, 64, 1))]
+
+
+def test_chunks_the_manifest_orders_otherwise_are_read_into_their_runs(tmp_path):
+    """A shard whose conv chunks lie in another order than the geometry's (two swapped, the
+    manifest's offsets with them) is read by offset, each chunk straight into its rows, and
+    every byte lands in its place."""
+    store = Store.open(tmp_path / "s")
+    info = _save(store, RAW_CODECS)
+    layer, shard = "model.layers.3.attn", "conv/c.2.0.0.0"
+    sums = {k: list(v) for k, v in info.manifest["checksums"].items()}
+    a, b = "conv/c.2.0.0.1", "conv/c.2.0.0.4"
+    (_, size, at_a), (_, _, at_b) = sums[a], sums[b]
+    data = bytearray(store.backend.read(f"{info.path}/{shard}"))
+    data[at_a : at_a + size], data[at_b : at_b + size] = data[at_b : at_b + size], data[at_a : at_a + size]
+    store.backend.write(f"{info.path}/{shard}", [bytes(data)])
+    sums[a][2], sums[b][2] = at_b, at_a
+    swapped = type(info)(info.id, {**info.manifest, "checksums": sums})
+    got = Store.open(tmp_path / "s").load(swapped, tiny_layout(), layer, "conv")
+    assert _equal(got, all_packed(tiny_layout(), RAW_CODECS, N)[(layer, "conv")], paged=False)
+    fresh = Store.open(tmp_path / "s")
+    fresh.load(swapped, tiny_layout(), layer, "conv")
+    (plan,) = [p for _, p in fresh._plans._items.values()]
+    assert [c.offset for c in plan.shards[0].chunks] == sorted(c.offset for c in plan.shards[0].chunks)
+    assert all(g.strided is None for g in plan.shards[0].groups)
