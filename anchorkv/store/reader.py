@@ -87,7 +87,7 @@ class ReadPlan(NamedTuple):
     with its chunks' offsets, checksums and places, and the chunks that go through buffers of
     their own (compressed, or covered in part), decoded and copied into their place. Made from
     the manifest and the output's geometry only: a load of the same region of the same entry
-    into an output of the same shape reuses it (`Store._read_plan`)."""
+    into an output of the same shape reuses it (`Store._load_plan` keeps it)."""
 
     shards: tuple[_ShardRead, ...]
     scratch: tuple[tuple[tuple[slice, ...], tuple[slice, ...]], ...]  # (into the region, into the chunk)

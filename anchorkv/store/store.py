@@ -47,6 +47,8 @@ from anchorkv.store.format import (
     GIL_FREE_CRC32C,
     ArrayLayout,
     Encoded,
+    PluginChunkEncoding,
+    QuantChunkEncoding,
     array_layouts,
     zero_chunk,
 )
@@ -142,8 +144,8 @@ class Store:
         self._arrays: _Recent[str, tuple[EntryInfo, dict[str, ArrayLayout]]] = _Recent(CACHED_MANIFESTS)
         self._fingerprints: dict[int, tuple[Any, str]] = {}
         self._checked: _Recent[tuple, EntryInfo] = _Recent(8 * CACHED_MANIFESTS)
-        #: read plans of loads (`_read_plan`), with the manifest object each came from
-        self._plans: _Recent[tuple, tuple[EntryInfo, ReadPlan]] = _Recent(READ_PLANS)
+        #: plans of loads (`_load_plan`), with the manifest and layout objects each came from
+        self._plans: _Recent[tuple, tuple[EntryInfo, ModelLayout, _LoadPlan]] = _Recent(READ_PLANS)
         self._warned: set[str] = set()
         self.pins = eviction.Pins()
         self._touched: _Recent[str, float] = _Recent(8 * CACHED_MANIFESTS)
@@ -656,6 +658,38 @@ class Store:
 
     def _load(self, info: EntryInfo, layout: ModelLayout, layer: str, field: str, start_token: int,
               num_blocks: int | None, host: Callable[[int], torch.Tensor] | None) -> Packed:
+        plan = self._load_plan(info, layout, layer, field, start_token, num_blocks)
+        encoding = plan.array.codec
+        pn, sn = plan.nbytes
+        payload_t, scales_t = _host_bytes(host, pn), _host_bytes(host, sn).view(torch.float32)
+        payload, scales = payload_t.numpy(), scales_t.numpy()
+        out = _output(encoding, payload, scales, plan.whole, plan.lead)
+        with self.pins.pinned(info.id):
+            read_planned(self.backend, info, plan.array, plan.read, out, payload, scales)
+            if plan.tail is not None:  # rows past the entry's last chunk: zeros, broadcast over the rows
+                copy_into(out.region(plan.tail), zero_chunk(encoding, (1, 1, *plan.whole[2:])))
+            self._touch(info.id)
+        cols = encoding.columns
+        return Packed(plan.spec, plan.shape, plan.dtype, payload_t,
+                      scales_t.view(-1, cols) if cols else torch.empty(0, 0, dtype=torch.float32))
+
+    def _load_plan(self, info: EntryInfo, layout: ModelLayout, layer: str, field: str, start_token: int,
+                   num_blocks: int | None) -> _LoadPlan:
+        """What a load of a slice of `field` of `layer` derives from the entry's manifest and the
+        reader's layout alone, checked (`_make_load_plan`), kept with the manifest object and the
+        layout object it came from (as `_arrays`): the loads of the same slice again (a restore
+        of the entry again, another request's) reuse it; an entry written again (another
+        manifest object) never meets the plan of the write before."""
+        key = (info.id, id(layout), layer, field, start_token, num_blocks)
+        cached = self._plans.get(key)
+        if cached is not None and cached[0] is info and cached[1] is layout:
+            return cached[2]
+        plan = self._make_load_plan(info, layout, layer, field, start_token, num_blocks)
+        self._plans[key] = (info, layout, plan)
+        return plan
+
+    def _make_load_plan(self, info: EntryInfo, layout: ModelLayout, layer: str, field: str, start_token: int,
+                        num_blocks: int | None) -> _LoadPlan:
         self.check_fingerprint(info, layout)
         array = self._array(info, field)
         lf = layout.layer(layer).page.field(field)
@@ -664,7 +698,7 @@ class Store:
         array.rank_range(layout.tp_size, layout.tp_rank)
         region = rank_region(array, index, layout.tp_size, layout.tp_rank)
         encoding = array.codec
-        lead = 0  # a sliding-window field: rows before its first token (zeros, see below)
+        lead = 0  # a sliding-window field: rows before its first token (zeros, see `_output`)
         if array.kind == "paged":
             bs = layout.block_size
             if num_blocks is None:
@@ -684,41 +718,16 @@ class Store:
         if (pn, sn) != encoding.nbytes(shape):  # never hand out a payload its shape does not describe
             raise CorruptEntry(info.id, f"field {field!r}: the entry's slice {list(whole)} is {pn + sn} bytes, the "
                                f"reader's {list(shape)} needs {sum(encoding.nbytes(shape))}; recompute")
-        payload_t, scales_t = _host_bytes(host, pn), _host_bytes(host, sn).view(torch.float32)
-        payload, scales = payload_t.numpy(), scales_t.numpy()
-        out = encoding.views(payload, scales, whole)
-        if lead:
-            # rows before a sliding window's first token: no query after the entry's last token
-            # attends to them (the window starts there), so they hold the encoding of zeros
-            copy_into(out.region((slice(0, 1), slice(0, lead), *[slice(0, n) for n in whole[2:]])),
-                      zero_chunk(encoding, (1, 1, *whole[2:])))
-            out = Encoded(out.encoding, out.payload[:, lead:], out.scales[:, lead:])
-        with self.pins.pinned(info.id):
-            read_planned(self.backend, info, array, self._read_plan(info, array, region, out), out, payload, scales)
-            if array.kind == "paged":
-                end = -(-array.shape[1] // array.chunks[1]) * array.chunks[1]
-                if region[1].stop > end:
-                    lo = max(0, end - region[1].start)
-                    tail = out.region((slice(0, 1), slice(lo, block[1]), *[slice(0, n) for n in block[2:]]))
-                    copy_into(tail, zero_chunk(encoding, (1, 1, *block[2:])))  # broadcast over the rows
-            self._touch(info.id)
-        cols = encoding.columns
-        return Packed(encoding.spec, shape, lf.dtype, payload_t,
-                      scales_t.view(-1, cols) if cols else torch.empty(0, 0, dtype=torch.float32))
-
-    def _read_plan(self, info: EntryInfo, array: ArrayLayout, region: builtins.list[slice],
-                   out: Encoded) -> ReadPlan:
-        """What a load of `region` of `array` into `out` reads (`reader.plan_reads`), kept with the
-        manifest object it came from (as `_arrays`): every load of the same slice of the entry
-        (a restore of it again, another request's) reuses it."""
-        key = (info.id, array.field, tuple((s.start, s.stop) for s in region),
-               out.payload.shape, out.payload.strides, out.scales.shape, out.scales.strides)
-        cached = self._plans.get(key)
-        if cached is not None and cached[0] is info:
-            return cached[1]
-        plan = plan_reads(info, array, region, out)
-        self._plans[key] = (info, plan)
-        return plan
+        tail = None
+        if array.kind == "paged":
+            end = -(-array.shape[1] // array.chunks[1]) * array.chunks[1]
+            if region[1].stop > end:
+                lo = max(0, end - region[1].start)
+                tail = (slice(0, 1), slice(lo, block[1]), *[slice(0, n) for n in block[2:]])
+        # the read plan depends on the output's geometry only (offsets from its first byte)
+        out = _output(encoding, np.empty(pn, np.uint8), np.empty(sn // 4, np.float32), whole, lead, zero=False)
+        return _LoadPlan(array, encoding.spec, lf.dtype, shape, whole, lead, tail, (pn, sn),
+                         plan_reads(info, array, region, out))
 
     def _check_array(self, info: EntryInfo, array: ArrayLayout, layout: ModelLayout, lf: Field) -> None:
         """The entry's array agrees with the reader's layout (layers holding the field, logical
@@ -907,8 +916,8 @@ class Store:
 SHARED_READS = 8
 #: Entries whose manifest (and arrays) a `Store` keeps in memory, the most recently used.
 CACHED_MANIFESTS = 512
-#: Read plans a `Store` keeps (one per field, layer and slice loaded: 47 a Kimi-Linear request at
-#: tp=1, ~1 KiB each), the most recently used.
+#: Load plans (with their read plans) a `Store` keeps (one per field, layer, slice and reader
+#: layout loaded: 47 a Kimi-Linear request at tp=1, ~1 KiB each), the most recently used.
 READ_PLANS = 4096
 
 K = TypeVar("K")
@@ -978,6 +987,36 @@ class _Candidate(NamedTuple):
 #: What a Zarr reader takes from an array's zarr.json (`verify` compares them with the manifest's).
 _ARRAY_KEYS = ("zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
                "fill_value", "codecs")
+
+
+class _LoadPlan(NamedTuple):
+    """What a load of one slice of a field derives from the entry's manifest and the reader's
+    layout alone, checked once (`Store._load_plan`)."""
+
+    array: ArrayLayout
+    spec: CodecSpec
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # what the reader gets: [1, *rank shape] or [num_blocks, block_size, *row]
+    whole: tuple[int, ...]  # the block read into, a sliding window's lead rows included
+    lead: int  # those rows (zeros)
+    tail: tuple[slice, ...] | None  # rows of the block past the entry's last chunk (zeros), if any
+    nbytes: tuple[int, int]  # payload, scales
+    read: ReadPlan
+
+
+def _output(encoding: QuantChunkEncoding | PluginChunkEncoding, payload: np.ndarray, scales: np.ndarray,
+            whole: tuple[int, ...], lead: int, zero: bool = True) -> Encoded:
+    """The block a load reads into: views of `payload` and `scales` as `whole`, less its first
+    `lead` rows (a sliding window's rows before its first token), which hold the encoding of
+    zeros (`zero`): no query after the entry's last token attends to them (the window starts
+    there)."""
+    out = encoding.views(payload, scales, whole)
+    if not lead:
+        return out
+    if zero:
+        copy_into(out.region((slice(0, 1), slice(0, lead), *[slice(0, n) for n in whole[2:]])),
+                  zero_chunk(encoding, (1, 1, *whole[2:])))
+    return Encoded(out.encoding, out.payload[:, lead:], out.scales[:, lead:])
 
 
 def _host_bytes(host: Callable[[int], torch.Tensor] | None, nbytes: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ from anchorkv.store import CorruptEntry
 from anchorkv.store import reader as reader_module
 from anchorkv.store.backends import _local
 from anchorkv.store.store import Store
-from tests.store.helpers import CODECS, RAW_CODECS, all_packed, tiny_layout, tokens
+from tests.store.helpers import CODECS, RAW_CODECS, all_packed, rank_packed, tiny_layout, tokens
 
 N = 700
 
@@ -53,7 +53,7 @@ def test_chunks_split_along_the_last_axis_are_read_straight_into_their_rows(tmp_
     for (layer, field), ref in all_packed(layout, codecs, N).items():
         got = store.load(info.id, layout, layer, field, host=arena)
         assert _equal(got, ref, layout.layer(layer).kind.value == "paged"), (layer, field)
-    plans = [plan for key, (_, plan) in store._plans._items.items() if key[1] == "conv"]
+    plans = [plan.read for key, (_, _, plan) in store._plans._items.items() if key[3] == "conv"]
     assert plans and all(not plan.scratch for plan in plans)
     runs = [len(c.runs) for plan in plans for shard in plan.shards for c in shard.chunks]
     assert min(runs) == 3 * 3, runs  # [1, 3 taps, 3, 8 channels]: 9 rows of each chunk
@@ -218,6 +218,20 @@ def test_chunks_the_manifest_orders_otherwise_are_read_into_their_runs(tmp_path)
     assert _equal(got, all_packed(tiny_layout(), RAW_CODECS, N)[(layer, "conv")], paged=False)
     fresh = Store.open(tmp_path / "s")
     fresh.load(swapped, tiny_layout(), layer, "conv")
-    (plan,) = [p for _, p in fresh._plans._items.values()]
+    (plan,) = [p.read for _, _, p in fresh._plans._items.values()]
     assert [c.offset for c in plan.shards[0].chunks] == sorted(c.offset for c in plan.shards[0].chunks)
     assert all(g.strided is None for g in plan.shards[0].groups)
+
+
+def test_a_load_plan_is_kept_with_its_layout(tmp_path):
+    """Loads of the same slice of an entry into other reader layouts (another tp rank, made
+    anew for each load) each get their own plan: every rank's bytes are its own."""
+    store = Store.open(tmp_path / "s")
+    info = _save(store)
+    layer = "model.layers.3.attn"
+    for _ in range(2):
+        for rank in (0, 1, 0):
+            layout = tiny_layout(2, rank)
+            got = store.load(info.id, layout, layer, "conv")
+            ref = rank_packed(layout, layer, "conv", CODECS["conv"], N)
+            assert torch.equal(got.payload, ref.payload) and torch.equal(got.scales, ref.scales), rank
