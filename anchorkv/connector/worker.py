@@ -61,9 +61,10 @@ PartKey = tuple[str, str]  # (layer name, field name)
 #: A restore's parts are read this many at a time: a remote store answers each read after a
 #: round trip, and 47 of them one after another (a Kimi-Linear request) add up. No more than
 #: the cores: reads from the page cache are CPU work (copies, checksums); on 2 busy cores 1, 2
-#: and 8 threads read a local Kimi-Linear entry in 13.4-14.1, 13.6-14.2 and 13.6-15.1 ms with
-#: fastcrc's checksums (`python -m benchmarks.restore_reads --rounds 4`, run medians of three
-#: runs; a fourth, beside another busy process, 19.5-20.5; more threads only vary more).
+#: and 8 threads read a local Kimi-Linear entry in 11.7-12.0, 11.6-13.5 and 12.0-12.5 ms after
+#: the read path's Python cut (340a830; 12.5-13.4, 12.4-13.4 and 12.4-13.6 ms before it, runs
+#: alternated: `python -m benchmarks.restore_reads --rounds 4`, run medians of three runs each;
+#: more threads only vary more).
 READ_THREADS = max(1, min(8, cores()))
 #: Copy a save's packed bytes to the host on a stream of their own (CUDA), after the pack's
 #: `read` event, instead of on the side stream after the pack: the next save's pack, and so the
