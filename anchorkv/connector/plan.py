@@ -85,6 +85,9 @@ class SaveSpec:
     #: alone repeat (a retried request with the same id, two instances serving one X-Request-Id)
     #: and two saves sharing a write id would stage into one place
     nonce: str = ""
+    #: the write of this save's entry a load found damaged (`EntryRef.version`): the save
+    #: publishes over it (every rank is told alike); None: an entry that exists is kept
+    replace: str | None = None
 
 
 @dataclass

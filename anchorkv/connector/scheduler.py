@@ -365,7 +365,19 @@ class SchedulerSide:
             tables = {req_id: (computed, new_ids) for req_id, computed, new_ids, _ in steps}
             meta.loads = [self._with_running_block(spec, block_state, tables, scheduled)
                           for spec in meta.loads]
+        if self._bad_entries:  # (hashes a save's tokens only while some entry is marked bad)
+            meta.saves = [self._replacing(spec) for spec in meta.saves]
         return meta
+
+    def _replacing(self, spec: SaveSpec) -> SaveSpec:
+        """`spec`, told to publish over its entry's write that a load found damaged: the
+        recomputed tokens' save would otherwise find that entry and write nothing (the worker's
+        repair deletes it off the load path, usually after this save)."""
+        entry = self.store.entry_id_of(spec)
+        mark = self._bad_entries.get(entry)
+        if mark is None or mark[1] is None or not self._is_bad(entry, mark[1]):
+            return spec
+        return replace(spec, replace=mark[1])
 
     def _with_running_block(self, spec: LoadSpec, block_state: Any, tables: dict, scheduled: dict) -> LoadSpec:
         """A sync load in align mode also fills the block of the step's last scheduled token:

@@ -66,8 +66,12 @@ class EntryStore(Protocol):
         damaged and still the write `version`, so that the next save of its tokens writes it
         again (a save never replaces an entry that exists). True if deleted."""
 
+    def entry_id_of(self, spec: SaveSpec) -> str:
+        """The id of the entry `spec` saves (what a lookup of its tokens returns)."""
+
     def save_part(self, spec: SaveSpec, parts: dict[tuple[str, str], Packed], *, tp_size: int,
                   tp_rank: int) -> int:
-        """Write this rank's part of the entry; the entry becomes visible once every rank's part
-        is written. Returns the bytes written. The parts' memory is the caller's again when this
-        returns: nothing may read it later (the worker reuses its page-locked save buffers)."""
+        """Write this rank's part of the entry (unless an entry of its tokens exists that is not
+        `spec.replace`); the entry becomes visible once every rank's part is written. Returns the
+        bytes written. The parts' memory is the caller's again when this returns: nothing may
+        read it later (the worker reuses its page-locked save buffers)."""

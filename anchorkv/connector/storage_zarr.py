@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 from collections.abc import Callable, Mapping
 
@@ -247,21 +248,27 @@ class ZarrEntryStore:
 
     def discard_damaged(self, entry_id: str, version: str | None) -> bool:
         """See `EntryStore.discard_damaged`: what `anchorkv gc --verify` would remove, at once.
-        Nothing is deleted where the whole entry reads clean (the failure was not its data's) or
-        where it is now another write (saved again meanwhile: judged by its own loads)."""
+        Nothing is deleted where the whole entry reads clean (the failure was not its data's),
+        where it is pinned by a load of this process, or where it is another write by the time
+        it is deleted (`Backend.remove_if`: a review found a repair deleting the good write that
+        replaced the damaged one between its check and its delete)."""
         try:
             info = self.entry(entry_id, version)
         except (EntryNotFound, CorruptEntry):
             return False  # gone, another write, or a manifest no lookup returns
         problems = self.store.verify(info)
-        if not problems:
+        if not problems or info.id in self.store.pins:
             return False
-        try:
-            if self.store.get(entry_id).version != info.version:
+
+        def still(manifest: bytes | None) -> bool:
+            try:
+                return json.loads(manifest or b"")["attributes"]["anchorkv"]["checksum"] == info.version
+            except (ValueError, KeyError, TypeError):
                 return False
-            self.store.delete(entry_id)
-        except (EntryNotFound, CorruptEntry):
+
+        if not self.store.backend.remove_if(info.path, still):
             return False
+        self.store.forget(entry_id)
         log.warning("anchorkv: entry %s is damaged (%s%s); deleted, so the next save of its tokens writes it "
                     "again", entry_id, problems[0].removeprefix(f"entry {entry_id}: "),
                     f"; {len(problems) - 1} more problems" if len(problems) > 1 else "")
@@ -278,7 +285,8 @@ class ZarrEntryStore:
             log.debug("anchorkv: request %s: %d tokens without an anchor (< %d); not saved",
                       spec.req_id, n, TOKEN_BLOCK)
             return 0
-        if self._committed(spec) is not None:
+        committed = self._committed(spec)
+        if committed is not None and (spec.replace is None or committed.version != spec.replace):
             log.debug("anchorkv: request %s: an entry of its %d tokens exists; not saved again", spec.req_id, n)
             return 0
         layout = self.layout(tp_size, tp_rank)
@@ -308,6 +316,11 @@ class ZarrEntryStore:
         self._try_commit(spec, wid)
         return written
 
+    def entry_id_of(self, spec: SaveSpec) -> str:
+        """The id of the entry `spec` saves."""
+        return self.store.entry_id_for(self.fingerprint_hash, spec.token_ids, spec.num_tokens,
+                                       anchor=spec.anchor, scope=spec.scope)
+
     def _committed(self, spec: SaveSpec) -> EntryInfo | None:
         info = self.store.lookup(fingerprint_hash=self.fingerprint_hash, tokens=spec.token_ids[: spec.num_tokens],
                                  anchor=spec.anchor, mode="exact", scope=spec.scope)
@@ -318,7 +331,7 @@ class ZarrEntryStore:
         all commit it at once (in separate processes, or threads of one): the store's publish
         keeps exactly one entry, and a rank whose commit lost the race finds the winner's."""
         try:
-            info = self.store.commit_staged(wid)
+            info = self.store.commit_staged(wid, replace=spec.replace)
         except IncompleteEntry as e:
             log.debug("anchorkv: request %s: not committed yet (%s); the last rank commits", spec.req_id, e)
             return None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -72,6 +73,9 @@ READ_THREADS = max(1, min(8, cores()))
 #: context's copy outlasting a step). Off until a GPU stop has timed it and run its tests
 #: (`tests/connector/test_worker_cuda.py`, `bench_save_path.py`'s `+cs` rows).
 SAVE_COPY_STREAM = False
+#: seconds a damaged write, once queued for a check, is not queued again (the scheduler's
+#: bad-entry mark lasts as long)
+REPAIR_TTL_S = 300.0
 
 
 @dataclass
@@ -129,8 +133,12 @@ class WorkerSide:
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-load")
         self._read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="anchorkv-read")
         self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-save")
-        #: checks (and deletes) entries a load found damaged, off the load thread
-        self._repair_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-repair")
+        #: entries a load found damaged, checked (and deleted) by one daemon thread off the load
+        #: path, each write once (entry id, version -> when queued: failed loads of one write
+        #: within `REPAIR_TTL_S` queue nothing more; a review saw 16 failures read it 16 times)
+        self._repairs: queue.Queue[tuple[str, str | None]] = queue.Queue()
+        self._repaired: dict[tuple[str, str | None], float] = {}
+        self._repair_thread: threading.Thread | None = None
         #: the last job queued on each one-thread pool (`flush` waits for it: its end is all of them)
         self._last_save: Future | None = None
         self._last_load: Future | None = None
@@ -439,8 +447,8 @@ class WorkerSide:
                     self.stats.load_failed(load_miss_of(error))
         if error is not None and load_miss_of(error) is Miss.CORRUPT:
             # a damaged entry would fail every load and block every save of its tokens (a save
-            # never replaces an entry): check it whole and delete it if its data is at fault
-            self._repair_pool.submit(self._discard_damaged, spec.entry_id, spec.version)
+            # keeps an entry that exists): check it whole and delete it if its data is at fault
+            self._queue_repair(spec.entry_id, spec.version)
         if ok:
             nbytes = sum(p.nbytes for p in parts.values())
             seconds = time.perf_counter() - t0
@@ -646,15 +654,36 @@ class WorkerSide:
         of every flush on a 2-core CPU and ~120 us on the H100's host with nothing queued.)"""
         wait([f for f in (self._last_save, self._last_load) if f is not None])
 
-    def _discard_damaged(self, entry_id: str, version: str | None) -> None:
-        try:
-            self.store.discard_damaged(entry_id, version)
-        except Exception as e:  # a store error: `anchorkv gc --verify` removes it later
-            log.warning("anchorkv: could not check damaged entry %s (%s)", entry_id, e)
+    def _queue_repair(self, entry_id: str, version: str | None) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for key in [k for k, t in self._repaired.items() if now - t > REPAIR_TTL_S]:
+                del self._repaired[key]
+            if (entry_id, version) in self._repaired:
+                return
+            self._repaired[(entry_id, version)] = now
+            if self._repair_thread is None:  # a daemon: a check still reading never holds up exit
+                self._repair_thread = threading.Thread(target=self._repair_loop, name="anchorkv-repair",
+                                                       daemon=True)
+                self._repair_thread.start()
+        self._repairs.put((entry_id, version))
+
+    def _repair_loop(self) -> None:
+        while True:
+            entry_id, version = self._repairs.get()
+            try:
+                self.store.discard_damaged(entry_id, version)
+            except Exception as e:  # a store error: `anchorkv gc --verify` removes it later
+                log.warning("anchorkv: could not check damaged entry %s (%s)", entry_id, e)
+            finally:
+                self._repairs.task_done()
+
+    def repairs_done(self) -> None:
+        """Wait until the entries queued for a check so far were checked (tests)."""
+        self._repairs.join()
 
     def shutdown(self) -> None:
         self._save_pool.shutdown(wait=True)
-        self._repair_pool.shutdown(wait=False, cancel_futures=True)
         self._load_pool.shutdown(wait=False, cancel_futures=True)
         self._read_pool.shutdown(wait=False, cancel_futures=True)
 

@@ -18,9 +18,10 @@ from collections.abc import Callable
 import numpy as np
 
 from anchorkv.store.backends import Backend
-from anchorkv.store.errors import CorruptEntry, IncompleteEntry, OtherFormat
+from anchorkv.store.errors import CorruptEntry, IncompleteEntry
 from anchorkv.store.format import array_keys
 from anchorkv.store.manifest import (
+    READABLE_VERSIONS,
     EntryInfo,
     array_json,
     arrays_from_manifest,
@@ -52,8 +53,10 @@ def ensure_key_group(backend: Backend, key: str) -> None:
         backend.write(path, [group_json()], atomic=True)
 
 
-def commit_staged(backend: Backend, write_id: str, on_commit: OnCommit) -> EntryInfo:
+def commit_staged(backend: Backend, write_id: str, on_commit: OnCommit, replace: str | None = None) -> EntryInfo:
     """Commit the write `write_id` from its part markers alone (any process may call it).
+    `replace`: the version of an entry of the same tokens to publish over (a load found its
+    data damaged), see `_publish`.
 
     Raises `IncompleteEntry` naming the missing ranks or chunks; call it again later."""
     prefix = parts_prefix(write_id)
@@ -100,7 +103,7 @@ def commit_staged(backend: Backend, write_id: str, on_commit: OnCommit) -> Entry
     backend.write(zarr_json(data), [group_json({"anchorkv": manifest})], atomic=True)
     entry_id = final.split("/", 1)[1] if backend.atomic_publish else data.split("/", 1)[1]
     try:
-        info = _publish(backend, data, final, entry_id, manifest, header["key"])
+        info = _publish(backend, data, final, entry_id, manifest, header["key"], replace)
     except CorruptEntry:  # this write's data is gone: a later commit of it must not publish its metadata alone
         backend.delete_tree(staging_path(write_id))
         raise
@@ -113,35 +116,80 @@ def commit_staged(backend: Backend, write_id: str, on_commit: OnCommit) -> Entry
 PUBLISH_TRIES = 3
 
 
-def _publish(backend: Backend, data: str, final: str, entry_id: str, manifest: dict, key: str) -> EntryInfo:
+def unusable(manifest: bytes | None) -> str | None:
+    """Why no anchorkv can restore the entry whose group ``zarr.json`` holds `manifest` (None:
+    absent), or None where one may: an intact manifest (its checksum holds) of this or a newer
+    format, even one this release cannot parse. Only the former may be replaced by a write of
+    the same tokens (a crash before the manifest reached the disk leaves it zero-filled, empty,
+    cut or missing; an upgrade leaves older formats)."""
+    if manifest is None:
+        return "its directory has no zarr.json"  # (a local publish renames a complete directory)
+    try:
+        m = json.loads(manifest)["attributes"]["anchorkv"]
+        version = m["format_version"]
+        if isinstance(version, int) and version < min(READABLE_VERSIONS):
+            return f"format version {version}, older than any this anchorkv reads"
+        if m.get("checksum") != manifest_checksum(m):
+            return "its manifest fails its checksum"
+    except (ValueError, KeyError, TypeError):
+        return "its zarr.json holds no anchorkv manifest"
+    return None
+
+
+def _version(manifest: bytes | None) -> str | None:
+    try:
+        return json.loads(manifest or b"")["attributes"]["anchorkv"]["checksum"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _publish(backend: Backend, data: str, final: str, entry_id: str, manifest: dict, key: str,
+             replace: str | None = None) -> EntryInfo:
     """Publish the staged entry at `data`; if another write of the same entry won, keep that
     one (its manifest is read before this write's data is deleted). A winner deleted meanwhile
     (evicted by another process) leaves the name free: publish again, at most `PUBLISH_TRIES`
     times (found by review: the loser deleted its own data, then failed on the winner's missing
-    manifest with a bare FileNotFoundError, and the store kept neither)."""
+    manifest with a bare FileNotFoundError, and the store kept neither). A winner no anchorkv
+    can restore (`unusable`), or the write `replace` (a load found its data damaged), is
+    replaced: deleted only if it is still what was judged (`Backend.remove_if`: a review found
+    two committers of one write deleting each other's publish), then published over."""
     for _ in range(PUBLISH_TRIES):
+        if backend.atomic_publish and not backend.exists(data):  # another committer of this write published it
+            return _winner(backend, data, final, entry_id)
         if backend.publish(data, final):
             return EntryInfo(entry_id, manifest)
         try:
+            winner: bytes | None = backend.read(zarr_json(final))
+        except FileNotFoundError:
+            winner = None
+            if not backend.exists(final):  # deleted meanwhile
+                ensure_key_group(backend, key)  # (the winner's delete may have removed the key's group)
+                continue
+        why = unusable(winner)
+        if why is None and replace is not None and _version(winner) == replace:
+            why = "a load found its data damaged"
+        if why is None:
+            return _winner(backend, data, final, entry_id, winner)
+        judged = winner
+
+        def still(found: bytes | None, judged: bytes | None = judged) -> bool:
+            return found == judged
+
+        if backend.remove_if(final, still):
+            log.warning("anchorkv: entry %s is replaced by a new write of its tokens: %s", entry_id, why)
+    backend.delete_tree(data)
+    raise CorruptEntry(entry_id, f"its name is held by a directory no write could replace ({PUBLISH_TRIES} "
+                                 "publishes failed); `anchorkv gc` removes that damaged entry, the next save writes it")
+
+
+def _winner(backend: Backend, data: str, final: str, entry_id: str, winner: bytes | None = None) -> EntryInfo:
+    """The entry another write published at `final` (this write's data deleted): the caller
+    keeps it. A newer format's (or an intact manifest this release cannot parse) raises."""
+    backend.delete_tree(data)
+    if winner is None:
+        try:
             winner = backend.read(zarr_json(final))
         except FileNotFoundError:
-            ensure_key_group(backend, key)  # (the winner's delete may have removed the key's group)
-            continue
-        try:
-            info = parse_group(entry_id, winner)
-        except CorruptEntry as e:
-            if isinstance(e, OtherFormat) and e.newer:
-                backend.delete_tree(data)  # a newer anchorkv's entry: its readers keep it
-                raise
-            # a damaged manifest (a crash before it reached the disk) or an older format's entry
-            # of the same tokens: nothing restores it, and keeping it would refuse every save of
-            # these tokens until `anchorkv gc`; this write replaces it
-            log.warning("anchorkv: entry %s is replaced by a new write of its tokens: %s", entry_id,
-                        str(e).removeprefix(f"entry {entry_id}: "))
-            backend.delete_tree(final)
-            continue
-        backend.delete_tree(data)
-        return info
-    backend.delete_tree(data)
-    raise CorruptEntry(entry_id, f"its name is held by a directory without a manifest ({PUBLISH_TRIES} publishes "
-                                 "failed); `anchorkv gc` removes that damaged entry, the next save writes it")
+            raise CorruptEntry(entry_id, "another committer of this write published it, and it is gone "
+                                         "(evicted meanwhile)") from None
+    return parse_group(entry_id, winner)

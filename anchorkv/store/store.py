@@ -226,6 +226,15 @@ class Store:
             raise ValueError("a key needs an anchor or the prompt's tokens")
         return token_key(tokens, fingerprint_hash, scope)
 
+    def entry_id_for(self, fingerprint_hash: str, tokens: Sequence[int] | np.ndarray, num_tokens: int, *,
+                     anchor: str | None = None, scope: str | None = None) -> str:
+        """The id `begin_entry` gives the entry of the first `num_tokens` of `tokens` (under
+        `anchor` and `scope`), for a model of `fingerprint_hash`."""
+        hasher = PrefixHasher(tokens, fingerprint_hash, scope)
+        norm = None if anchor is None else normalize_anchor(anchor)
+        key = self.key_for(fingerprint_hash, anchor=norm, tokens=hasher.tokens[:num_tokens], scope=scope)
+        return f"{key}/{entry_name(num_tokens, hasher.hash(num_tokens))}"
+
     # ------------------------------------------------------------------ writing
     def begin_entry(self, layout: ModelLayout, codecs: Mapping[str, CodecSpec | str],
                     tokens: Sequence[int] | np.ndarray, *,
@@ -281,9 +290,11 @@ class Store:
         self.backend.write(begun_marker(wid, layout.tp_rank), [json.dumps({"data": writer.data}).encode()])
         return writer
 
-    def commit_staged(self, write_id: str) -> EntryInfo:
-        """Commit a write whose ranks all called `finish_rank` (e.g. from the scheduler)."""
-        return commit_staged(self.backend, write_id, self._after_commit)
+    def commit_staged(self, write_id: str, replace: str | None = None) -> EntryInfo:
+        """Commit a write whose ranks all called `finish_rank` (e.g. from the scheduler);
+        `replace`: publish over the entry of the same tokens if it is that write (a version: a
+        load found its data damaged)."""
+        return commit_staged(self.backend, write_id, self._after_commit, replace)
 
     def save(self, layout: ModelLayout, codecs: Mapping[str, CodecSpec | str], tokens: Sequence[int] | np.ndarray,
              packed: Mapping[tuple[str, str], Packed], **kwargs: Any) -> EntryInfo:

@@ -122,7 +122,7 @@ def test_a_damaged_entry_is_deleted_and_its_tokens_saved_again(model_dir, tmp_pa
     with caplog.at_level("WARNING", logger="anchorkv.connector"):
         _load_fails_cleanly(eng, monkeypatch)
         for rank in eng.ranks:
-            rank.connector.worker._repair_pool.submit(lambda: None).result()  # the check has run
+            rank.connector.worker.repairs_done()  # the check has run
     assert f"entry {damaged.id} is damaged" in caplog.text
     assert 302 not in entries(store)
     first_turn(eng, NONE_PROMPT, ANCHOR, req_id="r3")  # its finish saves prompt + output again
@@ -146,7 +146,7 @@ def test_an_entry_that_reads_clean_is_kept_after_a_failed_load(model_dir, tmp_pa
     monkeypatch.setattr(worker_store, "load", lambda entry_id, *a, **k: (_ for _ in ()).throw(
         CorruptEntry(entry_id, "a chunk read short (simulated)")))
     _load_fails_cleanly(eng, monkeypatch)
-    eng.ranks[0].connector.worker._repair_pool.submit(lambda: None).result()
+    eng.ranks[0].connector.worker.repairs_done()
     assert set(before) <= set(entries(store))
 
 

@@ -307,7 +307,8 @@ def test_admission_misses_by_reason(model_dir, tmp_path, stats_engine, reason):
 @pytest.mark.parametrize("reason", ["corrupt", "entry_gone", "fingerprint_mismatch", "failed_load"])
 def test_load_misses_by_reason_then_bad_entry(model_dir, tmp_path, stats_engine, monkeypatch, reason):
     """A planned load that fails is counted with why; the same prompt then skips that entry
-    (bad_entry: the only one matching), or finds none (no_entry: it was deleted)."""
+    (bad_entry: the only one matching), or finds none (it was deleted, or damaged and deleted by
+    the worker's repair)."""
     make, rec = stats_engine
     store = tmp_path / "store"
     first_turn(make(model_dir, str(store), mode="none", num_blocks=8, extra=RAW), NONE_PROMPT, ANCHOR)
@@ -339,6 +340,7 @@ def test_load_misses_by_reason_then_bad_entry(model_dir, tmp_path, stats_engine,
     eng.add("r2", prompt, anchor=ANCHOR)
     eng.run()
     eng.flush()
+    eng.ranks[0].connector.worker.repairs_done()  # a damaged entry is deleted by now
     eng.add("r3", prompt, anchor=ANCHOR)
     eng.run()
     eng.flush()
@@ -346,8 +348,9 @@ def test_load_misses_by_reason_then_bad_entry(model_dir, tmp_path, stats_engine,
     after = {}
     for p in rec.payloads()[before:]:
         Cn.merge(after, p)
-    # a deleted entry is not listed again: what the anchor still holds are other tokens
-    then = "prefix_mismatch" if reason == "entry_gone" else "bad_entry"
+    # a deleted entry (or a damaged one, which the worker deleted) is not listed again: what the
+    # anchor still holds are other tokens
+    then = "prefix_mismatch" if reason in ("entry_gone", "corrupt") else "bad_entry"
     assert {k: v for k, v in after.items() if k.startswith("miss:")} == {f"miss:{reason}": 1, f"miss:{then}": 1}
     assert after["hits"] == 1 and after["lookups"] == 2 and "restores" not in after
 

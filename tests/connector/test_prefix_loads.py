@@ -167,7 +167,7 @@ def test_a_shared_entry_that_failed_to_load_is_passed_over_for_the_next_best():
 
     store = Store()
     side = _side(store)
-    side._bad_entries["e20000"] = time.monotonic()
+    side._bad_entries["e20000"] = (time.monotonic(), None)
     spec, miss = _plan(side, PROMPT)
     assert miss is None and (spec.entry_id, spec.num_tokens) == ("e100", 100)
     assert store.excluded == [set(), {"e20000"}]
@@ -285,6 +285,6 @@ def test_a_load_names_the_write_its_lookup_found():
     side = _side(store)
     spec, miss = _plan(side, PROMPT)
     assert miss is None and spec.version == "v-e320"
-    side._loading["r"] = spec.entry_id
+    side._loading["r"] = (spec.entry_id, spec.version)
     side.loads_finished({"r"}, {"r"})
     assert store.forgotten == ["e320"]

@@ -12,6 +12,7 @@ import errno
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -165,6 +166,33 @@ class LocalBackend:
         else:
             raise OSError(f"could not move {src} into {trash.parent} to delete it")
         _remove(trash)
+
+    def remove_if(self, prefix: str, still: Callable[[bytes | None], bool]) -> bool:
+        """Delete the entry directory `prefix` only if `still(its zarr.json, None if absent)`
+        holds for what is deleted: it is renamed aside first (atomic), judged there, and put
+        back if it fails the test (another write replaced what the caller judged meanwhile).
+        True if deleted."""
+        src = self._p(prefix)
+        aside = self.root / TRASH / uuid.uuid4().hex
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(src, aside)
+        except FileNotFoundError:
+            return False
+        try:
+            manifest: bytes | None = (aside / "zarr.json").read_bytes()
+        except FileNotFoundError:
+            manifest = None
+        if still(manifest):
+            _remove(aside)
+            return True
+        try:
+            os.rename(aside, src)
+        except OSError as e:  # the name holds another write by now: the one moved aside is not needed
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            _remove(aside)
+        return False
 
     def purge_trash(self) -> int:
         """Remove what deletes left in `.trash` (their process died); returns how many."""

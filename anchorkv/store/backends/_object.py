@@ -9,6 +9,7 @@ first use (the S3 extra), so a local store never needs it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
 
@@ -181,6 +182,18 @@ class ObjectBackend:
 
     def data_prefix(self, final: str, write_id: str) -> str:
         return f"{final}.{write_id}"
+
+    def remove_if(self, prefix: str, still: Callable[[bytes | None], bool]) -> bool:
+        """Delete the entry at `prefix` if `still(its zarr.json, None if absent)`. (An object
+        store's entry name holds its write id: no other write takes it over meanwhile.)"""
+        try:
+            manifest: bytes | None = self.read(f"{prefix}/zarr.json")
+        except FileNotFoundError:
+            manifest = None
+        if not still(manifest):
+            return False
+        self.delete_tree(prefix)
+        return True
 
     def publish(self, staged: str, final: str) -> bool:
         return True  # the manifest put by the caller is the publication

@@ -87,6 +87,10 @@ class Backend(Protocol):
     def delete_tree(self, prefix: str) -> None:
         """Delete everything under `prefix`, so that the entry there vanishes at once."""
 
+    def remove_if(self, prefix: str, still: Callable[[bytes | None], bool]) -> bool:
+        """Delete the entry at `prefix` only if `still(its zarr.json, None if absent)` holds for
+        the entry deleted (not for one another write put there meanwhile); True if deleted."""
+
     def tree_size(self, prefix: str) -> int:
         """Bytes of every object under `prefix` (0 if there is none)."""
 
