@@ -20,7 +20,6 @@ import torch
 
 from anchorkv.cli import main
 from anchorkv.store import eviction
-from anchorkv.store.errors import CorruptEntry
 from anchorkv.store.paths import STAGING
 from anchorkv.store.store import Store
 from tests.store.helpers import CODECS, all_packed, tiny_layout, tokens
