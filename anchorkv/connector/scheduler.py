@@ -374,10 +374,10 @@ class SchedulerSide:
         recomputed tokens' save would otherwise find that entry and write nothing (the worker's
         repair deletes it off the load path, usually after this save)."""
         entry = self.store.entry_id_of(spec)
-        mark = self._bad_entries.get(entry)
-        if mark is None or mark[1] is None or not self._is_bad(entry, mark[1]):
+        if not self._is_bad(entry, None):
             return spec
-        return replace(spec, replace=mark[1])
+        version = self._bad_entries[entry][1]
+        return spec if version is None else replace(spec, replace=version)
 
     def _with_running_block(self, spec: LoadSpec, block_state: Any, tables: dict, scheduled: dict) -> LoadSpec:
         """A sync load in align mode also fills the block of the step's last scheduled token:

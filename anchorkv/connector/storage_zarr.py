@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 from collections.abc import Callable, Mapping
 
@@ -42,6 +41,7 @@ from anchorkv.codec.models import ROLE_ALIASES, Role
 from anchorkv.connector.config import ConnectorConfig, field_codecs
 from anchorkv.connector.plan import SaveSpec
 from anchorkv.connector.storage import EntryRef
+from anchorkv.store.commit import manifest_version
 from anchorkv.store.errors import CorruptEntry, EntryNotFound, FormatError, IncompleteEntry
 from anchorkv.store.format import array_layouts
 from anchorkv.store.keys import TOKEN_BLOCK
@@ -260,13 +260,7 @@ class ZarrEntryStore:
         if not problems or info.id in self.store.pins:
             return False
 
-        def still(manifest: bytes | None) -> bool:
-            try:
-                return json.loads(manifest or b"")["attributes"]["anchorkv"]["checksum"] == info.version
-            except (ValueError, KeyError, TypeError):
-                return False
-
-        if not self.store.backend.remove_if(info.path, still):
+        if not self.store.backend.remove_if(info.path, lambda manifest: manifest_version(manifest) == info.version):
             return False
         self.store.forget(entry_id)
         log.warning("anchorkv: entry %s is damaged (%s%s); deleted, so the next save of its tokens writes it "

@@ -136,7 +136,9 @@ def unusable(manifest: bytes | None) -> str | None:
     return None
 
 
-def _version(manifest: bytes | None) -> str | None:
+def manifest_version(manifest: bytes | None) -> str | None:
+    """The write (`EntryInfo.version`, the manifest's checksum) a group ``zarr.json`` names;
+    None where it names none."""
     try:
         return json.loads(manifest or b"")["attributes"]["anchorkv"]["checksum"]
     except (ValueError, KeyError, TypeError):
@@ -166,7 +168,7 @@ def _publish(backend: Backend, data: str, final: str, entry_id: str, manifest: d
                 ensure_key_group(backend, key)  # (the winner's delete may have removed the key's group)
                 continue
         why = unusable(winner)
-        if why is None and replace is not None and _version(winner) == replace:
+        if why is None and replace is not None and manifest_version(winner) == replace:
             why = "a load found its data damaged"
         if why is None:
             return _winner(backend, data, final, entry_id, winner)

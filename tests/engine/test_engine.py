@@ -123,10 +123,6 @@ def config(request):
     return request.param
 
 
-def _tokens(run):
-    return {k: r["tokens"] for k, r in H.requests_of(run).items()}
-
-
 def test_engine_configuration(engine, config):
     """The engines ran as configured: the mamba cache mode vLLM chose, the same block size warm
     and cold, the exact codecs announced."""
@@ -142,7 +138,7 @@ def test_model_depends_on_its_context(engine):
     Prompts that differ only in their first 8 tokens get different greedy answers, and no
     answer is one token repeated."""
     for config in ("qwen3_next-align", "llama"):
-        tokens = _tokens(engine["cold"][config]["base"])
+        tokens = H.tokens(engine["cold"][config]["base"])
         assert tokens["a"] != tokens["a_edited"], config
         assert all(len(set(t)) > 1 for t in tokens.values()), config
 
@@ -150,8 +146,8 @@ def test_model_depends_on_its_context(engine):
 def test_connector_leaves_cold_tokens_unchanged(engine, config):
     """With an empty store the connector restores nothing and the greedy tokens are the
     baseline's (the same prompts without the connector)."""
-    base, cold = _tokens(engine["cold"][config]["base"]), engine["cold"][config]["cold"]
-    assert _tokens(cold) == {k: base[k] for k in [*PROMPTS, *SIBLINGS]}
+    base, cold = H.tokens(engine["cold"][config]["base"]), engine["cold"][config]["cold"]
+    assert H.tokens(cold) == {k: base[k] for k in [*PROMPTS, *SIBLINGS]}
     assert H.restored(cold) == {}
     # the second sibling finds the first's whole blocks of the system prompt in vLLM's own
     # cache (Llama; the hybrid computes them: its state is cached only where a prompt ended)
@@ -178,8 +174,8 @@ def _restorable(config: str, n: int, block: int, finished: int | None = None) ->
 def test_warm_repeated_prompt(engine, config):
     """The same prompts in a new process: the baseline's tokens, with what the store holds for
     them restored (see `_restorable`)."""
-    base, warm = _tokens(engine["cold"][config]["base"]), engine["warm"][config]
-    got = _tokens(warm)
+    base, warm = H.tokens(engine["cold"][config]["base"]), engine["warm"][config]
+    got = H.tokens(warm)
     assert {k: got[k] for k in PROMPTS} == {k: base[k] for k in PROMPTS}
     block = warm["block_size"]
     expected = {k: _restorable(config, len(p), block) for k, p in PROMPTS.items() if k != CORRUPT}
@@ -193,8 +189,8 @@ def test_warm_repeated_prompt(engine, config):
 def test_warm_second_turn(engine, config):
     """Turn 2 (prompt + answer + new message) in a new process restores the longest entry of
     the conversation it can use and answers as the baseline did."""
-    base, warm = _tokens(engine["cold"][config]["base"]), engine["warm"][config]
-    got = _tokens(warm)
+    base, warm = H.tokens(engine["cold"][config]["base"]), engine["warm"][config]
+    got = H.tokens(warm)
     block = warm["block_size"]
     intact = [k for k in PROMPTS if k != CORRUPT]
     reqs = H.requests_of(warm)
@@ -213,11 +209,11 @@ def test_warm_prompt_sharing_the_start_of_a_saved_one(engine, config):
     """A prompt sharing "d"'s first 300 tokens: Llama restores the whole 256-token block it shares
     with "d"'s 384-token entry (it saved no shorter one), the hybrid in align mode its
     256-token boundary entry; both answer as the baseline did."""
-    base, warm = _tokens(engine["cold"][config]["base"]), engine["warm"][config]
+    base, warm = H.tokens(engine["cold"][config]["base"]), engine["warm"][config]
     want = {"qwen3_next-align": 256, "llama": 256, "qwen3_next-none": 0}[config]
     assert H.restored(warm).get("d_shared", 0) == want
     assert H.requests_of(warm)["d_shared"]["num_cached_tokens"] == want
-    assert _tokens(warm)["d_shared"] == base["d_shared"]
+    assert H.tokens(warm)["d_shared"] == base["d_shared"]
     if config == "llama":
         assert base["d_shared"] != base["d"]  # the shared block alone does not decide the answer
 
@@ -227,11 +223,11 @@ def test_warm_prompt_after_a_junction_vllm_found(engine, config):
     align mode restores the state at the junction (256) that vLLM kept when the second question
     followed the first and anchorkv saved; Llama the block it shares with either (shared
     prefixes); both answer as the baseline did."""
-    base, warm = _tokens(engine["cold"][config]["base"]), engine["warm"][config]
+    base, warm = H.tokens(engine["cold"][config]["base"]), engine["warm"][config]
     want = {"qwen3_next-align": 256, "llama": 256, "qwen3_next-none": 0}[config]
     assert H.restored(warm).get("s3", 0) == want
     assert H.requests_of(warm)["s3"]["num_cached_tokens"] == want
-    assert _tokens(warm)["s3"] == base["s3"]
+    assert H.tokens(warm)["s3"] == base["s3"]
     if config != "qwen3_next-none":
         assert base["s3"] != base["s1"]  # the system prompt alone does not decide the answer
 
@@ -251,8 +247,8 @@ def test_corrupt_entry_is_recomputed(engine, with_entries):
     baseline too)."""
     config = with_entries
     assert engine["corrupted"][config], "nothing was corrupted"
-    base, warm = _tokens(engine["cold"][config]["base"]), engine["warm"][config]
-    got = _tokens(warm)
+    base, warm = H.tokens(engine["cold"][config]["base"]), engine["warm"][config]
+    got = H.tokens(warm)
     ids = [CORRUPT, f"{CORRUPT}.2"]
     assert {k: got[k] for k in ids} == {k: base[k] for k in ids}
     assert CORRUPT not in H.restored(warm)

@@ -28,36 +28,11 @@ WINDOW = 128
 @pytest.fixture(scope="module")
 def runs(engine_env, tmp_path_factory):
     work = tmp_path_factory.mktemp("engine-gpt-oss")
-    models, store = work / "models", work / "store"
-    common = {"model": str(models / "gpt_oss"), "prefix_caching": True}
-    turn1 = [{"id": k, "prompt": p} for k, p in PROMPTS.items()]
-    turn2 = [{"id": f"{k}.2", "extend": k, "append": NEW_MESSAGES[k]} for k in PROMPTS]
-    cold = H.run_driver({"models": {"dir": str(models), "kinds": {"gpt_oss": {}}}, "runs": [
-        {"name": "base", **common, "connector": None,
-         "batches": [H.single(r, MAX_TOKENS) for r in [*turn1, {"id": "a_edited", "prompt": A_EDITED}, *turn2]]},
-        {"name": "cold", **common, "connector": {"store": str(store)},
-         "batches": [H.single(r, MAX_TOKENS) for r in turn1]},
-    ]}, work, "cold")
-    by_name = {r["name"]: r for r in cold["runs"]}
-    baseline = H.requests_of(by_name["base"])
-    warm_batches = [H.single({"id": f"{k}.again", "prompt": p}, MAX_TOKENS) for k, p in PROMPTS.items()]
-    warm_batches += [H.single({"id": f"{k}.2", "prompt": baseline[f"{k}.2"]["prompt"]}, MAX_TOKENS) for k in PROMPTS]
-    warm = H.run_driver({"runs": [{"name": "warm", **common, "connector": {"store": str(store)},
-                                   "batches": warm_batches}]}, work, "warm")
-    return {"base": by_name["base"], "cold": by_name["cold"], "warm": warm["runs"][0], "store": store}
-
-
-def _tokens(run: dict) -> dict[str, list[int]]:
-    return {k: r["tokens"] for k, r in H.requests_of(run).items()}
-
-
-def _restorable(n: int, block: int) -> int:
-    """A prompt of `n` tokens' own entry: its whole blocks short of its last token."""
-    return (n - 1) // block * block
+    return H.two_turns("gpt_oss", work, PROMPTS, NEW_MESSAGES, A_EDITED, MAX_TOKENS)
 
 
 def test_model_depends_on_its_context(runs):
-    tokens = _tokens(runs["base"])
+    tokens = H.tokens(runs["base"])
     assert tokens["a"] != tokens["a_edited"]
     assert all(len(set(t)) > 1 for t in tokens.values())
 
@@ -65,32 +40,32 @@ def test_model_depends_on_its_context(runs):
 def test_cold_tokens_unchanged_and_entries_keep_the_window(runs):
     from anchorkv.store.store import Store
 
-    base, cold = _tokens(runs["base"]), runs["cold"]
-    assert _tokens(cold) == {k: base[k] for k in PROMPTS} and H.restored(cold) == {}
+    base, cold = H.tokens(runs["base"]), runs["cold"]
+    assert H.tokens(cold) == {k: base[k] for k in PROMPTS} and H.restored(cold) == {}
     block = cold["block_size"]
     assert block == 128
     infos = [i.info for i in Store.open(runs["store"]).scan() if i.info is not None]
     own = {i.num_tokens: i for i in infos}
     for p in PROMPTS.values():
-        info = own[_restorable(len(p), block)]
+        info = own[H.whole_entry(len(p), block)]
         n, arrays = info.num_tokens, info.arrays()
         first = (n - WINDOW + 1) // block * block
         assert arrays["k"].shape[:2] == (2, n) and arrays["v"].shape[:2] == (2, n)  # the full layers
         assert arrays["k_window"].shape[:2] == (2, n - first) and arrays["k_window"].first == first
-    assert own[_restorable(len(PROMPTS["b"]), block)].arrays()["k_window"].first > 0
+    assert own[H.whole_entry(len(PROMPTS["b"]), block)].arrays()["k_window"].first > 0
 
 
 @pytest.mark.parametrize("turn", ["again", "2"])
 def test_warm_requests_restore_and_answer_as_the_baseline(runs, turn):
     """The same prompt in a new process restores its entry; turn 2 (prompt + answer + a new
     message) restores the first prompt's entry whole and computes the rest on top of it."""
-    base, warm = _tokens(runs["base"]), runs["warm"]
+    base, warm = H.tokens(runs["base"]), runs["warm"]
     block = warm["block_size"]
     ids = {k: f"{k}.{turn}" for k in PROMPTS}
-    expected = {ids[k]: _restorable(len(p), block) for k, p in PROMPTS.items()}
+    expected = {ids[k]: H.whole_entry(len(p), block) for k, p in PROMPTS.items()}
     reqs = H.requests_of(warm)
     assert {i: H.restored(warm).get(i, 0) for i in expected} == expected
     assert {i: reqs[i]["num_cached_tokens"] for i in expected} == expected
     want = {k: base[k if turn == "again" else f"{k}.2"] for k in PROMPTS}
-    assert {k: _tokens(warm)[ids[k]] for k in PROMPTS} == want
+    assert {k: H.tokens(warm)[ids[k]] for k in PROMPTS} == want
     assert not H.failed_loads(warm)

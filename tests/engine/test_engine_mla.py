@@ -71,9 +71,6 @@ def runs(engine_env, tmp_path_factory):
     return {"base": by_name["base"], "cold": by_name["cold"], "warm": warm["runs"][0], "entries": entries}
 
 
-def _tokens(run: dict) -> dict[str, list[int]]:
-    return {k: r["tokens"] for k, r in H.requests_of(run).items()}
-
 
 def test_engine_runs_mla_on_cpu_without_prefill_after_cached_tokens(runs):
     """vLLM chose what the module docstring says (block 16, no prefix caching or chunking) and
@@ -88,7 +85,7 @@ def test_engine_runs_mla_on_cpu_without_prefill_after_cached_tokens(runs):
 def test_model_depends_on_its_context(runs):
     """Guards the other tests: prompts that differ in their first 8 tokens answer differently,
     and no answer repeats one token."""
-    tokens = _tokens(runs["base"])
+    tokens = H.tokens(runs["base"])
     assert tokens["a"][:COLD_TOKENS] != tokens["a_edited"]
     assert all(len(set(t)) > 1 for t in tokens.values())
 
@@ -96,8 +93,8 @@ def test_model_depends_on_its_context(runs):
 def test_connector_leaves_cold_tokens_unchanged_and_saves(runs):
     """With an empty store the connector restores nothing, answers as the baseline, and saves
     each prompt and its finish (prompt + 15 tokens)."""
-    base, cold = _tokens(runs["base"]), runs["cold"]
-    assert _tokens(cold) == {k: base[k][:COLD_TOKENS] for k in PROMPTS}
+    base, cold = H.tokens(runs["base"]), runs["cold"]
+    assert H.tokens(cold) == {k: base[k][:COLD_TOKENS] for k in PROMPTS}
     assert H.restored(cold) == {}
     expected = {f"t{n:08d}" for p in PROMPTS.values() for n in (len(p), len(p) + COLD_TOKENS - 1)}
     assert set(runs["entries"]) == expected
@@ -107,8 +104,8 @@ def test_restored_latent_rows_are_what_the_decode_kernel_reads(runs):
     """Prompt + its first 16 tokens in a new process: the finish entry (all but the last
     token) is restored, the decode kernel computes the rest, and the next 16 tokens are the
     baseline's 16..31."""
-    base, warm = _tokens(runs["base"]), runs["warm"]
-    got, reqs = _tokens(warm), H.requests_of(warm)
+    base, warm = H.tokens(runs["base"]), runs["warm"]
+    got, reqs = H.tokens(warm), H.requests_of(warm)
     expected = {f"{k}.cont": len(p) + COLD_TOKENS - 1 for k, p in PROMPTS.items()}
     assert {k: H.restored(warm).get(k, 0) for k in expected} == expected
     assert {k: reqs[k]["num_cached_tokens"] for k in expected} == expected
@@ -129,12 +126,12 @@ def test_the_same_prompt_restores_all_but_its_last_token_from_its_own_entry(runs
 def test_a_restore_that_would_leave_a_prefill_is_computed_instead(runs):
     """Second turns find their conversation's entry but would need a prefill after it: they are
     computed in full (a miss counted), and answer as the baseline."""
-    base, warm = _tokens(runs["base"]), runs["warm"]
+    base, warm = H.tokens(runs["base"]), runs["warm"]
     ids = [f"{k}.2" for k in PROMPTS]
     reqs = H.requests_of(warm)
     assert not set(ids) & set(H.restored(warm))
     assert [reqs[k]["num_cached_tokens"] for k in ids] == [0, 0]
-    assert {k: _tokens(warm)[k] for k in ids} == {k: base[k] for k in ids}
+    assert {k: H.tokens(warm)[k] for k in ids} == {k: base[k] for k in ids}
     turn2 = [b for b in warm["batches"] if b["requests"][0]["id"] in ids]
     misses = [(b.get("anchorkv_misses", 0), b.get("anchorkv_misses:needs_prefill", 0)) for b in turn2]
     assert misses == [(1, 1)] * 2, turn2

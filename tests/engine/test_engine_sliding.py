@@ -38,36 +38,11 @@ WINDOW = 200
 @pytest.fixture(scope="module")
 def runs(engine_env, tmp_path_factory):
     work = tmp_path_factory.mktemp("engine-sliding")
-    models, store = work / "models", work / "store"
-    common = {"model": str(models / "gemma3"), "prefix_caching": True}
-    turn1 = [{"id": k, "prompt": p} for k, p in PROMPTS.items()]
-    turn2 = [{"id": f"{k}.2", "extend": k, "append": NEW_MESSAGES[k]} for k in PROMPTS]
-    cold = H.run_driver({"models": {"dir": str(models), "kinds": {"gemma3": {}}}, "runs": [
-        {"name": "base", **common, "connector": None,
-         "batches": [H.single(r, MAX_TOKENS) for r in [*turn1, {"id": "a_edited", "prompt": A_EDITED}, *turn2]]},
-        {"name": "cold", **common, "connector": {"store": str(store)},
-         "batches": [H.single(r, MAX_TOKENS) for r in turn1]},
-    ]}, work, "cold")
-    by_name = {r["name"]: r for r in cold["runs"]}
-    baseline = H.requests_of(by_name["base"])
-    warm_batches = [H.single({"id": f"{k}.again", "prompt": p}, MAX_TOKENS) for k, p in PROMPTS.items()]
-    warm_batches += [H.single({"id": f"{k}.2", "prompt": baseline[f"{k}.2"]["prompt"]}, MAX_TOKENS) for k in PROMPTS]
-    warm = H.run_driver({"runs": [{"name": "warm", **common, "connector": {"store": str(store)},
-                                   "batches": warm_batches}]}, work, "warm")
-    return {"base": by_name["base"], "cold": by_name["cold"], "warm": warm["runs"][0], "store": store}
-
-
-def _tokens(run: dict) -> dict[str, list[int]]:
-    return {k: r["tokens"] for k, r in H.requests_of(run).items()}
-
-
-def _restorable(n: int, block: int) -> int:
-    """A prompt of `n` tokens' own entry: its whole blocks short of its last token."""
-    return (n - 1) // block * block
+    return H.two_turns("gemma3", work, PROMPTS, NEW_MESSAGES, A_EDITED, MAX_TOKENS)
 
 
 def test_model_depends_on_its_context(runs):
-    tokens = _tokens(runs["base"])
+    tokens = H.tokens(runs["base"])
     assert tokens["a"] != tokens["a_edited"]
     assert all(len(set(t)) > 1 for t in tokens.values())
 
@@ -77,15 +52,15 @@ def test_cold_tokens_unchanged_and_entries_keep_the_window(runs):
     prompt's entry holds the full layer's rows and the sliding layers' last 199."""
     from anchorkv.store.store import Store
 
-    base, cold = _tokens(runs["base"]), runs["cold"]
-    assert _tokens(cold) == {k: base[k] for k in PROMPTS}
+    base, cold = H.tokens(runs["base"]), runs["cold"]
+    assert H.tokens(cold) == {k: base[k] for k in PROMPTS}
     assert H.restored(cold) == {}
     block = cold["block_size"]
     assert block == 128
     infos = sorted((i.info for i in Store.open(runs["store"]).scan() if i.info is not None), key=lambda i: i.num_tokens)
     # the prompts' own entries (the warm run adds b.2's: a.2's whole blocks are a's)
-    want = sorted([*(_restorable(len(p), block) for p in PROMPTS.values()),
-                   _restorable(len(H.requests_of(runs["base"])["b.2"]["prompt"]), block)])
+    want = sorted([*(H.whole_entry(len(p), block) for p in PROMPTS.values()),
+                   H.whole_entry(len(H.requests_of(runs["base"])["b.2"]["prompt"]), block)])
     assert [i.num_tokens for i in infos] == want
     for info in infos:
         arrays = info.arrays()
@@ -99,12 +74,12 @@ def test_cold_tokens_unchanged_and_entries_keep_the_window(runs):
 def _restored_as_baseline(runs: dict, warm_id: str, base_id: str) -> None:
     """Each prompt's warm request `warm_id.format(k)` restored its first prompt's entry (vLLM
     and the connector agree) and answered as the baseline's `base_id.format(k)`."""
-    base, warm = _tokens(runs["base"]), runs["warm"]
-    expected = {warm_id.format(k): _restorable(len(p), warm["block_size"]) for k, p in PROMPTS.items()}
+    base, warm = H.tokens(runs["base"]), runs["warm"]
+    expected = {warm_id.format(k): H.whole_entry(len(p), warm["block_size"]) for k, p in PROMPTS.items()}
     reqs = H.requests_of(warm)
     assert {k: H.restored(warm).get(k, 0) for k in expected} == expected
     assert {k: reqs[k]["num_cached_tokens"] for k in expected} == expected
-    assert {k: _tokens(warm)[warm_id.format(k)] for k in PROMPTS} == {k: base[base_id.format(k)] for k in PROMPTS}
+    assert {k: H.tokens(warm)[warm_id.format(k)] for k in PROMPTS} == {k: base[base_id.format(k)] for k in PROMPTS}
 
 
 def test_the_same_prompt_restores_its_entry_and_answers_as_the_baseline(runs):

