@@ -63,6 +63,14 @@ def commit_staged(backend: Backend, write_id: str, on_commit: OnCommit, replace:
     parts = [json.loads(backend.read(f"{prefix}/{n}")) for n in backend.list_dir(prefix) if n.endswith(".json")]
     if not parts:
         raise IncompleteEntry(f"write {write_id}: no rank has finished its part (nothing under {prefix})")
+    return commit_parts(backend, write_id, parts, on_commit, replace)
+
+
+def commit_parts(backend: Backend, write_id: str, parts: list[dict], on_commit: OnCommit,
+                 replace: str | None = None) -> EntryInfo:
+    """`commit_staged` of the part markers `parts` (as parsed from their JSON) in hand: a
+    single-process save (`EntryWriter.commit` at tp_size 1) passes its own part without
+    writing it to the store and reading it back; the checks and what is written are the same."""
     header = parts[0]["header"]
     final = entry_path(f"{header['key']}/{header['name']}")
     tp = header["tp_size"]

@@ -44,7 +44,7 @@ from anchorkv.codec.packed import Packed
 from anchorkv.codec.spec import canonical_json
 from anchorkv.kernels.quant import ELEMENTWISE
 from anchorkv.store.backends import Backend
-from anchorkv.store.commit import OnCommit, commit_staged
+from anchorkv.store.commit import OnCommit, commit_parts, commit_staged
 from anchorkv.store.errors import FormatError
 from anchorkv.store.format import (
     ArrayLayout,
@@ -82,6 +82,28 @@ def _checksums(placed: list, index: bytes, combine: Callable[[int, int, int], in
         sums[name] = [crc, size, at]
         whole = combine(whole, crc, size)
     return sums, combine(whole, crc32c(index), len(index))
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_cuts(array: ArrayLayout, bounds: tuple[tuple[int, int], ...]) -> tuple[tuple[tuple, tuple], ...]:
+    """`shards_plan` of a rank's region (by its bounds) with what every layer of a field repeats
+    worked out once: per shard, ((shard key, chunks per shard) of each part, and per slot
+    (the `ShardSlot`, its payload and scales slices of the region's block (`Encoded.region`),
+    (chunk key, coordinates in the shard) of each part))."""
+    parts = array.parts
+    e = array.codec
+    out = []
+    for plan in shards_plan(array, [slice(a, b) for a, b in bounds]):
+        shards = tuple((p.shard_key(plan.shard), p.chunks_per_shard(plan.chunks_per_shard)) for p in parts)
+        slots = []
+        for slot in plan.slots:
+            *outer, last = slot.chunk.into_region
+            pl = (*outer, slice(e.row_bytes(last.start), e.row_bytes(last.stop)))
+            gl = (*outer, slice(e.groups(last.start), e.groups(last.stop)))
+            names = tuple((p.chunk_key(slot.chunk.coords), p.local(slot.local)) for p in parts)
+            slots.append((slot, pl, gl, names))
+        out.append((shards, tuple(slots)))
+    return tuple(out)
 
 
 class EntryWriter:
@@ -148,24 +170,30 @@ class EntryWriter:
                 enc = Encoded(enc.encoding, enc.payload[:, skip:], enc.scales[:, skip:])
             region[1] = slice(0, min(enc.payload.shape[1], array.shape[1]))
         total = 0
-        parts = array.parts
-        for plan in shards_plan(array, region):
-            per_part: list[list] = [[] for _ in parts]
-            for slot in plan.slots:
+        payload, scales = enc.payload, enc.scales
+        has_scales = scales.size != 0  # (raw, bf16 and plug-ins without scales: none in any chunk)
+        for shards, slots in _shard_cuts(array, tuple((s.start, s.stop) for s in region)):
+            per_part: list[list] = [[] for _ in shards]
+            for slot, pl, gl, names in slots:
                 chunk = slot.chunk
-                part = enc.region(chunk.into_region)
-                if chunk.whole:
-                    bufs = part.buffers()
-                elif slot.lead is not None:
-                    bufs = self._row_padded(array, part, slot.lead)
+                if chunk.whole:  # `Encoded.buffers` of the chunk's region, without building it
+                    bufs = [np.ascontiguousarray(payload[pl]).data.cast("B")]
+                    if has_scales:
+                        bufs.append(np.ascontiguousarray(scales[gl]).data.cast("B"))
+                    for (name, local), chunks, b in zip(names, per_part, bufs, strict=False):
+                        chunks.append((name, local, [b]))
+                    continue
+                part = Encoded(enc.encoding, payload[pl], scales[gl])
+                if slot.lead is not None:
+                    both = self._row_padded(array, part, slot.lead)
                 else:
-                    bufs = self._padded(array, part, chunk.into_chunk).buffers()
-                # bufs is (payload, scales): no scales part (an empty list) for raw, bf16 and
-                # plug-ins without scales, so it may be longer than parts
-                for p, chunks, b in zip(parts, per_part, bufs, strict=False):
-                    chunks.append((p.chunk_key(chunk.coords), p.local(slot.local), b))
-            for p, chunks in zip(parts, per_part, strict=True):
-                total += self._put_shard(p.shard_key(plan.shard), p.chunks_per_shard(plan.chunks_per_shard), chunks)
+                    both = self._padded(array, part, chunk.into_chunk).buffers()
+                # both is (payload, scales): no scales part (an empty list) for raw, bf16 and
+                # plug-ins without scales, so it may be longer than the parts
+                for (name, local), chunks, buffers in zip(names, per_part, both, strict=False):
+                    chunks.append((name, local, buffers))
+            for (skey, k), chunks in zip(shards, per_part, strict=True):
+                total += self._put_shard(skey, k, chunks)
         return total
 
     def _array(self, field: str) -> ArrayLayout:
@@ -302,20 +330,33 @@ class EntryWriter:
             raise error
 
     # ------------------------------------------------------------------ protocol
+    def _part(self) -> dict[str, Any]:
+        """This rank's part marker, once its writes in flight ended."""
+        self._wait_puts()
+        return {"header": self.header, "tp_rank": self.tp_rank, "chunks": self.checksums, "shards": self.shards}
+
     def finish_rank(self) -> None:
         """Publish this rank's part marker (atomically) once its chunks are written."""
-        self._wait_puts()
-        marker = {"header": self.header, "tp_rank": self.tp_rank, "chunks": self.checksums,
-                  "shards": self.shards}
         path = part_marker(self.write_id, self.tp_rank, self.tp_size)
-        self.backend.write(path, [json.dumps(marker).encode()], atomic=True)
+        self.backend.write(path, [json.dumps(self._part()).encode()], atomic=True)
 
     def commit(self) -> EntryInfo:
         """Publish the entry once every rank finished (this rank's part is finished here).
 
+        A single rank (tp_size 1) whose marker is not in the store commits its part from
+        memory (`commit_parts`: the same checks and the same files as from the marker, without
+        writing the marker and reading it back); with more ranks this rank's marker is put
+        first and the commit reads every rank's from the store (`commit_staged`).
+
         Raises `IncompleteEntry` naming the missing ranks or chunks; call it again later.
         """
         if not self.backend.exists(part_marker(self.write_id, self.tp_rank, self.tp_size)):
+            if self.tp_size == 1:
+                part = self._part()
+                # the header as a marker's JSON gives it back (lists, not tuples): the manifest
+                # handed to `on_commit` is then the one a reader parses
+                part["header"] = json.loads(json.dumps(part["header"]))
+                return commit_parts(self.backend, self.write_id, [part], self._on_commit)
             self.finish_rank()
         return commit_staged(self.backend, self.write_id, self._on_commit)
 

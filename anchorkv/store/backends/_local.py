@@ -210,16 +210,17 @@ class LocalBackend:
 
     def publish(self, staged: str, final: str) -> bool:
         """Rename the staged directory to `final`; False if another write published it first."""
-        target = self._p(final)
-        for attempt in range(3):
-            target.parent.mkdir(parents=True, exist_ok=True)
+        source, target = self._s(staged), self._s(final)
+        for attempt in range(4):  # (the key's directory exists: the commit wrote its zarr.json)
             try:
-                os.rename(self._p(staged), target)
+                os.rename(source, target)
                 return True
             except FileNotFoundError:
-                # the key's directory went away meanwhile (a delete removed it as empty): again
-                if attempt == 2 or not self._p(staged).exists():
+                # the key's directory went away meanwhile (a delete removed it as empty): again,
+                # after making it (at most 3 times)
+                if attempt == 3 or not os.path.exists(source):
                     raise
+                os.makedirs(os.path.dirname(target), exist_ok=True)
             except OSError as e:
                 if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
                     return False

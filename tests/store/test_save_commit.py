@@ -1,0 +1,114 @@
+"""`Store.save`'s single-process commit (its part from memory, `commit_parts`) against the
+marker path (`finish_rank`, then `commit_staged` reading the part back): the same files, byte
+for byte, and the same manifest; and a rank of a multi-rank write still puts its marker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from anchorkv.store import IncompleteEntry
+from anchorkv.store.paths import STAGING
+from anchorkv.store.store import Store
+from tests.store.helpers import CODECS, RAW_CODECS, all_packed, tiny_layout, tokens
+
+N = 300
+WRITE_ID = "samewrite0"
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file under the entries of a store, by path (the entry's files and key groups)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted((root / "entries").rglob("*")) if p.is_file()}
+
+
+def _spy(store: Store) -> list[str]:
+    paths: list[str] = []
+    real = store.backend.write
+
+    def write(path, buffers, **kw):
+        paths.append(path)
+        return real(path, buffers, **kw)
+
+    store.backend.write = write  # type: ignore[method-assign]
+    return paths
+
+
+@pytest.mark.parametrize("codecs,compressor",
+                         [(RAW_CODECS, None), (CODECS, None), (CODECS, {"id": "zstd", "level": 1})],
+                         ids=["raw", "quant", "quant-zstd"])
+def test_in_process_commit_matches_marker_commit(tmp_path, monkeypatch, codecs, compressor):
+    monkeypatch.setattr("anchorkv.store.commit.now", lambda: 1700000000.0)
+    monkeypatch.setattr("anchorkv.store.store.now", lambda: 1700000000.0)
+    layout = tiny_layout()
+    packed = all_packed(layout, codecs, N)
+    toks = tokens(N)
+    kw = {"anchor": "same", "write_id": WRITE_ID, "compressor": compressor}
+
+    mem = Store.open(tmp_path / "mem")
+    mem_writes = _spy(mem)
+    info_mem = mem.save(layout, codecs, toks, packed, **kw)
+
+    marker = Store.open(tmp_path / "marker")
+    marker_writes = _spy(marker)
+    writer = marker.begin_entry(layout, codecs, toks, **kw)
+    for (layer, field), p in packed.items():
+        writer.write_layer(layer, field, p)
+    writer.finish_rank()
+    info_marker = marker.commit_staged(WRITE_ID)
+
+    assert not [p for p in mem_writes if "/parts/" in p], "the single-process save put a part marker"
+    assert [p for p in marker_writes if "/parts/" in p], "the marker path put no part marker"
+    assert info_mem.id == info_marker.id
+    assert info_mem.manifest == info_marker.manifest
+    files_mem, files_marker = _files(tmp_path / "mem"), _files(tmp_path / "marker")
+    assert files_mem.keys() == files_marker.keys()
+    for path, data in files_mem.items():
+        assert data == files_marker[path], path
+    # the manifest handed to the store's cache is the one a reader parses (lists, not tuples)
+    on_disk = json.loads(files_mem[f"entries/{info_mem.id}/zarr.json"])["attributes"]["anchorkv"]
+    assert info_mem.manifest == on_disk
+    for root in (tmp_path / "mem", tmp_path / "marker"):
+        assert not list((root / STAGING).iterdir())
+    # and each loads back the same values, from a fresh store (no cached manifest)
+    a, b = Store.open(tmp_path / "mem"), Store.open(tmp_path / "marker")
+    for layer, field in packed:
+        assert torch.equal(a.load(info_mem.id, layout, layer, field).payload,
+                           b.load(info_marker.id, layout, layer, field).payload)
+
+
+def test_rank_of_multi_rank_write_commits_from_markers(tmp_path):
+    """At tp_size 2 `EntryWriter.commit` puts its own marker and waits for the other rank's."""
+    store = Store.open(tmp_path)
+    toks = tokens(N)
+    writers = [store.begin_entry(tiny_layout(2, r), RAW_CODECS, toks, anchor="tp", write_id="tpwrite0")
+               for r in range(2)]
+    for w in writers:
+        for (layer, field), p in all_packed(w.layout, RAW_CODECS, N).items():
+            w.write_layer(layer, field, p)
+    with pytest.raises(IncompleteEntry):
+        writers[0].commit()
+    assert sorted(n for n in store.backend.list_dir(f"{STAGING}/tpwrite0/parts")) == ["rank-000-of-002.json"]
+    writers[1].finish_rank()
+    info = writers[0].commit()
+    assert store.lookup(fingerprint_hash=info.manifest["fingerprint_hash"], anchor="tp", tokens=toks).id == info.id
+
+
+def test_local_publish_makes_a_missing_key_directory(tmp_path):
+    """`LocalBackend.publish` renames first and makes the key's directory only when it is
+    missing (a delete removed it meanwhile); a staged directory that is gone still raises, and
+    an entry already there wins."""
+    from anchorkv.store.backends import LocalBackend
+
+    b = LocalBackend(tmp_path)
+    for name in ("a", "b", "c"):
+        b.write(f".staging/{name}/data/zarr.json", [name.encode()])
+    assert b.publish(".staging/a/data", "entries/key/e")  # entries/key does not exist
+    assert (tmp_path / "entries/key/e/zarr.json").read_bytes() == b"a"
+    assert not b.publish(".staging/b/data", "entries/key/e")  # taken: the first write stays
+    assert (tmp_path / "entries/key/e/zarr.json").read_bytes() == b"a"
+    with pytest.raises(FileNotFoundError):
+        b.publish(".staging/gone/data", "entries/other/e")
+    assert b.publish(".staging/c/data", "entries/key/f")
