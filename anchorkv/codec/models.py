@@ -158,7 +158,11 @@ class ModelLayout:
         }
 
     def fingerprint_hash(self) -> str:
-        return _digest(self.fingerprint())
+        """The digest of `fingerprint()`, made once per layout (its fields never change)."""
+        digest = self.__dict__.get("_fingerprint_hash")
+        if digest is None:
+            digest = self.__dict__["_fingerprint_hash"] = _digest(self.fingerprint())
+        return digest
 
     def layout_fingerprint(self) -> dict[str, Any]:
         """The rank-specific physical layout (for diagnostics; not needed to restore)."""

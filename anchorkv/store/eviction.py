@@ -65,15 +65,24 @@ class Pins:
 
     @contextlib.contextmanager
     def pinned(self, entry_id: str) -> Iterator[None]:
-        with self._lock:
-            self._count[entry_id] += 1
+        self.pin(entry_id)
         try:
             yield
         finally:
-            with self._lock:
-                self._count[entry_id] -= 1
-                if self._count[entry_id] <= 0:
-                    del self._count[entry_id]
+            self.unpin(entry_id)
+
+    def pin(self, entry_id: str) -> None:
+        """Count a read of the entry (`unpin` ends it; `pinned` as a context)."""
+        with self._lock:
+            self._count[entry_id] += 1
+
+    def unpin(self, entry_id: str) -> None:
+        with self._lock:
+            n = self._count[entry_id] - 1
+            if n <= 0:
+                del self._count[entry_id]
+            else:
+                self._count[entry_id] = n
 
     def __contains__(self, entry_id: str) -> bool:
         with self._lock:

@@ -393,6 +393,13 @@ class ArrayLayout:
     window: int | None = None
     first: int = 0
 
+    def __hash__(self) -> int:  # made once: arrays key the readers' plan caches, a hash per load
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash((self.field, self.kind, self.layers, self.shape, self.chunks,
+                                               self.shard_axis, self.codec, self.shards, self.window, self.first))
+        return h
+
     def __post_init__(self) -> None:
         windowed = self.window is not None
         if (not windowed and self.first) or (windowed and (self.kind != "paged" or self.first < 0)):

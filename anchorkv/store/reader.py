@@ -1,5 +1,6 @@
-"""Reading an entry's bytes: the inner chunks a load needs (by byte range, each checked against
-its crc32c) and the whole-shard check `Store.verify` runs (sizes, crc32c of the shard and of each
+"""Reading an entry's bytes: the inner chunks a load needs (a shard it reads every byte of by
+one range, checked against the shard's crc32c; others by byte ranges, each chunk checked against
+its own) and the whole-shard check `Store.verify` runs (sizes, crc32c of the shard and of each
 chunk, zarr's index against the manifest).
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from itertools import pairwise
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
@@ -20,6 +21,8 @@ from anchorkv.store.format import (
     Encoded,
     Part,
     crc32c,
+    crc32c_combine,
+    crc32c_combine_fixed,
     index_nbytes,
     parse_shard_index,
 )
@@ -44,8 +47,7 @@ class _Chunk(NamedTuple):
 
     offset: int  # in the shard (from the manifest)
     key: str  # the inner chunk's key in this array
-    crc: int  # its crc32c and size, from the manifest
-    size: int
+    size: int  # its size, from the manifest (its crc32c: `_ShardRead.crcs`)
     #: read straight into the load's output: its place there, as contiguous runs (start, bytes),
     #: the starts counted from the first byte of the output's payload (codes) or scales; None: a
     #: buffer of its own (`item`)
@@ -61,7 +63,13 @@ class _ShardRead(NamedTuple):
     size: int  # its size in the manifest
     part: int  # 0: values / codes (into the payload), 1: scales
     chunks: tuple[_Chunk, ...]  # by offset
+    crcs: tuple[int, ...]  # theirs, from the manifest
     groups: tuple[_Group, ...]  # the chunks read together (`GROUP_BYTES`)
+    #: when the load reads every byte of the shard (all its chunks, one after another from its
+    #: start, then its index): the crc32c its chunks' checksums in the manifest make together,
+    #: and the shard's own there; the whole file is read by one range and checked by one
+    #: running crc32c against both (`_read_whole`). None: by groups, each chunk by its own
+    crc: tuple[int, int] | None
 
 
 #: `_steps`: (the first chunk's first row's start, rows a chunk, bytes a row, step between
@@ -137,7 +145,7 @@ class _Geometry(NamedTuple):
     scratch: tuple[tuple[tuple[slice, ...], tuple[slice, ...]], ...]
 
 
-#: `_geometry`'s cache: (array, region less its layer, the output's shapes and strides,
+#: `read_geometry`'s cache: (array, region less its layer, the output's shapes and strides,
 #: compressed) -> it. Module wide, as `plan.chunk_plan`'s: every layer of a field, and entries of
 #: one model and length, share one, whatever their Store.
 _GEOMETRIES: dict[tuple, _Geometry] = {}
@@ -155,7 +163,7 @@ def _split(key: str, coords: tuple[int, ...], by_layer: bool) -> tuple[str, str]
     return key, ""
 
 
-def _geometry(array: ArrayLayout, region: Sequence[slice], out: Encoded, compressed: bool) -> tuple[_Geometry, str]:
+def read_geometry(array: ArrayLayout, region: Sequence[slice], out: Encoded, compressed: bool) -> tuple[_Geometry, str]:
     """The geometry of a load of `region` of `array` into `out` (cached), and the text of its
     layer coordinate that joins its keys' halves."""
     bounds = tuple((s.start, s.stop) for s in region)
@@ -178,7 +186,7 @@ def _geometry(array: ArrayLayout, region: Sequence[slice], out: Encoded, compres
 
 def _build_geometry(array: ArrayLayout, region: Sequence[slice], out: Encoded, compressed: bool,
                     by_layer: bool) -> _Geometry | None:
-    """`_geometry`'s work (None: `by_layer` and a key does not split at the layer)."""
+    """`read_geometry`'s work (None: `by_layer` and a key does not split at the layer)."""
     parts = array.parts
     bases = (_address(out.payload), _address(out.scales))
     # per shard, its chunks: (item, (runs of its codes, of its scales)) when read straight into
@@ -220,7 +228,12 @@ def plan_reads(info: EntryInfo, array: ArrayLayout, region: Sequence[slice], out
     `preadv` each); the others go through buffers of their own. `CorruptEntry` if the manifest
     lacks a checksum, or gives a chunk read straight in another size than its place."""
     compressed = numcodecs_compressor(info.manifest.get("compressor")) is not None
-    geometry, layer = _geometry(array, region, out, compressed)
+    return bind_reads(info, array, *read_geometry(array, region, out, compressed), compressed)
+
+
+def bind_reads(info: EntryInfo, array: ArrayLayout, geometry: _Geometry, layer: str, compressed: bool) -> ReadPlan:
+    """`plan_reads` of a geometry (`read_geometry`: what a load of the region reads, of any entry
+    alike) with the entry's offsets and checksums."""
     sums, sizes = info.manifest["checksums"], info.manifest["shards"]
     shards = []
     for (shead, stail), pi, places, steps in geometry.shards:
@@ -228,7 +241,7 @@ def plan_reads(info: EntryInfo, array: ArrayLayout, region: Sequence[slice], out
         want_shard = sizes.get(skey)
         if want_shard is None:
             raise CorruptEntry(info.id, f"the manifest has no checksum for shard {skey}")
-        chunks: list[_Chunk] = []
+        pairs: list[tuple[_Chunk, int]] = []  # (chunk, its crc32c)
         for (head, tail), where in places:
             ckey = head + layer + tail if tail else head
             expected = sums.get(ckey)
@@ -236,19 +249,72 @@ def plan_reads(info: EntryInfo, array: ArrayLayout, region: Sequence[slice], out
                 raise CorruptEntry(info.id, f"the manifest has no checksum for chunk {ckey}")
             crc, size, offset = expected
             if isinstance(where, int):
-                chunks.append(_Chunk(offset, ckey, crc, size, None, where))
+                pairs.append((_Chunk(offset, ckey, size, None, where), crc))
                 continue
             runs, nbytes = where
             if nbytes != size:
                 raise CorruptEntry(info.id, f"chunk {ckey} is {size} bytes in the manifest, its "
                                    f"shape and codec make {nbytes}")
-            chunks.append(_Chunk(offset, ckey, crc, size, runs, -1))
-        if any(a.offset > b.offset for a, b in pairwise(chunks)):  # not in the geometry's order
-            chunks.sort(key=lambda c: c.offset)
+            pairs.append((_Chunk(offset, ckey, size, runs, -1), crc))
+        if any(a[0].offset > b[0].offset for a, b in pairwise(pairs)):  # not in the geometry's order
+            pairs.sort(key=lambda p: p[0].offset)
             steps = None
-        shards.append(_ShardRead(skey, f"{info.path}/{skey}", want_shard[1], pi, tuple(chunks),
-                                 _groups(chunks, steps)))
+        chunks = [c for c, _ in pairs]
+        crcs = tuple(crc for _, crc in pairs)
+        groups = _groups(chunks, steps)
+        whole = _whole_shard(chunks, groups, want_shard[1], array.parts[pi].chunks_per_shard(array.chunks_per_shard))
+        shards.append(_ShardRead(skey, f"{info.path}/{skey}", want_shard[1], pi, tuple(chunks), crcs, groups,
+                                 _whole_crc(chunks, crcs, want_shard[0], compressed) if whole else None))
     return ReadPlan(tuple(shards), geometry.scratch)
+
+
+def _whole_crc(chunks: Sequence[_Chunk], crcs: Sequence[int], shard_crc: int, compressed: bool) -> tuple[int, int]:
+    """`_ShardRead.crc` of a shard read whole: (its chunks' crc32c together, its own)."""
+    combine = crc32c_combine if compressed else crc32c_combine_fixed
+    data = crcs[0]
+    for c, crc in zip(chunks[1:], crcs[1:], strict=True):
+        data = combine(data, crc, c.size)
+    return data, shard_crc
+
+
+def rebind_reads(plan: ReadPlan, info: EntryInfo, compressed: bool) -> ReadPlan | None:
+    """`plan` (another entry's, of the same geometry) with this entry's paths and checksums,
+    where its manifest puts every chunk at the same offset with the same size (so the same
+    places, groups and whole-shard reads hold); None otherwise (`bind_reads` then plans it
+    anew, raising what it finds). Reads only the chunks' checksums: a worker's first restore of
+    an entry of a model and length restored before plans no read."""
+    sums, sizes = info.manifest["checksums"], info.manifest["shards"]
+    shards = []
+    for shard in plan.shards:
+        want_shard = sizes.get(shard.key)
+        if want_shard is None or want_shard[1] != shard.size:
+            return None
+        got = [sums.get(c.key) for c in shard.chunks]
+        try:
+            if [(v[1], v[2]) for v in got] != [(c.size, c.offset) for c in shard.chunks]:
+                return None
+        except TypeError:  # a chunk without a checksum
+            return None
+        crcs = tuple(v[0] for v in got)
+        shards.append(shard._replace(
+            path=f"{info.path}/{shard.key}", crcs=crcs,
+            crc=None if shard.crc is None else _whole_crc(shard.chunks, crcs, want_shard[0], compressed)))
+    return ReadPlan(tuple(shards), plan.scratch)
+
+
+def _whole_shard(chunks: Sequence[_Chunk], groups: Sequence[_Group], size: int, slots: tuple[int, ...]) -> bool:
+    """Whether `chunks` (by offset) are every byte of their shard file of `size` bytes but its
+    index: one after another from byte 0, then the index of `slots` chunks, in at most
+    `GROUP_BUFFERS` buffers (a strided group's chunks: one)."""
+    end = nbufs = 0
+    for c in chunks:
+        if c.offset != end:
+            return False
+        end += c.size
+    for g in groups:
+        nbufs += 1 if g.strided is not None else sum(1 if c.runs is None else len(c.runs)
+                                                       for c in chunks[g.first : g.stop])
+    return end + index_nbytes(slots) == size and nbufs < GROUP_BUFFERS
 
 
 def _groups(chunks: Sequence[_Chunk], steps: _Steps | None) -> tuple[_Group, ...]:
@@ -307,25 +373,32 @@ def _crc_of(views: list[memoryview], n: int) -> int:
     return crc
 
 
-def read_planned(backend: Backend, info: EntryInfo, array: ArrayLayout, plan: ReadPlan, out: Encoded,
-                 payload: np.ndarray, scales: np.ndarray) -> None:
-    """Read what `plan` says into `out` (views of the flat `payload` bytes and `scales`): one
-    `read_ranges_into` per shard file, a range per group of neighbouring chunks (`GROUP_BYTES`),
-    each chunk checked against its crc32c and size as soon as its group is read (a local file:
-    its bytes still in the CPU's cache), before the next group is read; `CorruptEntry` on the
-    first that fails, on a shard file of another size than the manifest's, or a missing one. A
+def read_planned(backend: Backend, info: EntryInfo, array: ArrayLayout, plan: ReadPlan, out: Encoded | None,
+                 payload: np.ndarray, scales: np.ndarray, bases: tuple[int, int]) -> None:
+    """Read what `plan` says into `out` (views of the flat `payload` bytes and `scales` from
+    `bases`, their first bytes' offsets there; only chunks copied in through buffers of their
+    own, `ReadPlan.scratch`, use `out`, which may be None without them): one
+    `read_ranges_into` per shard file. A shard the load reads whole (every shard of a load of
+    all of an entry's tokens at its tp, or at a tp that splits its fields by shards) is one
+    range, checked by the shard's crc32c (`_read_whole`); other shards a range per group of
+    neighbouring chunks (`GROUP_BYTES`), each chunk checked against its crc32c and size as soon
+    as its group is read (a local file: its bytes still in the CPU's cache), before the next
+    group is read. `CorruptEntry` on the first chunk or shard that fails, on a shard file of
+    another size than the manifest's, or a missing one. A
     field encoded by a codec plug-in that is not installed raises `MissingCodec` before anything
     is read."""
     if array.codec.plugin:  # no byte is read for a field nobody here can decode
         array.codec.impl(info.id, array.field)  # MissingCodec, one line naming the plug-in
     arrays = (payload, scales.view(np.uint8))
     flat = (payload.data.cast("B"), arrays[1].data.cast("B"))
-    bases = (_address(out.payload) - _address(payload), _address(out.scales) - _address(scales))
     comp = numcodecs_compressor(info.manifest.get("compressor")) if plan.scratch else None
     scratch: dict[int, list[bytes | bytearray]] = {}
     scratch_keys: dict[int, str] = {}
     for shard in plan.shards:
         buf, base, dst = flat[shard.part], bases[shard.part], arrays[shard.part]
+        if shard.crc is not None:
+            _keep_scratch(scratch, scratch_keys, shard, _read_whole(backend, info, shard, buf, base, dst), comp)
+            continue
         chunks = shard.chunks
         views: list[list[memoryview]] = []  # per chunk, where its bytes are read
         own: list[bytearray | None] = []  # per chunk, its buffer of its own (`ReadPlan.scratch`)
@@ -368,13 +441,13 @@ def read_planned(backend: Backend, info: EntryInfo, array: ArrayLayout, plan: Re
             g = shard.groups[i]
             start = shard.chunks[g.first].offset
             for k in range(g.first, g.stop):
-                c, vs = shard.chunks[k], views[k]
+                c, vs, want = shard.chunks[k], views[k], shard.crcs[k]
                 got = min(c.size, max(0, n - (c.offset - start)))  # the group's bytes read into this chunk
                 crc = crc32c(vs[0]) if got == c.size and len(vs) == 1 else _crc_of(vs, got)
-                if got != c.size or crc != c.crc:
+                if got != c.size or crc != want:
                     raise CorruptEntry(
                         info.id,
-                        f"chunk {c.key} fails its check: expected {c.size} bytes with crc32c {c.crc:#010x} at "
+                        f"chunk {c.key} fails its check: expected {c.size} bytes with crc32c {want:#010x} at "
                         f"bytes {c.offset}-{c.offset + c.size} of shard {shard.key}, found {got} bytes with "
                         f"crc32c {crc:#010x}; delete the entry (anchorkv rm) and recompute",
                     )
@@ -395,11 +468,9 @@ def read_planned(backend: Backend, info: EntryInfo, array: ArrayLayout, plan: Re
             for i, done in enumerate(checked):
                 if not done:
                     check(fsize, i, got[i])
-        for c, mine in zip(shard.chunks, own, strict=True):
-            if mine is not None:
-                scratch.setdefault(c.item, []).append(comp.decode(mine) if comp is not None else mine)
-                scratch_keys.setdefault(c.item, c.key)
+        _keep_scratch(scratch, scratch_keys, shard, own, comp)
     for ii, bufs in scratch.items():
+        assert out is not None, "a plan with chunks through buffers of their own needs the output's views"
         into_region, into_chunk = plan.scratch[ii]
         pn, sn = array.codec.nbytes(array.chunks)
         sizes = [len(memoryview(b).cast("B")) for b in bufs]
@@ -409,6 +480,129 @@ def read_planned(backend: Backend, info: EntryInfo, array: ArrayLayout, plan: Re
         sc = np.frombuffer(bufs[1], np.float32) if len(bufs) > 1 else np.empty(0, np.float32)
         enc = array.codec.views(np.frombuffer(bufs[0], np.uint8), sc, array.chunks)
         copy_into(out.region(into_region), enc.region(into_chunk))
+
+
+def _keep_scratch(scratch: dict[int, list[bytes | bytearray]], keys: dict[int, str], shard: _ShardRead,
+                  own: Sequence[bytearray | None], comp: Any) -> None:
+    """Keep the chunks of `shard` read into buffers of their own (`own`, per chunk), decoded,
+    for their copy into place (`read_planned`)."""
+    for c, mine in zip(shard.chunks, own, strict=True):
+        if mine is not None:
+            scratch.setdefault(c.item, []).append(comp.decode(mine) if comp is not None else mine)
+            keys.setdefault(c.item, c.key)
+
+
+def _read_whole(backend: Backend, info: EntryInfo, shard: _ShardRead, buf: memoryview, base: int,
+                dst: np.ndarray) -> list[bytearray | None]:
+    """Read a shard the load reads every byte of (`_ShardRead.crc`) by one range, its chunks
+    straight into their places (neighbouring places as one buffer), a strided group's into one
+    buffer, others into buffers of their own, the index after them, and check the whole file
+    against the shard's crc32c: one system call and a few checksum calls a shard, not one of
+    each a chunk or group (each call gives up Python's lock: with several threads reading, a
+    call is also a wait to take it back, which dominated loads of many small calls). On a
+    mismatch each chunk is checked to name the damaged one. Returns each chunk's buffer of its
+    own (None: read in place)."""
+    chunks = shard.chunks
+    own: list[bytearray | None] = [None] * len(chunks)
+    staged: list[np.ndarray | None] = []
+    segments: list[memoryview] = []  # the file's bytes in order
+    lo = hi = -1  # a run of neighbouring places in `buf` not yet cut
+    for g in shard.groups:
+        if g.strided is not None:
+            stage = np.empty(g.nbytes, np.uint8)
+            staged.append(stage)
+            if hi >= 0:
+                segments.append(buf[lo:hi])
+                lo = hi = -1
+            segments.append(stage.data)
+            continue
+        staged.append(None)
+        for k in range(g.first, g.stop):
+            c = chunks[k]
+            if c.runs is None:
+                b = own[k] = bytearray(c.size)
+                if hi >= 0:
+                    segments.append(buf[lo:hi])
+                    lo = hi = -1
+                segments.append(memoryview(b))
+                continue
+            for s, n in c.runs:
+                s += base
+                if s != hi:
+                    if hi >= 0:
+                        segments.append(buf[lo:hi])
+                    lo = s
+                hi = s + n
+    if hi >= 0:
+        segments.append(buf[lo:hi])
+    index = memoryview(bytearray(shard.size - sum(c.size for c in chunks)))
+    assert shard.crc is not None
+    want_data, want_shard = shard.crc
+
+    checked = []
+
+    def check(fsize: int, i: int, n: int) -> None:
+        checked.append(i)
+        if fsize != shard.size:
+            raise CorruptEntry(
+                info.id,
+                f"shard {shard.key} (holding chunk {chunks[0].key}) is {fsize} bytes, expected "
+                f"{shard.size} bytes: truncated or overwritten; delete the entry (anchorkv rm) and recompute",
+            )
+        crc = 0
+        if n == shard.size:
+            for v in segments:
+                crc = crc32c(v, value=crc)
+        if n != shard.size or crc != want_data:  # the chunks' bytes against their checksums
+            _name_damage(info, shard, n, buf, base, own, staged)
+        if crc32c(index, value=crc) != want_shard:
+            raise CorruptEntry(info.id, f"shard {shard.key} fails its check: its chunks pass theirs, the whole "
+                                        "file fails the shard's crc32c (its zarr index, which other Zarr readers "
+                                        "use, is damaged); delete the entry (anchorkv rm) and recompute")
+        for g, stage in zip(shard.groups, staged, strict=True):
+            if stage is not None:
+                assert g.strided is not None
+                at, shape, strides = g.strided
+                np.copyto(np.ndarray(shape, np.uint8, dst, base + at, strides), stage.reshape(shape))
+
+    try:
+        fsize, got = backend.read_ranges_into(shard.path, [(0, [*segments, index])], check=check)
+    except FileNotFoundError:
+        raise CorruptEntry(info.id, f"shard {shard.key} is missing (it holds chunk {chunks[0].key})") from None
+    if len(got) != 1:
+        raise CorruptEntry(info.id, f"shard {shard.key}: {len(got)} of 1 ranges were read")
+    if not checked:  # a backend that did not call `check`: check here
+        check(fsize, 0, got[0])
+    return own
+
+
+def _name_damage(info: EntryInfo, shard: _ShardRead, n: int, buf: memoryview, base: int,
+                 own: Sequence[bytearray | None], staged: Sequence[np.ndarray | None]) -> NoReturn:
+    """`_read_whole` read `n` bytes of a shard whose chunks fail their checksums together, or
+    fewer than its size: raise `CorruptEntry` naming the first chunk that fails its own (as a
+    load by groups would), else saying the read came up short."""
+    for g, stage in zip(shard.groups, staged, strict=True):
+        at = 0
+        for k in range(g.first, g.stop):
+            c = shard.chunks[k]
+            if stage is not None:
+                views = [stage.data[at : at + c.size]]
+                at += c.size
+            elif c.runs is None:
+                views = [memoryview(own[k] or b"")]
+            else:
+                views = [buf[base + s : base + s + m] for s, m in c.runs]
+            got = min(c.size, max(0, n - c.offset))
+            crc, want = _crc_of(views, got), shard.crcs[k]
+            if got != c.size or crc != want:
+                raise CorruptEntry(
+                    info.id,
+                    f"chunk {c.key} fails its check: expected {c.size} bytes with crc32c {want:#010x} at "
+                    f"bytes {c.offset}-{c.offset + c.size} of shard {shard.key}, found {got} bytes with "
+                    f"crc32c {crc:#010x}; delete the entry (anchorkv rm) and recompute",
+                )
+    raise CorruptEntry(info.id, f"shard {shard.key}: {n} of its {shard.size} bytes were read (it changed while "
+                                "read); recompute")
 
 
 def verify_shard(backend: Backend, info: EntryInfo, array: ArrayLayout, part: Part,

@@ -83,7 +83,15 @@ from anchorkv.store.paths import (
     zarr_json,
 )
 from anchorkv.store.plan import rank_region
-from anchorkv.store.reader import ReadPlan, copy_into, plan_reads, read_planned, verify_shard
+from anchorkv.store.reader import (
+    ReadPlan,
+    bind_reads,
+    copy_into,
+    read_geometry,
+    read_planned,
+    rebind_reads,
+    verify_shard,
+)
 from anchorkv.store.settings import cores
 from anchorkv.store.writer import EntryWriter
 
@@ -149,6 +157,7 @@ class Store:
         self._warned: set[str] = set()
         self.pins = eviction.Pins()
         self._touched: _Recent[str, float] = _Recent(8 * CACHED_MANIFESTS)
+        self._reading: dict[str, tuple[threading.Lock, int]] = {}  # `get`'s: entry id -> (lock, threads)
         #: (stored bytes, created) of every ok entry the last scan found: eviction's scan after
         #: each save needs no manifest again (~200 bytes an entry)
         self._sizes: dict[str, tuple[int, float]] = {}
@@ -499,16 +508,35 @@ class Store:
         check_key(key)
         if parse_entry_name(name) is None:
             raise EntryNotFound(f"{entry!r} is not an entry id ('<64 hex key>/t<tokens>-<hash>')")
-        path = zarr_json(entry_path(entry))
-        stamp = self.backend.stamp(path)  # before the read: a replace between them reads it again next time
+        # one thread reads a manifest, the others asking for it at once (a restore's parts,
+        # read on several threads) wait for it, not read and check it again; other entries'
+        # manifests are read meanwhile (an object store's round trips overlap)
+        with self._cache_lock:
+            lock, users = self._reading.get(entry, (None, 0))
+            lock = lock or threading.Lock()
+            self._reading[entry] = (lock, users + 1)
         try:
-            data = self.backend.read(path)
-        except FileNotFoundError:
-            raise EntryNotFound(f"entry {entry} does not exist in {self.url} "
-                                f"(deleted, evicted or never committed)") from None
-        info = parse_group(entry, data)
-        self._remember(info, stamp)
-        return info
+            with lock:
+                info = self._cached(entry)
+                if info is not None:
+                    return info
+                path = zarr_json(entry_path(entry))
+                stamp = self.backend.stamp(path)  # before the read: a replace between them reads it again next time
+                try:
+                    data = self.backend.read(path)
+                except FileNotFoundError:
+                    raise EntryNotFound(f"entry {entry} does not exist in {self.url} "
+                                        f"(deleted, evicted or never committed)") from None
+                info = parse_group(entry, data)
+                self._remember(info, stamp)
+                return info
+        finally:
+            with self._cache_lock:
+                lock, users = self._reading[entry]
+                if users > 1:
+                    self._reading[entry] = (lock, users - 1)
+                else:
+                    del self._reading[entry]
 
     def _remember(self, info: EntryInfo, stamp: object) -> None:
         """Cache a manifest with the stamp its file had before it was read; not one whose file
@@ -672,14 +700,22 @@ class Store:
         plan = self._load_plan(info, layout, layer, field, start_token, num_blocks)
         encoding = plan.array.codec
         pn, sn = plan.nbytes
-        payload_t, scales_t = _host_bytes(host, pn), _host_bytes(host, sn).view(torch.float32)
+        payload_t = _host_bytes(host, pn)
+        scales_t = _host_bytes(host, sn).view(torch.float32) if sn else torch.empty(0, dtype=torch.float32)
         payload, scales = payload_t.numpy(), scales_t.numpy()
-        out = _output(encoding, payload, scales, plan.whole, plan.lead)
-        with self.pins.pinned(info.id):
-            read_planned(self.backend, info, plan.array, plan.read, out, payload, scales)
+        # the output's views: made only where a chunk is copied in through a buffer, zero rows
+        # are written or a lead zeroed (most loads read every chunk straight into place)
+        out = (_output(encoding, payload, scales, plan.whole, plan.lead)
+               if plan.read.scratch or plan.tail is not None or plan.lead else None)
+        self.pins.pin(info.id)
+        try:
+            read_planned(self.backend, info, plan.array, plan.read, out, payload, scales, plan.bases)
             if plan.tail is not None:  # rows past the entry's last chunk: zeros, broadcast over the rows
+                assert out is not None
                 copy_into(out.region(plan.tail), zero_chunk(encoding, (1, 1, *plan.whole[2:])))
-            self._touch(info.id)
+        finally:
+            self.pins.unpin(info.id)
+        self._touch(info.id)
         cols = encoding.columns
         return Packed(plan.spec, plan.shape, plan.dtype, payload_t,
                       scales_t.view(-1, cols) if cols else torch.empty(0, 0, dtype=torch.float32))
@@ -705,6 +741,28 @@ class Store:
         array = self._array(info, field)
         lf = layout.layer(layer).page.field(field)
         self._check_array(info, array, layout, lf)
+        # what follows depends on the array's geometry and the reader's, not on the entry's
+        # checksums: made once for every entry of a model and length (a worker's first restore
+        # of an entry reads only its checksums into a plan)
+        compressed = numcodecs_compressor(info.manifest.get("compressor")) is not None
+        key = (array, self._fingerprint(layout), layout.tp_size, layout.tp_rank, layout.block_size, layer, field,
+               start_token, num_blocks, info.num_tokens, compressed)
+        shaped = _SHAPED.get(key)
+        if shaped is None:
+            shaped = self._shape_load(info, layout, array, lf, layer, field, start_token, num_blocks, compressed)
+            _SHAPED[key] = shaped
+        geometry, layer_text, plan = shaped
+        read = rebind_reads(plan.read, info, compressed) if plan.read.shards else None
+        if read is None:  # the first entry of this geometry, or one whose chunks lie otherwise
+            read = bind_reads(info, array, geometry, layer_text, compressed)
+            if not plan.read.shards:
+                _SHAPED[key] = (geometry, layer_text, plan._replace(read=read))
+        return plan._replace(read=read)
+
+    def _shape_load(self, info: EntryInfo, layout: ModelLayout, array: ArrayLayout, lf: Field, layer: str,
+                    field: str, start_token: int, num_blocks: int | None, compressed: bool) -> _Shaped:
+        """`_make_load_plan`'s geometry: what the load reads of the array (`read_geometry`)
+        and the plan less its reads."""
         index = array.layer_index(layer)
         array.rank_range(layout.tp_size, layout.tp_rank)
         region = rank_region(array, index, layout.tp_size, layout.tp_rank)
@@ -736,9 +794,11 @@ class Store:
                 lo = max(0, end - region[1].start)
                 tail = (slice(0, 1), slice(lo, block[1]), *[slice(0, n) for n in block[2:]])
         # the read plan depends on the output's geometry only (offsets from its first byte)
-        out = _output(encoding, np.empty(pn, np.uint8), np.empty(sn // 4, np.float32), whole, lead, zero=False)
-        return _LoadPlan(array, encoding.spec, lf.dtype, shape, whole, lead, tail, (pn, sn),
-                         plan_reads(info, array, region, out))
+        payload, scales = np.empty(pn, np.uint8), np.empty(sn // 4, np.float32)
+        out = _output(encoding, payload, scales, whole, lead, zero=False)
+        bases = (out.payload.ctypes.data - payload.ctypes.data, out.scales.ctypes.data - scales.ctypes.data)
+        return (*read_geometry(array, region, out, compressed),
+                _LoadPlan(array, encoding.spec, lf.dtype, shape, whole, lead, tail, (pn, sn), _NO_READS, bases))
 
     def _check_array(self, info: EntryInfo, array: ArrayLayout, layout: ModelLayout, lf: Field) -> None:
         """The entry's array agrees with the reader's layout (layers holding the field, logical
@@ -783,7 +843,7 @@ class Store:
 
     def _touch(self, entry_id: str) -> None:
         """Record a use for LRU eviction, at most once a minute per entry and process."""
-        t = now()
+        t = time.monotonic()
         last = self._touched.get(entry_id)
         if last is None or t - last > 60.0:
             self._touched[entry_id] = t
@@ -1013,6 +1073,16 @@ class _LoadPlan(NamedTuple):
     tail: tuple[slice, ...] | None  # rows of the block past the entry's last chunk (zeros), if any
     nbytes: tuple[int, int]  # payload, scales
     read: ReadPlan
+    bases: tuple[int, int]  # where the output's first byte lies in the payload, the scales (bytes)
+
+
+#: `Store._shape_load`'s: (what the load reads, the text of its layer's coordinate, the plan
+#: with the reads of the first entry planned by it, `rebind_reads` for the next)
+_Shaped = tuple[Any, str, _LoadPlan]
+_NO_READS = ReadPlan((), ())
+#: `Store._make_load_plan`'s geometries, module wide as `reader`'s (every Store and entry of a
+#: model and length share them)
+_SHAPED: _Recent[tuple, _Shaped] = _Recent(4096)
 
 
 def _output(encoding: QuantChunkEncoding | PluginChunkEncoding, payload: np.ndarray, scales: np.ndarray,

@@ -176,3 +176,28 @@ def test_every_digit_of_a_recorded_time_is_significant(monkeypatch, t):
     for pos in (m.start() for m in re.finditer(r"\d", text)):
         flipped = text[:pos] + str((int(text[pos]) + 1) % 10) + text[pos + 1:]
         assert json.loads(flipped) != json.loads(text), (text, flipped)
+
+
+@pytest.mark.parametrize("value,problem", [
+    (lambda c: [c[0], c[1], float(c[2])], "expected [crc32c, nbytes, offset]"),  # 2048.0 == 2048
+    (lambda c: [c[0], True, c[2]] if c[1] == 1 else [c[0], float(c[1]), c[2]], "expected [crc32c, nbytes, offset]"),
+    (lambda c: [-1, c[1], c[2]], "expected [crc32c, nbytes, offset]"),
+    (lambda c: [str(c[0]), c[1], c[2]], "expected [crc32c, nbytes, offset]"),
+    (lambda c: c[:2], "expected [crc32c, nbytes, offset]"),
+    (lambda c: {"crc": c[0]}, "expected [crc32c, nbytes, offset]"),
+    (lambda c: [c[0], c[1], c[2] + 1], "at offset"),
+    (lambda c: [c[0], c[1] + 2, c[2]], "its shape and dtype make"),
+])
+def test_every_malformed_chunk_checksum_is_named(saved, value, problem):
+    """Each chunk's `[crc32c, nbytes, offset]` is checked for its types (a float or bool equal to
+    the right integer too) and its place, whichever of a shard's chunks it is (the check takes
+    a shard's well-formed chunks in one pass and goes chunk by chunk where any is not)."""
+    root, info, meta, text = saved
+    for key in ("recurrent/c.1.0.0.0", "latent/c.0.1.0"):  # a shard's first chunk; a later one
+        doc = json.loads(text)
+        m = doc["attributes"]["anchorkv"]
+        assert key in m["checksums"], sorted(m["checksums"])[:8]
+        m["checksums"][key] = value(m["checksums"][key])
+        m["checksum"] = manifest_checksum(m)
+        problems = check_manifest(info.id, m)
+        assert any(key in p and problem in p for p in problems), (key, problems)

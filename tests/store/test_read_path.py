@@ -10,6 +10,7 @@ from anchorkv.codec import HostArena
 from anchorkv.store import CorruptEntry
 from anchorkv.store import reader as reader_module
 from anchorkv.store.backends import _local
+from anchorkv.store.format import crc32c
 from anchorkv.store.store import Store
 from tests.store.helpers import CODECS, RAW_CODECS, all_packed, rank_packed, tiny_layout, tokens
 
@@ -73,61 +74,115 @@ def test_a_flipped_byte_of_a_chunk_read_in_runs_is_detected(tmp_path):
     assert Store.open(tmp_path / "s").load(info.id, tiny_layout(2, 0), "model.layers.3.attn", "conv") is not None
 
 
-def test_each_group_of_chunks_is_checked_before_the_next_is_read(tmp_path, monkeypatch):
-    """A local load reads a shard in groups of neighbouring chunks (here 2 a group: at most
-    `GROUP_BYTES`) and checks each chunk of a group right after the group's read (its bytes
-    still in the CPU's cache); the first that fails stops the read, so the groups after it are
-    never read into the caller's memory."""
-    store = Store.open(tmp_path / "s")
-    info = _save(store, RAW_CODECS)
-    layer = "model.layers.1.attn"
-    crc, size, offset = info.manifest["checksums"]["recurrent/c.1.0.0.0"]
-    monkeypatch.setattr(reader_module, "GROUP_BYTES", 2 * size)
+def _events(monkeypatch) -> list[str]:
+    """"read" for each `preadv` of a local load, "check" for each crc32c call of the reader."""
     events: list[str] = []
     real_preadv, real_crc = _local._preadv_all, reader_module.crc32c
     monkeypatch.setattr(_local, "_preadv_all", lambda *a: (events.append("read"), real_preadv(*a))[1])
     monkeypatch.setattr(reader_module, "crc32c", lambda *a, **k: (events.append("check"), real_crc(*a, **k))[1])
-    fresh = Store.open(tmp_path / "s")
-    ref = all_packed(tiny_layout(), RAW_CODECS, N)[(layer, "recurrent")]
-    assert torch.equal(fresh.load(info.id, tiny_layout(), layer, "recurrent").payload, ref.payload)
-    assert events == ["read", "check", "check"] * 4, events  # 8 head chunks, one shard
-    # damage the third chunk (the second group's first): the last two groups are not read
-    key, shard = "recurrent/c.1.2.0.0", "recurrent/c.1.0.0.0"
+    return events
+
+
+def test_each_group_of_chunks_is_checked_before_the_next_is_read(tmp_path, monkeypatch):
+    """A local load of part of a shard (tp=2 rank 0: 4 of its 8 head chunks) reads it in groups
+    of neighbouring chunks (here 1 a group: at most `GROUP_BYTES`) and checks each chunk of a
+    group right after the group's read (its bytes still in the CPU's cache); the first that
+    fails stops the read, so the groups after it are never read into the caller's memory."""
+    store = Store.open(tmp_path / "s")
+    info = _save(store, RAW_CODECS)
+    layer, layout = "model.layers.1.attn", tiny_layout(2, 0)
+    crc, size, offset = info.manifest["checksums"]["recurrent/c.1.0.0.0"]
+    monkeypatch.setattr(reader_module, "GROUP_BYTES", size)
+    events = _events(monkeypatch)
+    ref = rank_packed(layout, layer, "recurrent", "raw", N)
+    assert torch.equal(Store.open(tmp_path / "s").load(info.id, layout, layer, "recurrent").payload, ref.payload)
+    assert events == ["read", "check"] * 4, events  # heads 0-7 of 16: 4 chunks of one shard
+    # damage the second chunk: the last two are not read
+    key, shard = "recurrent/c.1.1.0.0", "recurrent/c.1.0.0.0"
     _flip(store, info, key, shard, 0, 0x01)
     events.clear()
     out = torch.full((ref.payload.numel(),), 0xAB, dtype=torch.uint8)
     with pytest.raises(CorruptEntry, match=f"chunk {key} fails its check"):
-        Store.open(tmp_path / "s").load(info.id, tiny_layout(), layer, "recurrent", host=lambda n: out[:n])
-    assert events == ["read", "check", "check", "read", "check"], events
-    assert bool((out[4 * size :] == 0xAB).all()), "a group after the damaged chunk's was read"
+        Store.open(tmp_path / "s").load(info.id, layout, layer, "recurrent", host=lambda n: out[:n])
+    assert events == ["read", "check", "read", "check"], events
+    assert bool((out[2 * size :] == 0xAB).all()), "a group after the damaged chunk's was read"
 
 
 def test_small_neighbouring_chunks_are_read_together(tmp_path, monkeypatch):
     """Chunks that follow each other in a shard and fit `GROUP_BYTES` together are read by one
-    `preadv` (one system call, not one a chunk), each still checked by its own crc32c."""
+    `preadv` (one system call, not one a chunk), each still checked by its own crc32c (a load
+    of part of the shard: tp=2 rank 1, the last 4 of its 8 head chunks)."""
     store = Store.open(tmp_path / "s")
     info = _save(store, RAW_CODECS)
-    layer = "model.layers.1.attn"
-    assert 8 * info.manifest["checksums"]["recurrent/c.1.0.0.0"][1] <= reader_module.GROUP_BYTES
-    events: list[str] = []
-    real_preadv, real_crc = _local._preadv_all, reader_module.crc32c
-    monkeypatch.setattr(_local, "_preadv_all", lambda *a: (events.append("read"), real_preadv(*a))[1])
-    monkeypatch.setattr(reader_module, "crc32c", lambda *a, **k: (events.append("check"), real_crc(*a, **k))[1])
-    ref = all_packed(tiny_layout(), RAW_CODECS, N)[(layer, "recurrent")]
-    assert torch.equal(Store.open(tmp_path / "s").load(info.id, tiny_layout(), layer, "recurrent").payload,
-                       ref.payload)
-    assert events == ["read"] + ["check"] * 8, events
+    layer, layout = "model.layers.1.attn", tiny_layout(2, 1)
+    assert 4 * info.manifest["checksums"]["recurrent/c.1.0.0.0"][1] <= reader_module.GROUP_BYTES
+    events = _events(monkeypatch)
+    ref = rank_packed(layout, layer, "recurrent", "raw", N)
+    assert torch.equal(Store.open(tmp_path / "s").load(info.id, layout, layer, "recurrent").payload, ref.payload)
+    assert events == ["read"] + ["check"] * 4, events
+
+
+@pytest.mark.parametrize("codecs", [CODECS, RAW_CODECS], ids=["quant", "raw"])
+def test_a_shard_read_whole_is_one_read_and_one_running_check(tmp_path, monkeypatch, codecs):
+    """A load of every byte of a shard (all of an entry's tokens at its tp) reads it by one
+    `preadv` (its chunks straight into place, its index after them) and checks it by one
+    running crc32c, a call per run of neighbouring places (one here; a chunk through a buffer
+    of its own, one more) and one for the index, against the checksum the chunks' own make
+    together and the shard's: every stored array (codes, scales) of the three fields, every
+    byte as saved."""
+    store = Store.open(tmp_path / "s")
+    info = _save(store, codecs)
+    events = _events(monkeypatch)
+    fresh, layout = Store.open(tmp_path / "s"), tiny_layout()
+    for (layer, field), ref in all_packed(layout, codecs, N).items():
+        events.clear()
+        got = fresh.load(info.id, layout, layer, field)
+        assert _equal(got, ref, layout.layer(layer).kind.value == "paged"), (layer, field)
+        (plan,) = [p.read for key, (_, _, p) in fresh._plans._items.items() if key[2:4] == (layer, field)]
+        files = 2 if codecs["recurrent"] != "raw" else 1  # (codes and scales: a shard file each)
+        assert len(plan.shards) == files and all(s.crc is not None for s in plan.shards), plan.shards
+        # a chunk the load covers in part (the latent's last, past the entry's 700 tokens) is
+        # read into a buffer of its own: a call more
+        want = [e for sh in plan.shards for e in ["read"] + ["check"] * (2 + sum(c.runs is None for c in sh.chunks))]
+        assert events == want, (layer, field, events)
+
+
+def test_a_damaged_chunk_of_a_shard_read_whole_is_named(tmp_path):
+    """The running check of a shard read whole fails with the first damaged chunk named, as a
+    load by chunks would; a damaged index (its chunks intact: other Zarr readers would misread
+    them) fails the shard's own crc32c."""
+    store = Store.open(tmp_path / "s")
+    info = _save(store, RAW_CODECS)
+    layer, shard = "model.layers.1.attn", "recurrent/c.1.0.0.0"
+    key = "recurrent/c.1.5.0.0"
+    _flip(store, info, key, shard, 100, 0x04)
+    with pytest.raises(CorruptEntry, match=f"chunk {key} fails its check.*{shard}"):
+        Store.open(tmp_path / "s").load(info.id, tiny_layout(), layer, "recurrent")
+    _flip(store, info, key, shard, 100, 0x04)  # back
+    assert Store.open(tmp_path / "s").load(info.id, tiny_layout(), layer, "recurrent") is not None
+    path = f"{info.path}/{shard}"
+    data = bytearray(store.backend.read(path))
+    data[-3] ^= 0x01  # the index's crc32c (its last 4 bytes)
+    store.backend.write(path, [bytes(data)])
+    with pytest.raises(CorruptEntry, match=f"shard {shard} fails its check: its chunks pass theirs.*zarr index"):
+        Store.open(tmp_path / "s").load(info.id, tiny_layout(), layer, "recurrent")
 
 
 def test_a_read_plan_is_reused_only_with_its_manifest(tmp_path, monkeypatch):
     """A load of the same slice again reuses its plan; an entry deleted and saved again under
-    the same id (other bytes, other checksums) is read by a plan of its own manifest."""
+    the same id (other bytes, other checksums) is read by a plan of its own manifest, whose
+    geometry (what the load reads, and where it goes) it shares with the first: made once."""
+    from anchorkv.store import store as store_module
+
+    store_module._SHAPED.clear()
     store = Store.open(tmp_path / "s")
     info = _save(store, seed=0)
     layout, layer = tiny_layout(), "model.layers.4.attn"
-    made = []
-    real = reader_module.plan_reads
-    monkeypatch.setattr("anchorkv.store.store.plan_reads", lambda *a: made.append(a[0]) or real(*a))
+    made, shaped = [], []  # the manifests read plans were made of (new, or re-bound); the geometries' entries
+    real, rebind, real_shape = reader_module.bind_reads, reader_module.rebind_reads, Store._shape_load
+    monkeypatch.setattr("anchorkv.store.store.bind_reads", lambda *a: made.append(a[0]) or real(*a))
+    monkeypatch.setattr("anchorkv.store.store.rebind_reads", lambda *a: made.append(a[1]) or rebind(*a))
+    monkeypatch.setattr(Store, "_shape_load", lambda *a: shaped.append(a[1]) or real_shape(*a))
     first = store.load(info.id, layout, layer, "latent")
     again = store.load(info.id, layout, layer, "latent")
     assert len(made) == 1 and torch.equal(first.payload, again.payload)
@@ -135,7 +190,8 @@ def test_a_read_plan_is_reused_only_with_its_manifest(tmp_path, monkeypatch):
     other = _save(store, seed=5)
     assert other.id == info.id and other.manifest["checksums"] != info.manifest["checksums"]
     got = store.load(other.id, layout, layer, "latent")
-    assert len(made) == 2 and made[1] is not made[0]
+    assert made == [info, other], made
+    assert shaped == [info], shaped  # the second entry's plan: its checksums into the same geometry
     ref = all_packed(layout, CODECS, N, seed=5)[(layer, "latent")]
     assert _equal(got, ref, paged=True) and not torch.equal(got.payload, first.payload)
 
@@ -193,7 +249,7 @@ def test_a_strided_group_is_only_chunks_in_rows_at_regular_steps():
     assert reader_module._steps([((0, 24),)]) is None  # one run: read straight in
     assert reader_module._steps([rows[0], None]) is None  # one through a buffer of its own
     # a group of the 2nd and 3rd chunks: the view of those two only
-    chunk = reader_module._Chunk(0, "k", 0, 24, rows[0], -1)
+    chunk = reader_module._Chunk(0, "k", 24, rows[0], -1)
     assert reader_module._group(1, 3, 48, reader_module._steps(rows)) == (1, 3, 48, (8, (2, 3, 8), (8, 64, 1)))
     groups = reader_module._groups([chunk._replace(offset=24 * i) for i in range(4)], reader_module._steps(rows))
     assert [g.strided for g in groups] == [(0, (4, 3, 8), (8, 64, 1))]
@@ -202,10 +258,13 @@ def test_a_strided_group_is_only_chunks_in_rows_at_regular_steps():
 def test_chunks_the_manifest_orders_otherwise_are_read_into_their_runs(tmp_path):
     """A shard whose conv chunks lie in another order than the geometry's (two swapped, the
     manifest's offsets with them) is read by offset, each chunk straight into its rows, and
-    every byte lands in its place."""
+    every byte lands in its place; the plan of the entry as written first (its chunks in the
+    geometry's order) is not re-bound to it (`rebind_reads`)."""
     store = Store.open(tmp_path / "s")
     info = _save(store, RAW_CODECS)
     layer, shard = "model.layers.3.attn", "conv/c.2.0.0.0"
+    assert _equal(Store.open(tmp_path / "s").load(info, tiny_layout(), layer, "conv"),
+                  all_packed(tiny_layout(), RAW_CODECS, N)[(layer, "conv")], paged=False)
     sums = {k: list(v) for k, v in info.manifest["checksums"].items()}
     a, b = "conv/c.2.0.0.1", "conv/c.2.0.0.4"
     (_, size, at_a), (_, _, at_b) = sums[a], sums[b]
@@ -213,7 +272,8 @@ def test_chunks_the_manifest_orders_otherwise_are_read_into_their_runs(tmp_path)
     data[at_a : at_a + size], data[at_b : at_b + size] = data[at_b : at_b + size], data[at_a : at_a + size]
     store.backend.write(f"{info.path}/{shard}", [bytes(data)])
     sums[a][2], sums[b][2] = at_b, at_a
-    swapped = type(info)(info.id, {**info.manifest, "checksums": sums})
+    shards = {**info.manifest["shards"], shard: [crc32c(bytes(data)), len(data)]}  # as such a writer records it
+    swapped = type(info)(info.id, {**info.manifest, "checksums": sums, "shards": shards})
     got = Store.open(tmp_path / "s").load(swapped, tiny_layout(), layer, "conv")
     assert _equal(got, all_packed(tiny_layout(), RAW_CODECS, N)[(layer, "conv")], paged=False)
     fresh = Store.open(tmp_path / "s")
