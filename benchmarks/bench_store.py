@@ -12,13 +12,16 @@ Providers (all in the same process, on the same filesystem, none calls fsync):
                   is done before timing: the kernels have their own benchmark); format 3
                   keeps each quantized field as two arrays (codes, scales), so twice the
                   shard files of store-raw
-    store-<codecs>:crc-thread, store-<codecs>:crc-inline, store-<codecs>:put-2, :put-4 (saves only)
+    store-<codecs>:crc-thread, :crc-inline, :help, :help+crc-thread, :put-2, :put-4 (saves only)
                   the same save with the saving thread writing each shard, its crc32c
                   computed on a chunk thread while the shard is written or by the writing
                   thread before it (`anchorkv.store.store.LOCAL_PUT_THREADS` 1,
-                  `CHUNK_THREADS` 2 or 1), or with 2 or 4 put threads writing shards at once,
-                  each computing its shard's checksums first (`LOCAL_PUT_THREADS` 2 or 4; the
-                  plain `store-*` rows use the defaults: `CHUNK_THREADS` chosen by the
+                  `CHUNK_THREADS` 2 or 1, `HELP_WRITES` off), the same with the help thread
+                  writing shards of `writer.HELP_BYTES` or more while the saving thread goes on
+                  (`:help`: checksums on the saving thread; `:help+crc-thread`: on a chunk
+                  thread), or with 2 or 4 put threads writing shards at once, each computing
+                  its shard's checksums first (`LOCAL_PUT_THREADS` 2 or 4; the plain `store-*`
+                  rows use the defaults: `CHUNK_THREADS` and `HELP_WRITES` chosen by the
                   machine's cores and crc32c library, `LOCAL_PUT_THREADS` 1, all recorded in
                   the results): which one a machine should use
     plain         the same raw bytes as one file per (layer, field): open, write, close /
@@ -206,22 +209,24 @@ def safetensors_load(req: Request, root: Path) -> list[dict]:
 
 
 def store_save(req: Request, root: Path, kind: str):
-    """`Store.save` of the request packed with `kind` ("raw", "quant"; ":crc-thread",
-    ":crc-inline", ":put-2" or ":put-4" after it: the threads of `SAVE_THREADS` for the call)."""
+    """`Store.save` of the request packed with `kind` ("raw", "quant"; a `SAVE_THREADS` key
+    after a colon: its threads for the call)."""
     kind, _, how = kind.partition(":")
-    chunk, put = SAVE_THREADS[how] if how else (store_module.CHUNK_THREADS, store_module.LOCAL_PUT_THREADS)
-    default = store_module.CHUNK_THREADS, store_module.LOCAL_PUT_THREADS
-    store_module.CHUNK_THREADS, store_module.LOCAL_PUT_THREADS = chunk, put
+    default = store_module.CHUNK_THREADS, store_module.LOCAL_PUT_THREADS, store_module.HELP_WRITES
+    store_module.CHUNK_THREADS, store_module.LOCAL_PUT_THREADS, store_module.HELP_WRITES = (
+        SAVE_THREADS[how] if how else default)
     try:
         with Store.open(root) as store:
             return store.save(req.layout, req.codecs(kind), req.token_ids, req.packed[kind], anchor="bench")
     finally:
-        store_module.CHUNK_THREADS, store_module.LOCAL_PUT_THREADS = default
+        store_module.CHUNK_THREADS, store_module.LOCAL_PUT_THREADS, store_module.HELP_WRITES = default
 
 
-#: (CHUNK_THREADS, LOCAL_PUT_THREADS) of the save variants (with put threads the chunk threads
-#: are not used: each put thread computes its shard's checksums)
-SAVE_THREADS = {"crc-thread": (2, 1), "crc-inline": (1, 1), "put-2": (1, 2), "put-4": (1, 4)}
+#: (CHUNK_THREADS, LOCAL_PUT_THREADS, HELP_WRITES) of the save variants (with put threads the
+#: chunk threads and the help thread are not used: each put thread computes its shard's
+#: checksums)
+SAVE_THREADS = {"crc-thread": (2, 1, False), "crc-inline": (1, 1, False), "help": (1, 1, True),
+                "help+crc-thread": (2, 1, True), "put-2": (1, 2, False), "put-4": (1, 4, False)}
 
 
 def store_load(req: Request, root: Path, entry: str):
@@ -281,7 +286,7 @@ def _write_results(quick):
     (RESULTS / f"{machine}-store.json").write_text(json.dumps({
         "device": machine, "cpus": os.cpu_count(), "torch": torch.__version__,
         "crc32c": store_module.CRC32C_LIB, "chunk_threads": store_module.CHUNK_THREADS,
-        "local_put_threads": store_module.LOCAL_PUT_THREADS,
+        "local_put_threads": store_module.LOCAL_PUT_THREADS, "help_writes": store_module.HELP_WRITES,
         "filesystem": fs[0].split()[1] if fs and fs[0] else "?",
         "command": ".venv/bin/" + COMMAND,
         "notes": "no fsync; reads hit the OS page cache (not dropped); ratio_vs_plain = plain median / "

@@ -445,6 +445,8 @@ def render_markdown(res: dict) -> str:
                   "GB/s = bytes stored / time; state GB/s = the request's raw bytes / time; ratio = plain files' "
                   "time (the same raw bytes, one file per layer and field) / this time, same run; page cache, no "
                   "fsync. `:crc-thread` / `:crc-inline`: the saving thread writes, `CHUNK_THREADS` 2 / 1; "
+                  "`:help` / `:help+crc-thread`: shards of `writer.HELP_BYTES` or more by the help thread "
+                  "(`HELP_WRITES`), checksums on the saving / a chunk thread; "
                   "`:put-2` / `:put-4`: `LOCAL_PUT_THREADS` 2 / 4.", ""]
         lines += table(["case", "provider", "MB stored", "median ms", "GB/s", "state GB/s", "ratio vs plain"],
                        [[r["case"], r["provider"], num(r["bytes"] / 1e6, ".1f"), num(r["median_s"] * 1e3, ".2f"),

@@ -97,23 +97,27 @@ from anchorkv.store.writer import EntryWriter
 
 log = logging.getLogger("anchorkv.store")
 Mode = Literal["exact", "semantic"]
-def chunk_threads(cores: int, crc_lib: str) -> int:
+
+
+def chunk_threads(cores: int, crc_lib: str, help_writes: bool = False) -> int:
     """Threads that compute a shard's crc32c while the writing thread writes it; below 2 the
-    writing thread computes them itself, before the write. os.writev releases the GIL; fastcrc
-    and the `crc32c` package (`format.GIL_FREE_CRC32C`) release it too, so on 2 cores the thread
-    is faster (measured with the `crc32c` package: `bench_store.py`'s
-    `crc-thread` / `crc-inline` rows with it, two runs: raw 31.1 / 30.4 vs 38.9 / 38.9 ms a
+    writing thread computes them itself, before the write. On 2 cores with the help thread
+    writing large shards (`HELP_WRITES`, set by hand there) the saving thread computes them: a
+    third thread cost more than it gave (`bench_store.py`'s `:help` vs `:help+crc-thread` save
+    rows; raw Kimi-Linear saves 19.9 / 20.2 ms against 24.3 / 24.9, plain files 21.0 / 22.1,
+    quant 23.1 vs 24.0 against 23.5: `/tmp/p40/ab_help.py`, interleaved, a quiet spell).
+    os.writev releases the GIL; fastcrc and the `crc32c` package (`format.GIL_FREE_CRC32C`)
+    release it too, so on 2 cores the thread is faster (measured with the `crc32c` package:
+    `bench_store.py`'s `crc-thread` / `crc-inline` rows with it, two runs: raw 31.1 / 30.4 vs 38.9 / 38.9 ms a
     Kimi-Linear save, plain files 23.4 / 22.8). google-crc32c holds the GIL for each call, so a
     checksum thread overlaps only the write in flight and, on 2 cores, costs more than it gives
     (raw 41.5 vs 40.6 ms, quant 44.1 vs 30.3 in an earlier run): there the thread is used only
     with more cores."""
+    if help_writes and cores <= 2:
+        return 1
     if crc_lib in GIL_FREE_CRC32C:
         return 2 if cores >= 2 else 1
     return 2 if cores > 2 else 1
-
-
-#: `chunk_threads` of this machine and crc32c library.
-CHUNK_THREADS = chunk_threads(cores(), CRC32C_LIB)
 
 
 #: Threads that write a save's shards to a local directory at once, each computing its
@@ -125,6 +129,19 @@ CHUNK_THREADS = chunk_threads(cores(), CRC32C_LIB)
 #: More cores may differ: `gpu_validate`'s store step runs the `:put-2` / `:put-4` rows on its
 #: host. An object store uses its own `write_concurrency`.
 LOCAL_PUT_THREADS = 1
+#: A local save's large shards written by a help thread while the saving thread goes on
+#: (`writer.HELP_BYTES`; only with LOCAL_PUT_THREADS 1: put threads write every shard anyway),
+#: from 3 cores on. On this 2-vCPU machine a raw Kimi-Linear save's median went from 0.82-0.85x
+#: of plain files to 1.04-1.10x in quiet spells (`/tmp/p40/ab_help.py`, interleaved), but a
+#: quarter to two fifths of the rounds stalled: the help thread's 8.8 MB write took 16-20 ms
+#: instead of 1.6 while the saving thread's ran at full speed (`/tmp/p40/trace.py`), so over
+#: 40 rounds the mean was worse (31.5 vs 27.6 ms; `python -m benchmarks.store_save_threads`):
+#: two busy threads on two shared vCPUs. `gpu_validate`'s store step runs the `:help` rows on
+#: its 16-core host.
+HELP_WRITES = cores() > 2
+
+#: `chunk_threads` of this machine and crc32c library.
+CHUNK_THREADS = chunk_threads(cores(), CRC32C_LIB, HELP_WRITES)
 
 
 class Store:
@@ -134,9 +151,10 @@ class Store:
         self.backend = backend
         self.capacity_bytes = capacity_bytes
         self._io_threads = io_threads
-        #: thread pools by name ("io", "chunk", "put"), each made at its first task (`_executor`)
+        #: thread pools by name ("io", "chunk", "put", "help"), each made at its first task (`_executor`)
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
+        self._helping: Future | None = None  # the help thread's write in flight (`_help_submit`)
         # what this process learned of entries, bounded: a serving process looks up, saves and
         # loads entries for as long as it runs (a manifest costs ~240 KiB of memory for a
         # Kimi-Linear entry); what drops out is read again when needed
@@ -295,7 +313,8 @@ class Store:
             header["boundary_hashes"] = hasher.boundaries(n)
         writer = EntryWriter(self.backend, layout, header, arrays, chunk_submit=self._chunk_submit,
                              on_commit=self._after_commit,
-                             put_submit=self._put_submit if self._put_threads() > 1 else None)
+                             put_submit=self._put_submit if self._put_threads() > 1 else None,
+                             help_submit=self._help_submit if HELP_WRITES else None)
         self.backend.write(begun_marker(wid, layout.tp_rank), [json.dumps({"data": writer.data}).encode()])
         return writer
 
@@ -943,9 +962,12 @@ class Store:
     def _executor(self, name: str, threads: int) -> ThreadPoolExecutor:
         """The pool `name` (threads `anchorkv-<name>`), made with `threads` threads at its first use."""
         with self._lock:
-            pool = self._pools.get(name)
-            if pool is None:
-                pool = self._pools[name] = ThreadPoolExecutor(threads, thread_name_prefix=f"anchorkv-{name}")
+            return self._executor_locked(name, threads)
+
+    def _executor_locked(self, name: str, threads: int) -> ThreadPoolExecutor:
+        pool = self._pools.get(name)
+        if pool is None:
+            pool = self._pools[name] = ThreadPoolExecutor(threads, thread_name_prefix=f"anchorkv-{name}")
         return pool
 
     def _chunk_submit(self, fn: Callable[..., Any], *args: Any) -> Future:
@@ -969,8 +991,17 @@ class Store:
         """`fn(*args)` on one of the `_put_threads()` put threads (their tasks submit nothing)."""
         return self._executor("put", self._put_threads()).submit(fn, *args)
 
+    def _help_submit(self, fn: Callable[..., Any], *args: Any) -> Future | None:
+        """`fn(*args)` on the help thread if it is idle (no write of any save of this store in
+        flight there), else None: the caller writes the shard itself, never waits behind another."""
+        with self._lock:
+            if self._helping is not None and not self._helping.done():
+                return None
+            self._helping = future = self._executor_locked("help", 1).submit(fn, *args)
+        return future
+
     def close(self) -> None:
-        for name in ("io", "put", "chunk", "manifest"):  # (in order: a task of one may queue work on the next)
+        for name in ("io", "put", "help", "chunk", "manifest"):  # (in order: a task of one may queue work on the next)
             with self._lock:
                 pool = self._pools.pop(name, None)
             if pool is not None:

@@ -63,6 +63,27 @@ from anchorkv.store.plan import rank_region, shards_plan
 #: Runs `fn(*args)` on a thread of the store's and returns its future (`Store.begin_entry`
 #: passes its chunk threads): the writer computes checksums there while it writes a shard.
 ChunkSubmit = Callable[..., Future]
+#: `fn(*args)` on the store's help thread, or None (busy)
+HelpSubmit = Callable[..., "Future | None"]
+#: Shards of at least this many bytes are written by the store's help thread when it is idle
+#: (`EntryWriter`'s `help_submit`): two threads copy a save into the page cache, a large shard
+#: on one while the saving thread checksums it and writes the small ones (each `writev` of
+#: MiBs gives up the GIL for its whole copy; many small ones on a second thread did not pay:
+#: `store.LOCAL_PUT_THREADS`). A Kimi-Linear request's 8.8 MB latent shards go there, its 2 MB
+#: recurrent and 73 KB conv shards stay (measured in `bench_store.py`'s save rows).
+HELP_BYTES = 4 << 20
+
+
+class _Written:
+    """A shard written by the help thread: its write, and its checksums made meanwhile (what
+    `_wait_puts` records once the write has ended)."""
+
+    def __init__(self, write: Future, sums: tuple[dict[str, list[int]], int]) -> None:
+        self.write, self.sums = write, sums
+
+    def result(self) -> tuple[dict[str, list[int]], int]:
+        self.write.result()
+        return self.sums
 
 
 @functools.lru_cache(maxsize=1024)
@@ -111,11 +132,14 @@ class EntryWriter:
 
     def __init__(self, backend: Backend, layout: ModelLayout, header: dict[str, Any],
                  arrays: dict[str, ArrayLayout], *, chunk_submit: ChunkSubmit, on_commit: OnCommit,
-                 put_submit: ChunkSubmit | None = None) -> None:
+                 put_submit: ChunkSubmit | None = None, help_submit: HelpSubmit | None = None) -> None:
         """`chunk_submit`: where checksums are computed while a shard is written; `on_commit`:
         called with the entry once `commit` publishes it (see `anchorkv.store.commit`);
         `put_submit`: where each shard is checksummed and written while the caller goes on (a
-        backend whose writes are round trips); None: by the calling thread, one after the other."""
+        backend whose writes are round trips); None: by the calling thread, one after the other;
+        `help_submit` (without `put_submit`): a thread that writes a large shard
+        (`HELP_BYTES`) while this one checksums it and goes on, when that thread is idle (None
+        from it: busy; the shard is written here)."""
         self.backend = backend
         self.layout = layout
         # the lowest version that represents these arrays: 3 for built-in formats, byte for
@@ -130,7 +154,8 @@ class EntryWriter:
         self._compressor = numcodecs_compressor(header["compressor"])
         self._chunk_submit = chunk_submit
         self._put_submit = put_submit
-        self._puts: list[tuple[str, int, Future]] = []  # (shard, size, its write) in flight (`put_submit`)
+        self._help_submit = help_submit if put_submit is None else None
+        self._puts: list[tuple[str, int, Any]] = []  # (shard, size, its write) in flight (`put_submit`, help)
         self._on_commit = on_commit
 
     @property
@@ -295,6 +320,11 @@ class EntryWriter:
         if self._put_submit is not None:
             self._puts.append((skey, size, self._put_submit(self._put, skey, buffers, placed, index, combine)))
             return size
+        if self._help_submit is not None and size >= HELP_BYTES:
+            write = self._help_submit(self.backend.write, f"{self.data}/{skey}", buffers)
+            if write is not None:  # written there while this thread checksums it, then goes on
+                self._puts.append((skey, size, _Written(write, _checksums(placed, index, combine))))
+                return size
         pending = self._chunk_submit(_checksums, placed, index, combine)
         try:
             self.backend.write(f"{self.data}/{skey}", buffers)
