@@ -175,7 +175,7 @@ class Store:
         self._warned: set[str] = set()
         self.pins = eviction.Pins()
         self._touched: _Recent[str, float] = _Recent(8 * CACHED_MANIFESTS)
-        self._reading: dict[str, tuple[threading.Lock, int]] = {}  # `get`'s: entry id -> (lock, threads)
+        self._reading: dict[str, Future] = {}  # `get`'s: entry id -> the manifest read in flight
         #: (stored bytes, created) of every ok entry the last scan found: eviction's scan after
         #: each save needs no manifest again (~200 bytes an entry)
         self._sizes: dict[str, tuple[int, float]] = {}
@@ -528,34 +528,40 @@ class Store:
         if parse_entry_name(name) is None:
             raise EntryNotFound(f"{entry!r} is not an entry id ('<64 hex key>/t<tokens>-<hash>')")
         # one thread reads a manifest, the others asking for it at once (a restore's parts,
-        # read on several threads) wait for it, not read and check it again; other entries'
-        # manifests are read meanwhile (an object store's round trips overlap)
+        # read on several threads) wait for its outcome, not read and check it again; other entries'
+        # manifests are read meanwhile (an object store's round trips overlap); a read that
+        # fails fails them all at once (found by review: each waiter read again in turn, k
+        # waiters on a timing-out object store k timeouts)
         with self._cache_lock:
-            lock, users = self._reading.get(entry, (None, 0))
-            lock = lock or threading.Lock()
-            self._reading[entry] = (lock, users + 1)
+            pending = self._reading.get(entry)
+            if pending is None:
+                self._reading[entry] = mine = Future[EntryInfo]()
+        if pending is not None:
+            return pending.result()
         try:
-            with lock:
-                info = self._cached(entry)
-                if info is not None:
-                    return info
-                path = zarr_json(entry_path(entry))
-                stamp = self.backend.stamp(path)  # before the read: a replace between them reads it again next time
-                try:
-                    data = self.backend.read(path)
-                except FileNotFoundError:
-                    raise EntryNotFound(f"entry {entry} does not exist in {self.url} "
-                                        f"(deleted, evicted or never committed)") from None
-                info = parse_group(entry, data)
-                self._remember(info, stamp)
-                return info
+            info = self._read_manifest(entry)
+        except BaseException as e:
+            mine.set_exception(e)
+            raise
+        else:
+            mine.set_result(info)
+            return info
         finally:
             with self._cache_lock:
-                lock, users = self._reading[entry]
-                if users > 1:
-                    self._reading[entry] = (lock, users - 1)
-                else:
-                    del self._reading[entry]
+                del self._reading[entry]
+
+    def _read_manifest(self, entry: str) -> EntryInfo:
+        """`get`'s read and check of an entry's manifest (then cached)."""
+        path = zarr_json(entry_path(entry))
+        stamp = self.backend.stamp(path)  # before the read: a replace between them reads it again next time
+        try:
+            data = self.backend.read(path)
+        except FileNotFoundError:
+            raise EntryNotFound(f"entry {entry} does not exist in {self.url} "
+                                f"(deleted, evicted or never committed)") from None
+        info = parse_group(entry, data)
+        self._remember(info, stamp)
+        return info
 
     def _remember(self, info: EntryInfo, stamp: object) -> None:
         """Cache a manifest with the stamp its file had before it was read; not one whose file
@@ -783,6 +789,9 @@ class Store:
         """`_make_load_plan`'s geometry: what the load reads of the array (`read_geometry`)
         and the plan less its reads."""
         index = array.layer_index(layer)
+        if array.kind == "paged" and not 0 <= start_token < info.num_tokens:
+            raise ValueError(f"entry {info.id} holds tokens [0, {info.num_tokens}): a load of field {field!r} from "
+                             f"token {start_token} reads none of them; load from a token below {info.num_tokens}")
         array.rank_range(layout.tp_size, layout.tp_rank)
         region = rank_region(array, index, layout.tp_size, layout.tp_rank)
         encoding = array.codec

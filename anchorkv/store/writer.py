@@ -78,11 +78,14 @@ class _Written:
     """A shard written by the help thread: its write, and its checksums made meanwhile (what
     `_wait_puts` records once the write has ended)."""
 
-    def __init__(self, write: Future, sums: tuple[dict[str, list[int]], int]) -> None:
-        self.write, self.sums = write, sums
+    def __init__(self, write: Future) -> None:
+        self.write = write
+        self.sums: tuple[dict[str, list[int]], int] | None = None
 
     def result(self) -> tuple[dict[str, list[int]], int]:
         self.write.result()
+        if self.sums is None:
+            raise RuntimeError("the shard's checksums were never made (their computation failed)")
         return self.sums
 
 
@@ -323,7 +326,9 @@ class EntryWriter:
         if self._help_submit is not None and size >= HELP_BYTES:
             write = self._help_submit(self.backend.write, f"{self.data}/{skey}", buffers)
             if write is not None:  # written there while this thread checksums it, then goes on
-                self._puts.append((skey, size, _Written(write, _checksums(placed, index, combine))))
+                written = _Written(write)
+                self._puts.append((skey, size, written))  # (first: settle / abort wait for it whatever follows)
+                written.sums = _checksums(placed, index, combine)
                 return size
         pending = self._chunk_submit(_checksums, placed, index, combine)
         try:

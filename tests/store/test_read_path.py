@@ -295,3 +295,50 @@ def test_a_load_plan_is_kept_with_its_layout(tmp_path):
             got = store.load(info.id, layout, layer, "conv")
             ref = rank_packed(layout, layer, "conv", CODECS["conv"], N)
             assert torch.equal(got.payload, ref.payload) and torch.equal(got.scales, ref.scales), rank
+
+
+def test_a_manifest_read_that_fails_fails_its_waiters_at_once(tmp_path, monkeypatch):
+    """Threads asking for an entry's manifest while one thread reads it wait for that read's
+    outcome: one read, and its failure (an object store's timeout) theirs too, not a read
+    again each in turn (found by review: k waiters, k timeouts one after another)."""
+    import threading
+    import time
+
+    store = Store.open(tmp_path / "s")
+    info = _save(store)
+    fresh = Store.open(tmp_path / "s", create=False)
+    reads = []
+
+    def slow_failing(path):
+        reads.append(path)
+        time.sleep(0.3)  # the others ask meanwhile
+        raise OSError(110, "Connection timed out (a test)")
+
+    monkeypatch.setattr(fresh.backend, "read", slow_failing)
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def get():
+        start.wait()
+        try:
+            fresh.get(info.id)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=get) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(errors) == 4 and all(isinstance(e, OSError) for e in errors), errors
+    assert len(reads) == 1, reads
+    assert fresh._reading == {}
+    monkeypatch.undo()
+    assert fresh.get(info.id).id == info.id  # the next ask reads it again
+
+
+def test_a_load_from_past_the_entry_says_so(tmp_path):
+    store = Store.open(tmp_path / "s")
+    info = _save(store)
+    with pytest.raises(ValueError, match=f"holds tokens \\[0, {N}\\): a load of field 'latent' from token {N + 4}"):
+        store.load(info.id, tiny_layout(), "model.layers.4.attn", "latent", start_token=N + 4)
