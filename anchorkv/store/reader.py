@@ -91,7 +91,7 @@ class _Group(NamedTuple):
 
 
 class ReadPlan(NamedTuple):
-    """What a load of one region of a field reads (`plan_reads`): every shard it touches, each
+    """What a load of one region of a field reads (`bind_reads`): every shard it touches, each
     with its chunks' offsets, checksums and places, and the chunks that go through buffers of
     their own (compressed, or covered in part), decoded and copied into their place. Made from
     the manifest and the output's geometry only: a load of the same region of the same entry
@@ -218,22 +218,16 @@ def _build_geometry(array: ArrayLayout, region: Sequence[slice], out: Encoded, c
     return _Geometry(tuple(shards), tuple(scratch))
 
 
-def plan_reads(info: EntryInfo, array: ArrayLayout, region: Sequence[slice], out: Encoded) -> ReadPlan:
-    """The plan of reading the inner chunks of `region` of the field into `out` by byte range
-    (offsets from the manifest) from the shard files of each stored array (codes, scales), each
-    chunk checked against its crc32c and size (`read_planned`).
+def bind_reads(info: EntryInfo, array: ArrayLayout, geometry: _Geometry, layer: str, compressed: bool) -> ReadPlan:
+    """The plan of reading a region of the field (its `read_geometry`: what is read and where it
+    goes, alike for every entry of a model and length) with this entry's offsets and checksums,
+    from the shard files of each stored array (codes, scales), each chunk checked against its
+    crc32c and size (`read_planned`).
 
-    A chunk covered whole and uncompressed is read straight into its place in `out` (no
+    A chunk covered whole and uncompressed is read straight into its place in the output (no
     intermediate bytes), also where that place is a few runs apart (`_runs`: one buffer of the
     `preadv` each); the others go through buffers of their own. `CorruptEntry` if the manifest
     lacks a checksum, or gives a chunk read straight in another size than its place."""
-    compressed = numcodecs_compressor(info.manifest.get("compressor")) is not None
-    return bind_reads(info, array, *read_geometry(array, region, out, compressed), compressed)
-
-
-def bind_reads(info: EntryInfo, array: ArrayLayout, geometry: _Geometry, layer: str, compressed: bool) -> ReadPlan:
-    """`plan_reads` of a geometry (`read_geometry`: what a load of the region reads, of any entry
-    alike) with the entry's offsets and checksums."""
     sums, sizes = info.manifest["checksums"], info.manifest["shards"]
     shards = []
     for (shead, stail), pi, places, steps in geometry.shards:
@@ -432,12 +426,7 @@ def read_planned(backend: Backend, info: EntryInfo, array: ArrayLayout, plan: Re
                   staged: list[np.ndarray | None] = staged, base: int = base, dst: np.ndarray = dst,
                   checked: list[bool] = checked) -> None:
             checked[i] = True
-            if fsize != shard.size:
-                raise CorruptEntry(
-                    info.id,
-                    f"shard {shard.key} (holding chunk {shard.chunks[0].key}) is {fsize} bytes, expected "
-                    f"{shard.size} bytes: truncated or overwritten; delete the entry (anchorkv rm) and recompute",
-                )
+            _check_size(info, shard, fsize)
             g = shard.groups[i]
             start = shard.chunks[g.first].offset
             for k in range(g.first, g.stop):
@@ -445,29 +434,10 @@ def read_planned(backend: Backend, info: EntryInfo, array: ArrayLayout, plan: Re
                 got = min(c.size, max(0, n - (c.offset - start)))  # the group's bytes read into this chunk
                 crc = crc32c(vs[0]) if got == c.size and len(vs) == 1 else _crc_of(vs, got)
                 if got != c.size or crc != want:
-                    raise CorruptEntry(
-                        info.id,
-                        f"chunk {c.key} fails its check: expected {c.size} bytes with crc32c {want:#010x} at "
-                        f"bytes {c.offset}-{c.offset + c.size} of shard {shard.key}, found {got} bytes with "
-                        f"crc32c {crc:#010x}; delete the entry (anchorkv rm) and recompute",
-                    )
-            stage = staged[i]
-            if stage is not None:
-                assert g.strided is not None
-                at, shape, strides = g.strided
-                np.copyto(np.ndarray(shape, np.uint8, dst, base + at, strides), stage.reshape(shape))
+                    raise _chunk_fails(info, shard, k, got, crc)
+            _place(g, staged[i], dst, base)
 
-        try:
-            fsize, got = backend.read_ranges_into(shard.path, ranges, check=check)
-        except FileNotFoundError:
-            raise CorruptEntry(info.id, f"shard {shard.key} is missing (it holds chunk {shard.chunks[0].key})") \
-                from None
-        if len(got) != len(ranges):
-            raise CorruptEntry(info.id, f"shard {shard.key}: {len(got)} of {len(ranges)} ranges were read")
-        if not all(checked):  # a backend that did not call `check` for every range: check them here
-            for i, done in enumerate(checked):
-                if not done:
-                    check(fsize, i, got[i])
+        _read_ranges(backend, info, shard, ranges, check, checked)
         _keep_scratch(scratch, scratch_keys, shard, own, comp)
     for ii, bufs in scratch.items():
         assert out is not None, "a plan with chunks through buffers of their own needs the output's views"
@@ -539,16 +509,11 @@ def _read_whole(backend: Backend, info: EntryInfo, shard: _ShardRead, buf: memor
     assert shard.crc is not None
     want_data, want_shard = shard.crc
 
-    checked = []
+    checked = [False]
 
     def check(fsize: int, i: int, n: int) -> None:
-        checked.append(i)
-        if fsize != shard.size:
-            raise CorruptEntry(
-                info.id,
-                f"shard {shard.key} (holding chunk {chunks[0].key}) is {fsize} bytes, expected "
-                f"{shard.size} bytes: truncated or overwritten; delete the entry (anchorkv rm) and recompute",
-            )
+        checked[i] = True
+        _check_size(info, shard, fsize)
         crc = 0
         if n == shard.size:
             for v in segments:
@@ -560,20 +525,55 @@ def _read_whole(backend: Backend, info: EntryInfo, shard: _ShardRead, buf: memor
                                         "file fails the shard's crc32c (its zarr index, which other Zarr readers "
                                         "use, is damaged); delete the entry (anchorkv rm) and recompute")
         for g, stage in zip(shard.groups, staged, strict=True):
-            if stage is not None:
-                assert g.strided is not None
-                at, shape, strides = g.strided
-                np.copyto(np.ndarray(shape, np.uint8, dst, base + at, strides), stage.reshape(shape))
+            _place(g, stage, dst, base)
 
-    try:
-        fsize, got = backend.read_ranges_into(shard.path, [(0, [*segments, index])], check=check)
-    except FileNotFoundError:
-        raise CorruptEntry(info.id, f"shard {shard.key} is missing (it holds chunk {chunks[0].key})") from None
-    if len(got) != 1:
-        raise CorruptEntry(info.id, f"shard {shard.key}: {len(got)} of 1 ranges were read")
-    if not checked:  # a backend that did not call `check`: check here
-        check(fsize, 0, got[0])
+    _read_ranges(backend, info, shard, [(0, [*segments, index])], check, checked)
     return own
+
+
+def _read_ranges(backend: Backend, info: EntryInfo, shard: _ShardRead, ranges: list[tuple[int, list[memoryview]]],
+                 check: Any, checked: list[bool]) -> None:
+    """`read_ranges_into` of a shard's ranges with `check` after each (`checked[i]` set by it):
+    `CorruptEntry` for a missing shard or ranges left unread; a backend that did not call
+    `check` for every range has them checked here."""
+    try:
+        fsize, got = backend.read_ranges_into(shard.path, ranges, check=check)
+    except FileNotFoundError:
+        raise CorruptEntry(info.id, f"shard {shard.key} is missing (it holds chunk {shard.chunks[0].key})") \
+            from None
+    if len(got) != len(ranges):
+        raise CorruptEntry(info.id, f"shard {shard.key}: {len(got)} of {len(ranges)} ranges were read")
+    for i, done in enumerate(checked):
+        if not done:
+            check(fsize, i, got[i])
+
+
+def _check_size(info: EntryInfo, shard: _ShardRead, fsize: int) -> None:
+    if fsize != shard.size:
+        raise CorruptEntry(
+            info.id,
+            f"shard {shard.key} (holding chunk {shard.chunks[0].key}) is {fsize} bytes, expected "
+            f"{shard.size} bytes: truncated or overwritten; delete the entry (anchorkv rm) and recompute",
+        )
+
+
+def _chunk_fails(info: EntryInfo, shard: _ShardRead, k: int, got: int, crc: int) -> CorruptEntry:
+    """The error of chunk `k` of `shard` read as `got` bytes with `crc`."""
+    c, want = shard.chunks[k], shard.crcs[k]
+    return CorruptEntry(
+        info.id,
+        f"chunk {c.key} fails its check: expected {c.size} bytes with crc32c {want:#010x} at "
+        f"bytes {c.offset}-{c.offset + c.size} of shard {shard.key}, found {got} bytes with "
+        f"crc32c {crc:#010x}; delete the entry (anchorkv rm) and recompute",
+    )
+
+
+def _place(g: _Group, stage: np.ndarray | None, dst: np.ndarray, base: int) -> None:
+    """A strided group's chunks, checked in their buffer (`stage`), into their rows of `dst`."""
+    if stage is not None:
+        assert g.strided is not None
+        at, shape, strides = g.strided
+        np.copyto(np.ndarray(shape, np.uint8, dst, base + at, strides), stage.reshape(shape))
 
 
 def _name_damage(info: EntryInfo, shard: _ShardRead, n: int, buf: memoryview, base: int,
@@ -593,14 +593,9 @@ def _name_damage(info: EntryInfo, shard: _ShardRead, n: int, buf: memoryview, ba
             else:
                 views = [buf[base + s : base + s + m] for s, m in c.runs]
             got = min(c.size, max(0, n - c.offset))
-            crc, want = _crc_of(views, got), shard.crcs[k]
-            if got != c.size or crc != want:
-                raise CorruptEntry(
-                    info.id,
-                    f"chunk {c.key} fails its check: expected {c.size} bytes with crc32c {want:#010x} at "
-                    f"bytes {c.offset}-{c.offset + c.size} of shard {shard.key}, found {got} bytes with "
-                    f"crc32c {crc:#010x}; delete the entry (anchorkv rm) and recompute",
-                )
+            crc = _crc_of(views, got)
+            if got != c.size or crc != shard.crcs[k]:
+                raise _chunk_fails(info, shard, k, got, crc)
     raise CorruptEntry(info.id, f"shard {shard.key}: {n} of its {shard.size} bytes were read (it changed while "
                                 "read); recompute")
 
