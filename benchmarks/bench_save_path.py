@@ -16,13 +16,15 @@ Providers, per codec set (`raw`; `quant` = conv int8:128, recurrent int8:128, la
     d2h-packed  the same for the packed bytes (the baseline of the target: save >= 0.8 of it)
     pack        `anchorkv.codec.pack_many` of every (layer, field), synchronized
     pack+d2h    `WorkerSide.save` + `flush` with a store that keeps nothing: pack, pinned copy,
-                the writer thread's checks (what the GPU and PCIe do for a save)
+                the writer thread's checks (what the GPU and PCIe do for a save), the copies on
+                the side stream after the pack (`worker.SAVE_COPY_STREAM` off)
     stream      the same, `STREAM` saves of new tokens issued back to back (several requests
                 finishing in one step) and one `flush`: the time per save (the save path's
                 sustained rate; the kernels' `stream` rows are its analogue)
     pack+d2h+cs, stream+cs
                 the two above with `worker.SAVE_COPY_STREAM` (the copies on a stream of their
-                own, so a save's pack does not queue behind the last save's copy; CUDA only)
+                own, so a save's pack does not queue behind the last save's copy; CUDA only; the
+                worker's default since the H200 run of stop 41)
     set+d2h     the worker's `PackSet.pack`, then one copy of the batch into a reused pinned
                 buffer: the GPU and PCIe part of a save alone, pack then copy (CUDA only)
     chunks+d2h  the same set's `pack_chunks` (`CHUNKS` launches), each chunk's bytes copied on a
@@ -293,12 +295,12 @@ def test_save_path(benchmark, codecs, provider, quick, make_request, monkeypatch
     if provider in ("set+d2h", "chunks+d2h") and DEVICE.type != "cuda":
         pytest.skip("the set pack and its copy to pinned memory, one after the other or overlapped on two "
                     "streams: CUDA only (on a CPU the batch is on the host already)")
-    if provider.endswith("+cs"):
-        if DEVICE.type != "cuda":
-            pytest.skip("the copies on a stream of their own: CUDA only (a CPU save has no streams)")
+    if provider.endswith("+cs") and DEVICE.type != "cuda":
+        pytest.skip("the copies on a stream of their own: CUDA only (a CPU save has no streams)")
+    if provider in ("pack+d2h", "stream", "pack+d2h+cs", "stream+cs"):  # (`save` keeps the default)
         from anchorkv.connector import worker as worker_module
 
-        monkeypatch.setattr(worker_module, "SAVE_COPY_STREAM", True)
+        monkeypatch.setattr(worker_module, "SAVE_COPY_STREAM", provider.endswith("+cs"))
     if provider.startswith("d2h"):
         fn, setup = (lambda: req.copy(provider)), None
     elif provider == "write-packed":

@@ -22,7 +22,8 @@ Providers (all in the same process, on the same filesystem, none calls fsync):
                   thread), or with 2 or 4 put threads writing shards at once, each computing
                   its shard's checksums first (`LOCAL_PUT_THREADS` 2 or 4; the plain `store-*`
                   rows use the defaults: `CHUNK_THREADS` and `HELP_WRITES` chosen by the
-                  machine's cores and crc32c library, `LOCAL_PUT_THREADS` 1, all recorded in
+                  machine's cores and crc32c library, `LOCAL_PUT_THREADS` by its cores (4 from
+                  8 on, else 1), all recorded in
                   the results): which one a machine should use
     plain         the same raw bytes as one file per (layer, field): open, write, close /
                   open, read (the baseline of the 0.8x target)
@@ -214,7 +215,7 @@ def store_save(req: Request, root: Path, kind: str):
     kind, _, how = kind.partition(":")
     default = store_module.CHUNK_THREADS, store_module.LOCAL_PUT_THREADS, store_module.HELP_WRITES
     store_module.CHUNK_THREADS, store_module.LOCAL_PUT_THREADS, store_module.HELP_WRITES = (
-        SAVE_THREADS[how] if how else default)
+        save_threads(how) if how else default)
     try:
         with Store.open(root) as store:
             return store.save(req.layout, req.codecs(kind), req.token_ids, req.packed[kind], anchor="bench")
@@ -227,6 +228,17 @@ def store_save(req: Request, root: Path, kind: str):
 #: checksums)
 SAVE_THREADS = {"crc-thread": (2, 1, False), "crc-inline": (1, 1, False), "help": (1, 1, True),
                 "help+crc-thread": (2, 1, True), "put-2": (1, 2, False), "put-4": (1, 4, False)}
+
+
+def save_threads(how: str) -> tuple[int, int, bool]:
+    """A `SAVE_THREADS` key's threads, or `put-N`'s: N put threads (`store_save_threads` tries
+    any N)."""
+    if how in SAVE_THREADS:
+        return SAVE_THREADS[how]
+    n = how.removeprefix("put-")
+    if how.startswith("put-") and n.isdigit() and int(n) >= 1:
+        return 1, int(n), False
+    raise ValueError(f"a save variant is one of {', '.join(SAVE_THREADS)} or put-N, found {how!r}")
 
 
 def store_load(req: Request, root: Path, entry: str):

@@ -1,8 +1,9 @@
 """A restore's reads: the worker's `_read` of every part of one saved Kimi-Linear request, with
-its parts read one at a time, `READ_THREADS` at a time (the worker's: up to 8, no more than the
-cores) and 8 at a time, alternated in one process.
+its parts read one at a time, as many at a time as the worker does (`READ_THREADS` from a local
+directory: up to 3, no more than the cores; `REMOTE_READ_THREADS` from an object store: up to 8)
+and 8 at a time (or the `--threads` given), alternated in one process.
 
-    python -m benchmarks.restore_reads [--store local|s3] [--rounds 4] [--tokens 7680]
+    python -m benchmarks.restore_reads [--store local|s3] [--rounds 4] [--tokens 7680] [--threads 1,2,3,4,8]
 
 `local`: a store in a temporary directory (reads come from the page cache). `s3`: a real
 S3-compatible server, moto, started on loopback (the `[test]` extra). Default raw codecs (105 MB
@@ -21,13 +22,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-def run(store: str, rounds: int, tokens: int) -> dict[int, list[float]]:
+def run(store: str, rounds: int, tokens: int, threads: tuple[int, ...] = ()) -> dict[int, list[float]]:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("ANCHORKV_BACKEND", "triton")
     from anchorkv.connector.config import ConnectorConfig
     from anchorkv.connector.plan import LoadSpec, Metadata
     from anchorkv.connector.storage_zarr import ZarrEntryStore
-    from anchorkv.connector.worker import READ_THREADS, WorkerSide
+    from anchorkv.connector.worker import WorkerSide
     from benchmarks.bench_save_path import CODEC_SETS, Request, request_layout
     from benchmarks.host_path import zero_scale_packs
 
@@ -51,8 +52,9 @@ def run(store: str, rounds: int, tokens: int) -> dict[int, list[float]]:
         worker.flush()
         [entry] = entries.store.list()
         load = LoadSpec("restore", entry.id, 0, spec.num_tokens, spec.blocks)
-        pools = {n: ThreadPoolExecutor(n) for n in sorted({1, READ_THREADS, 8})}
-        pools[READ_THREADS] = worker._read_pool
+        own = worker._read_pool._max_workers  # (the worker's: local or remote)
+        pools = {n: ThreadPoolExecutor(n) for n in sorted({*(threads or (1, 8)), own})}
+        pools[own] = worker._read_pool
         times: dict[int, list[float]] = {n: [] for n in pools}
         for _ in range(rounds + 1):  # the first round warms up (and sizes the arena)
             for n, pool in pools.items():
@@ -76,8 +78,10 @@ def main(argv=None) -> int:
     ap.add_argument("--store", choices=["local", "s3"], default="local")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=7680)
+    ap.add_argument("--threads", type=lambda v: tuple(int(n) for n in v.split(",")), default=(),
+                    help="read thread counts to time beside the worker's own (default: 1,8)")
     args = ap.parse_args(argv)
-    for n, ms in run(args.store, args.rounds, args.tokens).items():
+    for n, ms in run(args.store, args.rounds, args.tokens, args.threads).items():
         print(f"{args.store}: {n} read thread(s): " + ", ".join(f"{t:.1f}" for t in ms) + " ms")
     return 0
 

@@ -3,7 +3,8 @@ against plain files, rounds interleaved in one process, with the spread a median
 
     .venv/bin/python -m benchmarks.store_save_threads [--codecs raw|quant] [--rounds 40] [VARIANT ...]
 
-Prints, per variant (`plain`, `default`: the store's own settings, or a `SAVE_THREADS` key),
+Prints, per variant (`plain`, `default`: the store's own settings, a `SAVE_THREADS` key, or
+`put-N`: N put threads),
 the median, mean and 90th percentile ms and the median's ratio to plain. `bench_store.py`'s
 save rows take the median of 5 rounds; where a variant stalls in some rounds (two busy threads
 on two shared vCPUs: `store.HELP_WRITES`), that median moves run to run, and this does not.
@@ -29,9 +30,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("variants", nargs="*", default=["default", "crc-thread", "help"])
     args = ap.parse_args()
-    unknown = [v for v in args.variants if v != "default" and v not in B.SAVE_THREADS]
-    if unknown:
-        ap.error(f"unknown variants {unknown}; choose from default, {', '.join(B.SAVE_THREADS)}")
+    for v in args.variants:
+        try:
+            v == "default" or B.save_threads(v)
+        except ValueError as e:
+            ap.error(f"{e} (or default)")
     req = B.request(B.TOKENS)
     root = Path(tempfile.mkdtemp(prefix="anchorkv-save-threads-"))
 

@@ -158,6 +158,13 @@ class ZarrEntryStore:
         #: whose in-block token order is opaque: a row there is not one token's)
         self.window_align = 1
 
+    @property
+    def remote(self) -> bool:
+        """Its reads are round trips (an object store, whose backend puts several shards at once):
+        the worker reads a restore's parts `worker.REMOTE_READ_THREADS` at a time, not
+        `READ_THREADS`."""
+        return self.store.backend.write_concurrency > 1
+
     def __repr__(self) -> str:
         return f"ZarrEntryStore({self.store.url!r}, codecs={ {k: str(v) for k, v in self.codecs.items()} })"
 

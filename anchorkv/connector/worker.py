@@ -59,20 +59,28 @@ log = logging.getLogger("anchorkv.connector")
 PartKey = tuple[str, str]  # (layer name, field name)
 
 
-#: A restore's parts are read this many at a time: a remote store answers each read after a
-#: round trip, and 47 of them one after another (a Kimi-Linear request) add up. No more than
-#: the cores: reads from the page cache are CPU work (copies, checksums); on 2 busy cores 1, 2
-#: and 8 threads read a local Kimi-Linear entry in 11.7-12.0, 11.6-13.5 and 12.0-12.5 ms after
-#: the read path's Python cut (340a830; 12.5-13.4, 12.4-13.4 and 12.4-13.6 ms before it, runs
-#: alternated: `python -m benchmarks.restore_reads --rounds 4`, run medians of three runs each;
-#: more threads only vary more).
-READ_THREADS = max(1, min(8, cores()))
+#: A restore's parts are read this many at a time from a local directory. Reads from the page
+#: cache are CPU work (copies, checksums) in Python threads that share the GIL, so more threads
+#: than that work can use only wait for each other: a Kimi-Linear entry read warm on the H200
+#: host of stop 41 (16 cores), 25 rounds interleaved
+#: (`benchmarks/results/nvidia-h200-bd4efa5-store-threads.txt`), median ms for 1 / 2 / 3 / 4 / 8 threads:
+#: raw, fresh `Store` 46.9 / 27.7 / 22.4 / 21.2 / 27.0, kept 38.8 / 20.9 / 15.6 / 13.9 / 17.3;
+#: quant fresh 30.6 / 23.9 / 23.5 / 26.5 / 32.2, kept 21.2 / 13.5 / 13.4 / 15.6 / 20.3 (plain
+#: files 25.8 / 14.1 / 10.5 / 9.3 / 10.6). On 2 busy cores 1, 2 and 8 threads read it in
+#: 11.7-12.0, 11.6-13.5 and 12.0-12.5 ms (`python -m benchmarks.restore_reads --rounds 4`).
+READ_THREADS = max(1, min(3, cores()))
+#: ... and from a store whose reads are round trips (an object store, `write_concurrency` > 1):
+#: 47 of them one after another (a Kimi-Linear request) add up, so more are in flight.
+REMOTE_READ_THREADS = max(1, min(8, cores()))
 #: Copy a save's packed bytes to the host on a stream of their own (CUDA), after the pack's
 #: `read` event, instead of on the side stream after the pack: the next save's pack, and so the
 #: step that waits for it, then never queues behind a PCIe copy (saves back to back, or a long
-#: context's copy outlasting a step). Off until a GPU stop has timed it and run its tests
-#: (`tests/connector/test_worker_cuda.py`, `bench_save_path.py`'s `+cs` rows).
-SAVE_COPY_STREAM = False
+#: context's copy outlasting a step). On since the H200 run of stop 41
+#: (`benchmarks/results/nvidia-h200-bd4efa5.md`, a Kimi-Linear save of 7680 tokens, ratio to a
+#: D2H copy of its packed bytes, same run): raw one save 0.759 -> 0.814, back to back 0.926 ->
+#: 0.952; quant 0.575 -> 0.570, 0.814 -> 0.845; `test_worker_cuda.py`'s saves back to back
+#: stored their own bytes both ways.
+SAVE_COPY_STREAM = True
 #: seconds a damaged write, once queued for a check, is not queued again (the scheduler's
 #: bad-entry mark lasts as long)
 REPAIR_TTL_S = 300.0
@@ -131,7 +139,9 @@ class WorkerSide:
         self._releases: list[tuple[str, Any]] = []  # (req id, event or None) of finish saves
         self._lock = threading.Lock()
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-load")
-        self._read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="anchorkv-read")
+        remote = getattr(store, "remote", False)  # (`ZarrEntryStore.remote`)
+        self._read_pool = ThreadPoolExecutor(REMOTE_READ_THREADS if remote else READ_THREADS,
+                                             thread_name_prefix="anchorkv-read")
         self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-save")
         #: entries a load found damaged, checked (and deleted) by one daemon thread off the load
         #: path, each write once (entry id, version -> when queued: failed loads of one write
@@ -289,7 +299,7 @@ class WorkerSide:
                 read = torch.cuda.Event()
                 read.record(stream)
                 host = self._save_host.take(packed.host_bytes) if packed.host_bytes else None
-                if copy is stream:  # (the default: one stream context a save, ~10 us of the step's host each)
+                if copy is stream:  # (`SAVE_COPY_STREAM` off)
                     packed = packed.to_host(pin=True, host=host)
                     ready = torch.cuda.Event()
                     ready.record(stream)

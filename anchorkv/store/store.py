@@ -126,9 +126,14 @@ def chunk_threads(cores: int, crc_lib: str, help_writes: bool = False) -> int:
 #: machine two were no faster: a raw Kimi-Linear save 36-37 vs 27-28 ms in rounds of one kind
 #: (`bench_store.py`'s `:put-2` vs `:crc-thread` rows: 42.9 vs 30.2 ms), 30.2 vs 30.9 ms
 #: interleaved with other saves, and faster only beside other busy processes (26.3 vs 35.0 ms).
-#: More cores may differ: `gpu_validate`'s store step runs the `:put-2` / `:put-4` rows on its
-#: host. An object store uses its own `write_concurrency`.
-LOCAL_PUT_THREADS = 1
+#: On the H200 host of stop 41 (16 cores; `benchmarks/results/nvidia-h200-bd4efa5-store-threads.txt`,
+#: 25 rounds interleaved, median ms and ratio to plain files of the same bytes) 4 were the
+#: fastest for both codec sets: raw plain 36.9, put threads 1 (help + chunk thread, the default
+#: then) 42.0 (0.88x), 2 39.0, 3 32.8, 4 28.9 (1.28x), 6 27.1, 8 28.7; quant plain 37.5, 1
+#: 39.0 (0.96x), 2 34.5, 3 31.7, 4 31.8 (1.18x), 6 36.0, 8 36.7. So 4 from 8 cores on (between 3
+#: and 7 cores unmeasured: 1, with the help thread). An object store uses its own
+#: `write_concurrency`.
+LOCAL_PUT_THREADS = 4 if cores() >= 8 else 1
 #: A local save's large shards written by a help thread while the saving thread goes on
 #: (`writer.HELP_BYTES`; only with LOCAL_PUT_THREADS 1: put threads write every shard anyway),
 #: from 3 cores on. On this 2-vCPU machine a raw Kimi-Linear save's median went from 0.82-0.85x

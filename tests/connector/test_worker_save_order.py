@@ -57,7 +57,12 @@ class _Event:
 @pytest.fixture
 def recorded(tmp_path, monkeypatch):
     """(worker, log, store): the worker's side stream and the step's stream record what is
-    queued on them; the pack and the host copies are logged on the stream current then."""
+    queued on them; the pack and the host copies are logged on the stream current then. The
+    copies go on the side stream (`worker.SAVE_COPY_STREAM` off; the copy-stream test below
+    turns it on, the worker's default)."""
+    from anchorkv.connector import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "SAVE_COPY_STREAM", False)
     w, _, _, _, layout, store = kimi_worker(tmp_path, 7, BLOCKS, {"codec": CODECS})
     log: list = []
     step, side = _Stream("step", log), _Stream("side", log)
