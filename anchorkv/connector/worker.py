@@ -75,11 +75,13 @@ REMOTE_READ_THREADS = max(1, min(8, cores()))
 #: Copy a save's packed bytes to the host on a stream of their own (CUDA), after the pack's
 #: `read` event, instead of on the side stream after the pack: the next save's pack, and so the
 #: step that waits for it, then never queues behind a PCIe copy (saves back to back, or a long
-#: context's copy outlasting a step). On since the H200 run of stop 41
-#: (`benchmarks/results/nvidia-h200-bd4efa5.md`, a Kimi-Linear save of 7680 tokens, ratio to a
-#: D2H copy of its packed bytes, same run): raw one save 0.759 -> 0.814, back to back 0.926 ->
-#: 0.952; quant 0.575 -> 0.570, 0.814 -> 0.845; `test_worker_cuda.py`'s saves back to back
-#: stored their own bytes both ways.
+#: context's copy outlasting a step). On since the H200 runs of stop 41
+#: (`benchmarks/results/nvidia-h200-{bd4efa5,086ba40}.md`, a Kimi-Linear save of 7680 tokens,
+#: ratio to a D2H copy of its packed bytes, same run, side stream -> this): raw one save 0.759 ->
+#: 0.814 and 0.838 -> 0.779, back to back 0.926 -> 0.952 and 0.933 -> 0.964; quant 0.575 ->
+#: 0.570 and 0.620 -> 0.596, back to back 0.814 -> 0.845 and 0.815 -> 0.758: within the runs'
+#: spread on that bench, which has no forward pass between saves for the copies to hold up.
+#: `test_worker_cuda.py`'s saves back to back stored their own bytes both ways.
 SAVE_COPY_STREAM = True
 #: seconds a damaged write, once queued for a check, is not queued again (the scheduler's
 #: bad-entry mark lasts as long)

@@ -130,7 +130,9 @@ def chunk_threads(cores: int, crc_lib: str, help_writes: bool = False) -> int:
 #: 25 rounds interleaved, median ms and ratio to plain files of the same bytes) 4 were the
 #: fastest for both codec sets: raw plain 36.9, put threads 1 (help + chunk thread, the default
 #: then) 42.0 (0.88x), 2 39.0, 3 32.8, 4 28.9 (1.28x), 6 27.1, 8 28.7; quant plain 37.5, 1
-#: 39.0 (0.96x), 2 34.5, 3 31.7, 4 31.8 (1.18x), 6 36.0, 8 36.7. So 4 from 8 cores on (between 3
+#: 39.0 (0.96x), 2 34.5, 3 31.7, 4 31.8 (1.18x), 6 36.0, 8 36.7; again with the setting made
+#: (`-086ba40-threads.txt`, `python -m benchmarks.store_save_threads ... put-N`): raw 4 at
+#: 1.23x, quant 1.13x of plain files. So 4 from 8 cores on (between 3
 #: and 7 cores unmeasured: 1, with the help thread). An object store uses its own
 #: `write_concurrency`.
 LOCAL_PUT_THREADS = 4 if cores() >= 8 else 1
