@@ -73,12 +73,23 @@ def run(store: str, rounds: int, tokens: int, threads: tuple[int, ...] = ()) -> 
             proc.kill()
 
 
+def _counts(value: str) -> tuple[int, ...]:
+    """`--threads`: thread counts, comma-separated, each at least 1."""
+    try:
+        counts = tuple(int(n) for n in value.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected thread counts >= 1 like 1,2,4, found {value!r}")
+    return counts
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--store", choices=["local", "s3"], default="local")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=7680)
-    ap.add_argument("--threads", type=lambda v: tuple(int(n) for n in v.split(",")), default=(),
+    ap.add_argument("--threads", type=_counts, default=(),
                     help="read thread counts to time beside the worker's own (default: 1,8)")
     args = ap.parse_args(argv)
     for n, ms in run(args.store, args.rounds, args.tokens, args.threads).items():

@@ -30,7 +30,7 @@ from anchorkv.codec.models import LayerKind, ModelLayout
 from anchorkv.codec.packed import Packed, dtype_name
 from anchorkv.codec.spec import CodecSpec
 from anchorkv.store import eviction
-from anchorkv.store.backends import Backend, open_backend
+from anchorkv.store.backends import Backend, LocalBackend, open_backend
 from anchorkv.store.commit import commit_staged
 from anchorkv.store.errors import (
     CorruptEntry,
@@ -127,14 +127,15 @@ def chunk_threads(cores: int, crc_lib: str, help_writes: bool = False) -> int:
 #: (`bench_store.py`'s `:put-2` vs `:crc-thread` rows: 42.9 vs 30.2 ms), 30.2 vs 30.9 ms
 #: interleaved with other saves, and faster only beside other busy processes (26.3 vs 35.0 ms).
 #: On the H200 host of stop 41 (16 cores; `benchmarks/results/nvidia-h200-bd4efa5-store-threads.txt`,
-#: 25 rounds interleaved, median ms and ratio to plain files of the same bytes) 4 were the
-#: fastest for both codec sets: raw plain 36.9, put threads 1 (help + chunk thread, the default
-#: then) 42.0 (0.88x), 2 39.0, 3 32.8, 4 28.9 (1.28x), 6 27.1, 8 28.7; quant plain 37.5, 1
+#: 25 rounds interleaved, median ms and ratio to plain files of the same bytes): raw plain
+#: 36.9, put threads 1 (help + chunk thread, the default then) 42.0 (0.88x), 2 39.0, 3 32.8, 4
+#: 28.9 (1.28x), 6 27.1, 8 28.7; quant plain 37.5, 1
 #: 39.0 (0.96x), 2 34.5, 3 31.7, 4 31.8 (1.18x), 6 36.0, 8 36.7; again with the setting made
-#: (`-086ba40-threads.txt`, `python -m benchmarks.store_save_threads ... put-N`): raw 4 at
-#: 1.23x, quant 1.13x of plain files. So 4 from 8 cores on (between 3
-#: and 7 cores unmeasured: 1, with the help thread). An object store uses its own
-#: `write_concurrency`.
+#: (`-086ba40-threads.txt`, `python -m benchmarks.store_save_threads ... put-N`): raw 3 / 4 / 6
+#: at 1.11 / 1.23 / 1.33x, quant 1.12 / 1.13 / 1.10x of plain files. Raw was fastest with 6,
+#: quant with 3-4: 4 from 8 cores on, close to the best of both (between 3 and 7 cores
+#: unmeasured: 1, with the help thread). Only anchorkv's `LocalBackend` uses it: an object
+#: store, or any other backend, writes `write_concurrency` shards at once.
 LOCAL_PUT_THREADS = 4 if cores() >= 8 else 1
 #: A local save's large shards written by a help thread while the saving thread goes on
 #: (`writer.HELP_BYTES`; only with LOCAL_PUT_THREADS 1: put threads write every shard anyway),
@@ -999,9 +1000,12 @@ class Store:
         return self._executor("chunk", CHUNK_THREADS).submit(fn, *args)
 
     def _put_threads(self) -> int:
-        """Shard writes of one save in flight at once: an object store's `write_concurrency`
-        (round trips), a local directory's `LOCAL_PUT_THREADS` (copies into the page cache)."""
-        return self.backend.write_concurrency if self.backend.write_concurrency > 1 else LOCAL_PUT_THREADS
+        """Shard writes of one save in flight at once: the backend's `write_concurrency` (an
+        object store's round trips; 1 for any backend that asks for its writes in turn), or for
+        anchorkv's own local directory `LOCAL_PUT_THREADS` (copies into the page cache)."""
+        if type(self.backend) is LocalBackend:
+            return LOCAL_PUT_THREADS
+        return self.backend.write_concurrency
 
     def _put_submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """`fn(*args)` on one of the `_put_threads()` put threads (their tasks submit nothing)."""

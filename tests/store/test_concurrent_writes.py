@@ -73,3 +73,27 @@ def test_a_failed_shard_write_fails_the_save_and_leaves_no_entry(store_url):
                 store.save(layout, CODECS, tokens(N), all_packed(layout, CODECS, N), anchor="in-flight")
             assert store.list() == [] and Store(opened.backend).list() == []
             assert backend.put_writes >= 2  # (the writes went on, several at once, until the save failed)
+
+
+def test_local_put_threads_are_for_the_local_directory_only(tmp_path, monkeypatch):
+    """`LOCAL_PUT_THREADS` (4 from 8 cores on) is anchorkv's local directory's: there a save's
+    shards go to put threads; any other backend that says `write_concurrency` 1 (its writes
+    one at a time) gets them on the saving thread, whatever the host's cores."""
+    from anchorkv.store import store as store_module
+
+    monkeypatch.setattr(store_module, "LOCAL_PUT_THREADS", 4)
+    layout = tiny_layout()
+    packed = all_packed(layout, CODECS, N)
+    with Store.open(str(tmp_path / "local")) as store:
+        threads: set[str] = set()
+        write = store.backend.write
+        monkeypatch.setattr(store.backend, "write", lambda path, buffers, **kw: (
+            threads.add(threading.current_thread().name), write(path, buffers, **kw))[1])
+        store.save(layout, CODECS, tokens(N), packed, anchor="local")
+        assert any(name.startswith("anchorkv-put") for name in threads), threads
+    with Store.open(str(tmp_path / "other")) as opened:
+        backend = InFlight(opened.backend, 1)
+        with Store(backend) as store:
+            info = store.save(layout, CODECS, tokens(N), packed, anchor="one-at-a-time")
+            assert backend.put_writes == 0  # every shard written by the saving thread
+            assert Store(opened.backend).verify(info) == []

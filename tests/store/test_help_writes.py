@@ -50,8 +50,10 @@ def _save(store: Store, codecs, write_id: str = "w1"):
 
 @pytest.fixture
 def helping(monkeypatch):
-    """Every shard large enough for the help thread."""
+    """Every shard large enough for the help thread (which only a save without put threads
+    uses: `LOCAL_PUT_THREADS` is 4 from 8 cores on)."""
     monkeypatch.setattr(store_module, "HELP_WRITES", True)
+    monkeypatch.setattr(store_module, "LOCAL_PUT_THREADS", 1)
     monkeypatch.setattr(writer_module, "HELP_BYTES", 1)
     monkeypatch.setattr("anchorkv.store.commit.now", lambda: 1700000000.0)
     monkeypatch.setattr("anchorkv.store.store.now", lambda: 1700000000.0)
