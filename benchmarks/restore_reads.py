@@ -52,7 +52,7 @@ def run(store: str, rounds: int, tokens: int, threads: tuple[int, ...] = ()) -> 
         worker.flush()
         [entry] = entries.store.list()
         load = LoadSpec("restore", entry.id, 0, spec.num_tokens, spec.blocks)
-        own = worker._read_pool._max_workers  # (the worker's: local or remote)
+        own = worker.read_threads  # (the worker's: local or remote)
         pools = {n: ThreadPoolExecutor(n) for n in sorted({*(threads or (1, 8)), own})}
         pools[own] = worker._read_pool
         times: dict[int, list[float]] = {n: [] for n in pools}

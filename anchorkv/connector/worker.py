@@ -141,9 +141,9 @@ class WorkerSide:
         self._releases: list[tuple[str, Any]] = []  # (req id, event or None) of finish saves
         self._lock = threading.Lock()
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-load")
-        remote = getattr(store, "remote", False)  # (`ZarrEntryStore.remote`)
-        self._read_pool = ThreadPoolExecutor(REMOTE_READ_THREADS if remote else READ_THREADS,
-                                             thread_name_prefix="anchorkv-read")
+        #: a restore's parts read at once (`ZarrEntryStore.remote`: an object store's round trips)
+        self.read_threads = REMOTE_READ_THREADS if getattr(store, "remote", False) else READ_THREADS
+        self._read_pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="anchorkv-read")
         self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="anchorkv-save")
         #: entries a load found damaged, checked (and deleted) by one daemon thread off the load
         #: path, each write once (entry id, version -> when queued: failed loads of one write

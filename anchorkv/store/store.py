@@ -777,7 +777,7 @@ class Store:
         # what follows depends on the array's geometry and the reader's, not on the entry's
         # checksums: made once for every entry of a model and length (a worker's first restore
         # of an entry reads only its checksums into a plan)
-        compressed = numcodecs_compressor(info.manifest.get("compressor")) is not None
+        compressed = bool(info.manifest.get("compressor"))  # (as `numcodecs_compressor` decides; no codec made)
         key = (array, self._fingerprint(layout), layout.tp_size, layout.tp_rank, layout.block_size, layer, field,
                start_token, num_blocks, info.num_tokens, compressed)
         shaped = _SHAPED.get(key)

@@ -22,7 +22,7 @@ def test_a_restore_reads_as_many_parts_at_once_as_its_store_wants(store_url, mon
         remote = url.startswith("s3://")
         assert entries.remote is remote
         worker = WorkerSide(entries.config, [], "none", entries, 1, 0)
-        assert worker._read_pool._max_workers == (5 if remote else 2)
+        assert worker.read_threads == worker._read_pool._max_workers == (5 if remote else 2)
         worker.shutdown()
     finally:
         entries.close()
