@@ -85,8 +85,21 @@ def main(argv=None) -> int:
         plan.tables.release()
 
     row("tables.stage + release (ring)", stage_release)
+
+    def stage_release_at_site():
+        at = launch.launch_site()
+        plan.tables.stage(device, at)
+        plan.tables.release(at)
+
+    row("tables.stage + release (ring, at the launch site)", stage_release_at_site)
     row("  np.copyto into the pinned slot", lambda: np.copyto(ring.hosts[0], plan.tables.array))
     row("  device.copy_(pinned, non_blocking)", lambda: ring.devices[0].copy_(ring.host_tensors[0], non_blocking=True))
+    drv = ring.driver
+    if drv is not None:  # (`cuda_driver`: what the ring stages through given a launch site)
+        raw = torch._C._cuda_getCurrentRawStream(device.index)
+        row("  driver copy (cuMemcpyHtoDAsync)",
+            lambda: drv.copy(ring.device_ptrs[0], ring.host_ptrs[0], ring.nbytes, raw))
+        row("  driver event record (cuEventRecord)", lambda: drv.record(ring.events[0].cuda_event, raw))
     row("  event.query()", lambda: ring.events[0].query())
     stream = torch.cuda.current_stream(device)
     row("  event.record(stream)", lambda: ring.events[0].record(stream))

@@ -586,7 +586,7 @@ class _Plan:
         site = launch_site() if self.device.type == "cuda" else None  # (once for the launches)
         if self.tables is not None:
             self.tables.write(ids)
-            tables = self.tables.stage(self.device)
+            tables = self.tables.stage(self.device, site)
         else:
             rows_of = []
             for k in self.order:
@@ -627,7 +627,7 @@ class _Plan:
         whole = torch.empty(self.whole_bytes, dtype=torch.uint8, device=self.device)
         site = launch_site()  # (before the stage: a staged slot is released only in the `finally`)
         tables.write(ids)
-        table = tables.stage(self.device)[0]
+        table = tables.stage(self.device, site)[0]
         try:
             base, tab = whole.data_ptr(), table.data_ptr()
             if (self.set_key is None or (base | tab) % 16
@@ -691,7 +691,7 @@ class _Plan:
         assert tables is not None and whole is not None  # (a set kernel's plan; one allocation asked for)
         site = launch_site() if self.device.type == "cuda" else None
         tables.write(ids)
-        table = tables.stage(self.device)[0]
+        table = tables.stage(self.device, site)[0]
         try:
             scale_bits = scales.view(torch.int32)
             for launcher, ranges in self.chunk_launchers(chunks):

@@ -25,7 +25,7 @@ import triton.language as tl
 from anchorkv.kernels import batch
 from anchorkv.kernels.bits import FMT_BF16, FMT_FP8, FMT_INT4, FMT_RAW, fp8_decode, narrow, widen
 from anchorkv.kernels.items import UnpackItem
-from anchorkv.kernels.launch import Launcher, launch_site
+from anchorkv.kernels.launch import Launcher, key_of, launch_site
 from anchorkv.kernels.triton_pack import (
     PLAN_CACHE_SIZE,
     SET_LAUNCHES,
@@ -281,19 +281,21 @@ class _SetPlan:
         #: the scales argument when the batch has none (never read)
         self.no_scales = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.seen: tuple | None = None  # spans found equal to the layout's (`UnpackSet.unpack`)
+        #: the set kernel's specialization key, once the JIT has launched it (`_launch_set`)
+        self.set_key: tuple | None = None
 
     def launch(self, packed, ids: Sequence[Sequence[int]]) -> None:
         """Decode `packed` (checked by the caller against `layout`, 16-byte aligned) into the
         targets' blocks `ids`."""
-        scales = packed.scales.view(torch.int32) if packed.scales.numel() else self.no_scales
         site = launch_site() if self.device.type == "cuda" else None  # (once for the launches)
         self.tables.write(ids)
-        tables = self.tables.stage(self.device)  # (released in the `finally`: nothing may raise between)
+        tables = self.tables.stage(self.device, site)  # (released in the `finally`: nothing may raise between)
         payloads: dict[torch.dtype, torch.Tensor] = {}
         try:
             if self.fused is not None:  # one launch: the staged array is one table
-                self.fused(_unpack_set_kernel, _at=site, tab=tables[0], payload=packed.payload, scales=scales)
+                self._launch_set(packed, tables[0], site)
                 return
+            scales = packed.scales.view(torch.int32) if packed.scales.numel() else self.no_scales
             for (launch, align), table in zip(self.launches, tables, strict=True):
                 dtype = batch.payload_dtype(launch.cut)
                 payload = payloads.get(dtype)
@@ -304,6 +306,25 @@ class _SetPlan:
                                 IN_ALIGN=align)
         finally:  # (after whatever was issued: the tables' buffers are free once it has run)
             self.tables.release(site)
+
+    def _launch_set(self, packed, table: torch.Tensor, site: tuple[int, int] | None) -> None:
+        """The set kernel's launch: once the JIT has launched it for the call's key
+        (`set_key`), with addresses only (`Launcher.direct`: the table's, the payload's, the
+        scales', all 16-byte aligned as at the JIT's launch; no int32 view of the scales, no
+        key to compute), as `triton_pack`'s set calls do."""
+        fused = self.fused
+        assert fused is not None
+        payload, scales = packed.payload, packed.scales
+        has_scales = scales.numel() > 0
+        tab, pay = table.data_ptr(), payload.data_ptr()
+        sc = scales.data_ptr() if has_scales else self.no_scales.data_ptr()
+        if (self.set_key is None or site is None or (tab | pay | sc) % 16
+                or not fused.direct(_unpack_set_kernel, self.set_key, site, tab=tab, payload=pay, scales=sc)):
+            changing = {"tab": table, "payload": payload,
+                        "scales": scales.view(torch.int32) if has_scales else self.no_scales}
+            fused(_unpack_set_kernel, _at=site, **changing)
+            if self.set_key is None and site is not None:
+                self.set_key = key_of(changing)
 
 
 def _build(items: Sequence[UnpackItem], ids: list[tuple[int, ...]]) -> list[_Launch]:

@@ -3,6 +3,7 @@ without a host synchronization, and a GPU run under `torch.cuda.set_sync_debug_m
 
 from __future__ import annotations
 
+import ctypes
 import random
 import warnings
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, CodecSpec, kimi_linear_layout
-from anchorkv.kernels import PackItem, PackSet, PackTarget, UnpackItem, UnpackSet, batch
+from anchorkv.kernels import PackItem, PackSet, PackTarget, UnpackItem, UnpackSet, batch, cuda_driver
 from anchorkv.kernels.strided import StridedField
 
 
@@ -236,6 +237,142 @@ def test_a_busy_slot_is_never_written_the_call_takes_torchs_allocators(monkeypat
     assert ring.fallbacks == 2 and staged[1].tolist()[2] == 1
 
 
+class _Lib:
+    """Stands for libcuda's two calls (`cuda_driver.Driver`): the copy moves the bytes between
+    CPU addresses (the stand-in buffers are CPU tensors); each call is logged; `fail` makes the
+    next call return that CUDA error, queuing nothing."""
+
+    def __init__(self, log):
+        self.log = log
+        self.fail = 0
+
+    def cuMemcpyHtoDAsync_v2(self, dst, src, nbytes, stream):
+        self.log.append(("driver copy", dst, src, nbytes, stream))
+        err, self.fail = self.fail, 0
+        if not err:
+            ctypes.memmove(dst, src, nbytes)
+        return err
+
+    def cuEventRecord(self, event, stream):
+        self.log.append(("driver record", event, stream))
+        err, self.fail = self.fail, 0
+        return err
+
+
+def _driver_ring(monkeypatch):
+    tables, cuda, log = _ring_tables(monkeypatch)
+    ring = tables.ring
+    lib = _Lib(log)
+    ring.driver = cuda_driver.Driver(lib)
+    for k, e in enumerate(ring.events):
+        e.cuda_event = 0x1000 + k  # (a torch event has its handle once first recorded)
+    return tables, cuda, log, ring, lib
+
+
+def test_with_a_launch_site_the_tables_copy_and_event_go_to_the_driver(monkeypatch):
+    """Given the call's launch site on the ring's device, a slot's copy is one driver copy of
+    the whole array from the slot's page-locked buffer into its device buffer, on the site's
+    stream, and its release one driver record of the slot's event on that stream: no torch copy
+    nor record. The bytes staged are the array's, slot after slot."""
+    tables, cuda, log, ring, lib = _driver_ring(monkeypatch)
+    site = (0, 0xAB)
+    before = dict(cuda_driver.counts)
+    for k, ids in enumerate([[(1,), (3,), (1,), (5,)], [(2,), (4,), (2,), (6,)]]):
+        log.clear()
+        tables.write(ids)
+        first, second = tables.stage(cuda, site)
+        assert log == [("driver copy", ring.device_ptrs[k], ring.host_ptrs[k], 14 * 8, 0xAB)]
+        assert first.tolist() == [10, 11, ids[0][0], 12, 13, ids[1][0], 14, 15, ids[0][0]]
+        assert second.tolist() == [20, 21, 22, ids[3][0]]
+        assert first.data_ptr() == ring.devices[k].data_ptr()
+        tables.release(site)
+        assert log[1:] == [("driver record", 0x1000 + k, 0xAB)] and not ring.staged[k]
+    assert cuda_driver.counts["copy"] - before["copy"] == 2 and cuda_driver.counts["record"] - before["record"] == 2
+    assert ring.fallbacks == 0
+
+
+def test_without_a_site_on_its_device_the_ring_uses_torch(monkeypatch):
+    """No site, or another device's: torch's copy and record (the driver would queue on the
+    wrong context's stream); an event not yet made (no handle) is recorded by torch too."""
+    tables, cuda, log, ring, lib = _driver_ring(monkeypatch)
+    for site in (None, (1, 0xAB)):
+        log.clear()
+        tables.write([(1,), (3,), (1,), (5,)])
+        tables.stage(cuda, site)
+        tables.release(site)
+        assert [e[0] for e in log] == ["copy", "record"], site
+    ring.events[2].cuda_event = 0
+    log.clear()
+    tables.write([(1,), (3,), (1,), (5,)])
+    tables.stage(cuda, (0, 0xAB))
+    tables.release((0, 0xAB))
+    assert [e[0] for e in log] == ["driver copy", "record"]
+
+
+@pytest.mark.parametrize("call", ["copy", "record"])
+def test_a_driver_error_turns_the_driver_path_off_and_the_call_goes_through_torch(monkeypatch, caplog, call):
+    """A driver call that returns an error queued nothing: the same call copies (or records)
+    through torch, one warning names the call and the error, and every later call, of any
+    ring, goes through torch."""
+    tables, cuda, log, ring, lib = _driver_ring(monkeypatch)
+    site = (0, 0xAB)
+    tables.write([(1,), (3,), (1,), (5,)])
+    if call == "record":
+        tables.stage(cuda, site)
+    lib.fail = 700  # CUDA_ERROR_ILLEGAL_ADDRESS
+    log.clear()
+    with caplog.at_level("WARNING", logger="anchorkv.kernels.cuda_driver"):
+        if call == "copy":
+            first, _ = tables.stage(cuda, site)
+            assert first.tolist()[2] == 1  # the bytes arrived all the same
+        tables.release(site)
+    want = ["driver copy", "copy", "record"] if call == "copy" else ["driver record", "record"]
+    assert [e[0] for e in log] == want
+    assert not ring.driver.on and len(caplog.records) == 1 and "700" in caplog.text
+    log.clear()
+    tables.write([(2,), (4,), (2,), (6,)])
+    tables.stage(cuda, site)
+    tables.release(site)
+    assert [e[0] for e in log] == ["copy", "record"]
+
+
+def test_no_current_context_sends_that_call_through_torch_and_keeps_the_driver_path(monkeypatch, caplog):
+    """CUDA_ERROR_INVALID_CONTEXT (a thread's first CUDA work, before torch made a context
+    current there): that copy and record go through torch, without a warning, and the next
+    call goes to the driver again."""
+    tables, cuda, log, ring, lib = _driver_ring(monkeypatch)
+    site = (0, 0xAB)
+    with caplog.at_level("WARNING", logger="anchorkv.kernels.cuda_driver"):
+        for fail in (cuda_driver.NO_CONTEXT, 0):
+            log.clear()
+            lib.fail = fail
+            tables.write([(1,), (3,), (1,), (5,)])
+            first, _ = tables.stage(cuda, site)
+            assert first.tolist()[2] == 1
+            lib.fail = fail
+            tables.release(site)
+            want = (["driver copy", "copy", "driver record", "record"] if fail
+                    else ["driver copy", "driver record"])
+            assert [e[0] for e in log] == want
+    assert ring.driver.on and not caplog.records
+
+
+def test_the_driver_path_is_off_by_the_environment_or_without_libcuda(monkeypatch):
+    """`ANCHORKV_CUDA_DRIVER=0` turns it off; where libcuda does not load (this CPU machine)
+    there is none, and a ring of real buffers falls back to torch's calls without an error."""
+    monkeypatch.setenv("ANCHORKV_CUDA_DRIVER", "0")
+    assert cuda_driver.driver() is None
+    monkeypatch.delenv("ANCHORKV_CUDA_DRIVER")
+    loaded = cuda_driver._loaded()
+    if not torch.cuda.is_available():
+        try:
+            ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            assert loaded is None and cuda_driver.driver() is None
+    monkeypatch.setattr(cuda_driver, "_loaded", lambda: None)
+    assert cuda_driver.driver() is None
+
+
 @pytest.mark.parametrize("op", ["pack", "unpack"])
 def test_a_plans_tables_are_released_even_when_a_launch_raises(monkeypatch, op):
     """Each set call releases its staged tables after its launches, also when one raises (the
@@ -316,6 +453,8 @@ def test_launch_path_never_synchronizes(tp):
     pack_many(items)  # compile outside the check
     unpack_set.unpack(pack_set.pack([[2], [4, 1, 3]]), [[2], [4, 1, 3]])
     torch.cuda.synchronize()
+    assert cuda_driver.driver() is not None, "libcuda did not load: the tables go through torch"
+    before = dict(cuda_driver.counts)
     with warnings.catch_warnings():  # torch warns that the mode is a prototype (torch 2.11)
         warnings.filterwarnings("ignore", "Synchronization debug mode is a prototype")
         torch.cuda.set_sync_debug_mode("error")
@@ -328,6 +467,8 @@ def test_launch_path_never_synchronizes(tp):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+    # the three set calls' tables crossed by the driver (pack_many's tables go through torch)
+    assert [cuda_driver.counts[k] - before[k] for k in ("copy", "record")] == [3, 3]
     assert host.payload.is_pinned() and host.scales.is_pinned()
     assert host.whole is not None and pack_set.pack([[2], [4, 1, 3]]).whole is not None  # one allocation
     ring = next(iter(pack_set._plans._plans.values())).tables.ring
@@ -404,17 +545,20 @@ def test_strided_field_hash_is_cached_and_never_pickled():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="direct launches need compiled kernels (CUDA); "
                     "the CPU tests of kernels/launch.py check the logic")
+@pytest.mark.parametrize("driver", ["1", "0"], ids=["driver-tables", "torch-tables"])
 @pytest.mark.parametrize("codecs", [("int8", "int8", "fp8"), ("raw", "int4", "bf16")])
-def test_direct_launches_give_the_jit_bytes(monkeypatch, codecs):
+def test_direct_launches_give_the_jit_bytes(monkeypatch, codecs, driver):
     """Calls after a plan's first go straight to the compiled kernels (`kernels.launch`); each
     call's bytes equal the reference's, for packs (`pack_many`, `PackSet`) and unpacks
-    (`unpack_many`, `UnpackSet`)."""
+    (`unpack_many`, `UnpackSet`), the sets' item tables staged through the driver or torch
+    (`ANCHORKV_CUDA_DRIVER`, read when a set's plan makes its ring)."""
     from anchorkv.kernels import launch, reference
     from anchorkv.kernels.triton_pack import pack_many
     from anchorkv.kernels.triton_unpack import unpack_many
     from tests.kernels.test_batched import _regions, _request
 
     monkeypatch.delenv("ANCHORKV_DIRECT_LAUNCH", raising=False)
+    monkeypatch.setenv("ANCHORKV_CUDA_DRIVER", driver)
     assert launch.enabled(), "this triton launches differently: see kernels/launch.py"
     regions = _regions(5, seed=11)
     items = _request(regions, codecs)
