@@ -7,10 +7,13 @@ One Kimi-Linear request (`bench_kernels.request`), `--calls` `PackSet.pack` (or
 `UnpackSet.unpack`) calls issued back to back and one synchronization, per call; variants
 interleaved round by round, median of `--rounds`:
 
-    pack    tables by torch (`copy_`, `Event.record`) / by the driver (`cuda_driver`)
-    unpack  the same two, each with the set kernel launched through the `Launcher`'s key
-            (`Launcher.__call__`: a key from the tensors, an int32 view of the scales) or with
-            addresses only (`_SetPlan._launch_set`, the default)
+    pack    tables staged by torch (`copy_`, `Event.record`) / by the driver (`cuda_driver`),
+            rings of 4, 8 or 16 slots (`TableRing.SLOTS`: a call whose slot is still busy stages
+            through torch's allocators), the copy on the launch's stream or on an upload stream
+            of the ring's own (`TableRing.upload`)
+    unpack  the same, and with the set kernel launched through the `Launcher`'s key
+            (`Launcher.__call__`: a key from the tensors, an int32 view of the scales) instead of
+            with addresses only (`_SetPlan._launch_set`, the default)
 
 and, for scale, a device copy of the source back to back and one synchronized copy (what
 `bench_kernels` divides by). Ratio = bytes read + written per second over the synchronized
@@ -36,7 +39,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("set_calls needs CUDA", file=sys.stderr)
         return 2
-    from anchorkv.kernels import cuda_driver
+    from anchorkv.kernels import batch, cuda_driver
     from anchorkv.kernels.triton_unpack import _unpack_set_kernel
     from benchmarks.bench_kernels import request
 
@@ -49,34 +52,56 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     lens = pset._ids(ids, distinct=False)[0]
     pplan, uplan = pset._plans.find(lens, lambda: None), uset._plans.find(lens, lambda: None)
-    rings = [pplan.tables.ring, uplan.tables.ring]
-    drv = cuda_driver.driver()
-    if drv is None or any(r is None or r.driver is None for r in rings):
-        print("set_calls: no driver path here (libcuda not loaded, ANCHORKV_CUDA_DRIVER=0, or no set kernel)",
+    tables = [pplan.tables, uplan.tables]
+    if cuda_driver.driver() is None or uplan.fused is None:
+        print("set_calls: no driver path here (libcuda not loaded, ANCHORKV_CUDA_DRIVER=0) or no set kernel",
               file=sys.stderr)
         return 2
     fused = uplan.fused
     direct = uplan._launch_set
 
-    def keyed(batch, table, site):  # (the launch before addresses only: the Launcher's key path)
-        fused(_unpack_set_kernel, _at=site, tab=table, payload=batch.payload, scales=batch.scales.view(torch.int32))
+    def keyed(batch_, table, site):  # (the launch before addresses only: the Launcher's key path)
+        fused(_unpack_set_kernel, _at=site, tab=table, payload=batch_.payload, scales=batch_.scales.view(torch.int32))
 
-    def setting(tables: str, launch: str = "direct"):
+    rings: dict[tuple, list] = {}
+
+    def setting(how: str, slots: int = batch.TableRing.SLOTS, upload: bool = False, launch: str = "direct"):
+        """Each variant's own rings (made at its first use), its unpack launch."""
         def apply():
-            for r in rings:
-                r.driver = drv if tables == "driver" else None
+            key = (how, slots, upload)
+            if key not in rings:
+                saved = batch.TableRing.SLOTS, batch.UPLOAD_STREAM
+                batch.TableRing.SLOTS, batch.UPLOAD_STREAM = slots, upload
+                try:
+                    made = []
+                    for t in tables:
+                        t.ring = None
+                        t.stage(pplan.device)  # (makes the ring)
+                        t.ring.staged = [False] * slots  # (that stage is never launched)
+                        if how == "torch":
+                            t.ring.driver = None
+                        made.append(t.ring)
+                    rings[key] = made
+                finally:
+                    batch.TableRing.SLOTS, batch.UPLOAD_STREAM = saved
+            for t, r in zip(tables, rings[key], strict=True):
+                t.ring = r
             uplan._launch_set = direct if launch == "direct" else keyed
         return apply
 
-    ops = {
-        "pack   tables torch": (setting("torch"), lambda: pset.pack(ids)),
-        "pack   tables driver": (setting("driver"), lambda: pset.pack(ids)),
-        "unpack tables torch,  key launch": (setting("torch", "key"), lambda: uset.unpack(packed, ids)),
-        "unpack tables torch,  direct": (setting("torch"), lambda: uset.unpack(packed, ids)),
-        "unpack tables driver, key launch": (setting("driver", "key"), lambda: uset.unpack(packed, ids)),
-        "unpack tables driver, direct": (setting("driver"), lambda: uset.unpack(packed, ids)),
-        "copy of the source": (setting("driver"), lambda: req.copy_dst.copy_(req.copy_src)),
-    }
+    default = batch.TableRing.SLOTS
+    ops = {}
+    for how, slots, upload, label in (("torch", default, False, f"torch, {default} slots"),
+                                      ("driver", default, False, f"driver, {default} slots"),
+                                      ("driver", 8, False, "driver, 8 slots"),
+                                      ("driver", 16, False, "driver, 16 slots"),
+                                      ("driver", default, True, f"driver, {default} slots, upload stream"),
+                                      ("driver", 8, True, "driver, 8 slots, upload stream")):
+        ops[f"pack   {label}"] = (setting(how, slots, upload), lambda: pset.pack(ids))
+        if how == "torch" or slots == default and not upload:
+            ops[f"unpack {label}, key launch"] = (setting(how, slots, upload, "key"), lambda: uset.unpack(packed, ids))
+        ops[f"unpack {label}"] = (setting(how, slots, upload), lambda: uset.unpack(packed, ids))
+    ops["copy of the source"] = (setting("driver"), lambda: req.copy_dst.copy_(req.copy_src))
     times: dict[str, list[float]] = {name: [] for name in ops}
     synced: list[float] = []
     calls = args.calls
@@ -95,6 +120,7 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         synced.append(time.perf_counter() - t)
     setting("driver")()
+    falls = {f"{k[0]},{k[1]},{'up' if k[2] else 'same'}": [r.fallbacks for r in v] for k, v in rings.items()}
     copy_gbps = 2 * req.source_bytes / statistics.median(synced) / 1e9
     moved = req.source_bytes + req.packed_bytes
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; tp={args.tp}, {len(req.items)} parts, "
@@ -104,9 +130,8 @@ def main(argv=None) -> int:
         sec = statistics.median(ts)
         nbytes = 2 * req.source_bytes if name.startswith("copy") else moved
         gbps = nbytes / sec / 1e9
-        print(f"  {name:34s} {sec * 1e6:8.1f} us a call  {gbps:7.0f} GB/s  ratio {gbps / copy_gbps:.3f}")
-    fallbacks = [r.fallbacks for r in rings]
-    print(f"  (ring fallbacks pack/unpack: {fallbacks}; driver calls {cuda_driver.counts})")
+        print(f"  {name:48s} {sec * 1e6:8.1f} us a call  {gbps:7.0f} GB/s  ratio {gbps / copy_gbps:.3f}")
+    print(f"  (ring fallbacks pack/unpack by rings: {falls}; driver calls {cuda_driver.counts})")
     return 0
 
 
