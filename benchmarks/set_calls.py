@@ -9,8 +9,7 @@ interleaved round by round, median of `--rounds`:
 
     pack    tables staged by torch (`copy_`, `Event.record`) / by the driver (`cuda_driver`),
             rings of 4, 8 or 16 slots (`TableRing.SLOTS`: a call whose slot is still busy stages
-            through torch's allocators), the copy on the launch's stream or on an upload stream
-            of the ring's own (`TableRing.upload`)
+            through torch's allocators)
     unpack  the same, and with the set kernel launched through the `Launcher`'s key
             (`Launcher.__call__`: a key from the tensors, an int32 view of the scales) instead of
             with addresses only (`_SetPlan._launch_set`, the default)
@@ -65,13 +64,13 @@ def main(argv=None) -> int:
 
     rings: dict[tuple, list] = {}
 
-    def setting(how: str, slots: int = batch.TableRing.SLOTS, upload: bool = False, launch: str = "direct"):
+    def setting(how: str, slots: int = batch.TableRing.SLOTS, launch: str = "direct"):
         """Each variant's own rings (made at its first use), its unpack launch."""
         def apply():
-            key = (how, slots, upload)
+            key = (how, slots)
             if key not in rings:
-                saved = batch.TableRing.SLOTS, batch.UPLOAD_STREAM
-                batch.TableRing.SLOTS, batch.UPLOAD_STREAM = slots, upload
+                saved = batch.TableRing.SLOTS
+                batch.TableRing.SLOTS = slots
                 try:
                     made = []
                     for t in tables:
@@ -83,7 +82,7 @@ def main(argv=None) -> int:
                         made.append(t.ring)
                     rings[key] = made
                 finally:
-                    batch.TableRing.SLOTS, batch.UPLOAD_STREAM = saved
+                    batch.TableRing.SLOTS = saved
             for t, r in zip(tables, rings[key], strict=True):
                 t.ring = r
             uplan._launch_set = direct if launch == "direct" else keyed
@@ -91,16 +90,12 @@ def main(argv=None) -> int:
 
     default = batch.TableRing.SLOTS
     ops = {}
-    for how, slots, upload, label in (("torch", default, False, f"torch, {default} slots"),
-                                      ("driver", default, False, f"driver, {default} slots"),
-                                      ("driver", 8, False, "driver, 8 slots"),
-                                      ("driver", 16, False, "driver, 16 slots"),
-                                      ("driver", default, True, f"driver, {default} slots, upload stream"),
-                                      ("driver", 8, True, "driver, 8 slots, upload stream")):
-        ops[f"pack   {label}"] = (setting(how, slots, upload), lambda: pset.pack(ids))
-        if how == "torch" or slots == default and not upload:
-            ops[f"unpack {label}, key launch"] = (setting(how, slots, upload, "key"), lambda: uset.unpack(packed, ids))
-        ops[f"unpack {label}"] = (setting(how, slots, upload), lambda: uset.unpack(packed, ids))
+    for how, slots in (("torch", default), ("driver", default), ("driver", 4), ("driver", 16)):
+        label = f"{how}, {slots} slots"
+        ops[f"pack   {label}"] = (setting(how, slots), lambda: pset.pack(ids))
+        if slots == default:
+            ops[f"unpack {label}, key launch"] = (setting(how, slots, "key"), lambda: uset.unpack(packed, ids))
+        ops[f"unpack {label}"] = (setting(how, slots), lambda: uset.unpack(packed, ids))
     ops["copy of the source"] = (setting("driver"), lambda: req.copy_dst.copy_(req.copy_src))
     times: dict[str, list[float]] = {name: [] for name in ops}
     synced: list[float] = []
@@ -120,7 +115,7 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         synced.append(time.perf_counter() - t)
     setting("driver")()
-    falls = {f"{k[0]},{k[1]},{'up' if k[2] else 'same'}": [r.fallbacks for r in v] for k, v in rings.items()}
+    falls = {f"{k[0]},{k[1]}": [r.fallbacks for r in v] for k, v in rings.items()}
     copy_gbps = 2 * req.source_bytes / statistics.median(synced) / 1e9
     moved = req.source_bytes + req.packed_bytes
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; tp={args.tp}, {len(req.items)} parts, "

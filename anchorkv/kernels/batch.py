@@ -629,10 +629,6 @@ def _rows_view(array: np.ndarray, cells: np.ndarray) -> np.ndarray | None:
     return view
 
 
-#: `TableRing.upload` for new rings (an A/B switch of `benchmarks.set_calls`)
-UPLOAD_STREAM = False
-
-
 class TableRing:
     """Reused page-locked and device buffers for a `TableArray`'s staged copies: `SLOTS` of
     each, and one CUDA event per slot.
@@ -660,7 +656,9 @@ class TableRing:
     and unpacks on its one load thread).
     """
 
-    SLOTS = 4
+    #: 8: calls issued back to back at tp=4 on an H200 were ~2-3 us faster with 8 than with 4
+    #: (stop 42, `benchmarks.set_calls`; a slot is a few hundred bytes twice)
+    SLOTS = 8
 
     def __init__(self, size: int, segments: Sequence[tuple[int, int]], device: torch.device, *,
                  alloc: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -696,9 +694,6 @@ class TableRing:
         self.host_ptrs = [t.data_ptr() for t in self.host_tensors]
         self.device_ptrs = [t.data_ptr() for t in self.devices]
         self.nbytes = size * 8
-        #: copy on an upload stream of the ring's own (`_upload`; driver path only)
-        self.upload = UPLOAD_STREAM
-        self._uploads: tuple | None = None
 
     def stage(self, array: np.ndarray, site: tuple[int, int] | None = None) -> list[torch.Tensor]:
         """The array in the next slot's device buffer (its per-launch views), copied on the
@@ -712,37 +707,12 @@ class TableRing:
         self.next = (k + 1) % self.SLOTS
         np.copyto(self.hosts[k], array)
         d = self.driver
-        self.staged[k] = True  # (until released; also what keeps a slot a failed upload left from reuse)
-        if d is not None and d.on and site is not None and site[0] == self.device.index:
-            if self.upload:
-                if not self._upload(d, k, site[1]):
-                    self.fallbacks += 1
-                    self.current = None
-                    return _stage_copy(array, self.device, self.segments)
-                self.current = k
-                return self.views[k]
-            if d.copy(self.device_ptrs[k], self.host_ptrs[k], self.nbytes, site[1]):
-                self.current = k
-                return self.views[k]
-        self.devices[k].copy_(self.host_tensors[k], non_blocking=True)
+        if (d is None or not d.on or site is None or site[0] != self.device.index
+                or not d.copy(self.device_ptrs[k], self.host_ptrs[k], self.nbytes, site[1])):
+            self.devices[k].copy_(self.host_tensors[k], non_blocking=True)
+        self.staged[k] = True
         self.current = k
         return self.views[k]
-
-    def _upload(self, d: cuda_driver.Driver, k: int, stream: int) -> bool:
-        """Slot k's copy on the ring's upload stream, the launch's `stream` made to wait for it
-        (`upload`: the copy then runs while the earlier call's kernel does, instead of between
-        it and this one's). False when the driver refused a step: the slot then stays staged
-        (never reused: a copy may still read its page-locked buffer) and the call stages
-        through torch's allocators."""
-        if self._uploads is None:
-            up = torch.cuda.Stream(self.device)
-            events = [torch.cuda.Event() for _ in range(self.SLOTS)]
-            for e in events:
-                e.record(up)  # (a torch event is made at its first record)
-            self._uploads = (up, up.cuda_stream, [e.cuda_event for e in events], events)
-        _, handle, events_, _ = self._uploads
-        return (d.copy(self.device_ptrs[k], self.host_ptrs[k], self.nbytes, handle)
-                and d.record(events_[k], handle) and d.wait(stream, events_[k]))
 
     def release(self, site: tuple[int, int] | None = None) -> None:
         """Record the staged slot's event on the current stream. With `site`

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 #: Driver calls made since the process started (tests, profiles: a GPU test asserts that the
 #: path it means is the one taken).
-counts = {"copy": 0, "record": 0, "wait": 0}
+counts = {"copy": 0, "record": 0}
 
 #: CUDA_ERROR_INVALID_CONTEXT: no context current on the calling thread (torch makes the
 #: device's primary context current at the thread's first CUDA call)
@@ -47,15 +47,11 @@ class Driver:
     def __init__(self, lib) -> None:
         self._copy = lib.cuMemcpyHtoDAsync_v2
         self._record = lib.cuEventRecord
-        self._wait = getattr(lib, "cuStreamWaitEvent", None)
         if isinstance(lib, ctypes.CDLL):  # (a stand-in takes Python ints as they are)
             self._copy.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
             self._copy.restype = ctypes.c_int
             self._record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
             self._record.restype = ctypes.c_int
-            if self._wait is not None:
-                self._wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
-                self._wait.restype = ctypes.c_int
         self.on = True
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> bool:
@@ -75,17 +71,6 @@ class Driver:
             self._off("cuEventRecord", err)
             return False
         counts["record"] += 1
-        return True
-
-    def wait(self, stream: int, event: int) -> bool:
-        """Make the stream of raw handle `stream` wait for the event of handle `event`."""
-        if self._wait is None:
-            return False
-        err = self._wait(stream, event, 0)
-        if err:
-            self._off("cuStreamWaitEvent", err)
-            return False
-        counts["wait"] += 1
         return True
 
     def _off(self, call: str, err: int) -> None:
