@@ -76,6 +76,7 @@ def main(argv=None) -> int:
                     for t in tables:
                         t.ring = None
                         t.stage(pplan.device)  # (makes the ring)
+                        t.ring.SLOTS = slots  # (the ring reads its size from itself at every call)
                         t.ring.staged = [False] * slots  # (that stage is never launched)
                         if how == "torch":
                             t.ring.driver = None
