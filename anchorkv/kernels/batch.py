@@ -649,15 +649,16 @@ class TableRing:
     with `record(stream)` and `query()`) are the CUDA ones unless a test passes stand-ins.
 
     Given the call's launch site (`launch.launch_site()`, on this ring's device), the copy and
-    the record go to the driver directly (`cuda_driver`: ~5-7 us less host time a call on an
-    H200 host than torch's `copy_` and `record`); `driver` is the process's unless a test passes
+    the record go to the driver directly (`cuda_driver`: the copy 1.4-3.1 us less host time a
+    call than torch's `copy_` on an H200 host); `driver` is the process's unless a test passes
     a stand-in (None: torch's calls only, as for stand-in buffers).
     One thread at a time, as the set that owns it (the connector packs on the step's thread
     and unpacks on its one load thread).
     """
 
-    #: 8: calls issued back to back at tp=4 on an H200 were ~2-3 us faster with 8 than with 4
-    #: (stop 42, `benchmarks.set_calls`; a slot is a few hundred bytes twice)
+    #: 8: pack calls issued back to back on an H200 took 1.9 (tp=1) and 2.7 (tp=4) us less a call
+    #: with 8 than with 4, unpacks the same within 0.4 us (stop 42, one `benchmarks.set_calls`
+    #: run; 16 no better); a slot is a few hundred bytes twice
     SLOTS = 8
 
     def __init__(self, size: int, segments: Sequence[tuple[int, int]], device: torch.device, *,

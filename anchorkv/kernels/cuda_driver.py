@@ -2,18 +2,19 @@
 
 A `PackSet.pack` or `UnpackSet.unpack` call on a GPU stages its item table (`batch.TableRing`):
 one copy of a few hundred bytes from a page-locked buffer into a device buffer, both kept by
-the ring, and one event recorded after the launch. Through torch these cost the host ~5-6 us
-(`Tensor.copy_`: the dispatcher, device guards, the caching host allocator's lookup of the
-page-locked buffer and an event it records for it) and ~1-1.6 us (`Event.record`) a call on an
-H200 host (`benchmarks.launch_variants`), about a fifth of the call's host time, which bounds
-set calls issued back to back (stop 41's trace: host ~55 us a call, the pack kernel 43.5 us).
-The ring needs neither the checks nor the host allocator's bookkeeping: it owns its buffers
-and guards their reuse with its own events. So, where `libcuda` loads, the copy is one
-`cuMemcpyHtoDAsync` and the record one `cuEventRecord` (ctypes, ~0.3 us of Python each), on the
-raw stream handle the launch goes to (`launch.launch_site()`, what triton's launcher passes):
-the same stream-ordered, asynchronous operations torch would issue, in the same context (the
-device's primary context, current on the calling thread: the call has just allocated its
-output through torch, and triton's launcher relies on it alike).
+the ring, and one event recorded after the launch. Through torch the copy is `Tensor.copy_`
+(the dispatcher, device guards, the caching host allocator's lookup of the page-locked buffer
+and an event it records for it): 3.8-6.7 us of host time on an H200 host, where set calls
+issued back to back are bound by the host (stop 41's trace: ~55 us a call, the pack kernel
+43.5 us). The ring needs neither the checks nor the host allocator's bookkeeping: it owns its
+buffers and guards their reuse with its own events. So, where `libcuda` loads, the copy is one
+`cuMemcpyHtoDAsync` (2.4-3.6 us, ctypes included) and the record one `cuEventRecord` (as
+torch's, ~0.9-1.4 us), on the raw stream handle the launch goes to (`launch.launch_site()`,
+what triton's launcher passes): the same stream-ordered, asynchronous operations torch would
+issue, in the same context (the device's primary context, current on the calling thread: the
+call has just allocated its output through torch, and triton's launcher relies on it alike).
+Stop 42's H200 runs (`benchmarks.set_calls`, `benchmarks.launch_variants`): calls back to back
+0.8-6.7 us faster a call (the host's speed varied between the runs).
 
 A call the driver refuses queued nothing: it goes through torch. No current context on the
 calling thread (a thread that has made no CUDA call yet) is refused for that call only; any
