@@ -21,7 +21,10 @@ the junit XML and benchmark JSON of what finished:
                host against plain files of the same bytes (the DESIGN's 0.8x), and its saves
                with their checksums on a chunk thread or the writing thread (`CHUNK_THREADS`)
     profile    python -m benchmarks.profile_kernels: host vs kernel time (CUDA only), then
-               python -m benchmarks.launch_variants: a set call's host time piece by piece
+               python -m benchmarks.launch_variants: a set call's host time piece by piece,
+               python -m benchmarks.set_calls: set calls back to back, launch-path variants
+               interleaved (tables by torch or the driver, ring sizes, unpack's launch), and
+               python -m benchmarks.save_timeline: a save's host and GPU spans
 
 Writes, all directly under `--out` (default benchmarks/results), `<machine>` as
 `benchmarks.machine.machine_name()` names it (the GPU's name): `<machine>.json` (device,
@@ -244,6 +247,16 @@ def save_timeline_rows(text: str) -> list[dict]:
     return rows
 
 
+#: `set_calls`' line per variant: its name, microseconds a call, GB/s, the ratio to the copy
+_SET_CALL = re.compile(r"^  (\S.*?) +([\d.]+) us a call +([\d.]+) GB/s +ratio ([\d.]+)$", re.M)
+
+
+def set_call_rows(text: str) -> list[dict]:
+    """[{variant, us, gbps, ratio}] from `benchmarks.set_calls`' output, in its order."""
+    return [{"variant": m[1], "us": float(m[2]), "gbps": float(m[3]), "ratio": float(m[4])}
+            for m in _SET_CALL.finditer(text)]
+
+
 def launch_pieces(text: str) -> list[dict]:
     """[{piece, us}] from `benchmarks.launch_variants`' output, in its order (a piece timed
     twice keeps both lines: the machine's drift between them)."""
@@ -280,6 +293,9 @@ def run_profile(args, limit: float, log: Path, env: dict) -> dict:
         cmd = [sys.executable, "-m", "benchmarks.launch_variants", "--tp", "1",
                "--iters", "50" if args.quick else "300"]
         left -= _follow_up(res, "launch pieces", cmd, left, log, env, launch_pieces, "launch_rows", "launch")
+    if left >= 10:  # set calls back to back, variant against variant (~15 s on an H200)
+        cmd = [sys.executable, "-m", "benchmarks.set_calls", "--rounds", "3" if args.quick else "10"]
+        left -= _follow_up(res, "set calls", cmd, left, log, env, set_call_rows, "set_call_rows", "set_calls")
     if left >= 10:  # a save's timeline on the GPU (~10 s on an H100), in what is left
         cmd = [sys.executable, "-m", "benchmarks.save_timeline", "--rounds", "3" if args.quick else "10"]
         _follow_up(res, "save timeline", cmd, left, log, env, save_timeline_rows, "timeline_rows", "timeline")
@@ -467,6 +483,15 @@ def render_markdown(res: dict) -> str:
                   "pieces and their alternatives; `back to back` lines time calls issued with one sync at the end "
                   "(the GPU's pace, where it is the bound).", ""]
         lines += table(["piece", "us a call"], [[p["piece"], num(p["us"], ".2f")] for p in pieces]) + [""]
+    calls = res["steps"].get("profile", {}).get("set_call_rows", [])
+    if calls:
+        lines += ["## Set calls back to back, variant against variant (`python -m benchmarks.set_calls`)", "",
+                  "Ten calls of one Kimi-Linear request's set pack / unpack (tp=1) issued back to back and one sync, "
+                  "per call, median of interleaved rounds; ratio = bytes read + written per second over one "
+                  "synchronized device copy's (as `bench_kernels`' `stream` rows).", ""]
+        lines += table(["variant", "us a call", "GB/s", "ratio vs copy"],
+                       [[r["variant"], num(r["us"], ".1f"), num(r["gbps"], ".0f"), num(r["ratio"], ".3f")]
+                        for r in calls]) + [""]
     timeline = res["steps"].get("profile", {}).get("timeline_rows", [])
     if timeline:
         from benchmarks.save_timeline import COLUMNS

@@ -201,6 +201,20 @@ def test_launch_pieces_are_read_from_launch_variants_output():
         {"piece": "PackSet.pack (all of it)", "us": 78.59}]
 
 
+def test_set_call_rows_are_read_from_set_calls_output():
+    """`set_call_rows` reads each `set_calls` line of a variant (name, us a call, GB/s, ratio)
+    and skips the header and the fallback note."""
+    text = ("NVIDIA H200, torch 2.11.0+cu130; tp=1, 47 parts, 105.3 MB source, 44.5 MB packed; 10 calls back to\n"
+            "  pack   torch, 8 slots                                58.5 us a call     2562 GB/s  ratio 0.784\n"
+            "  unpack driver, 8 slots, key launch                   55.5 us a call     2700 GB/s  ratio 0.826\n"
+            "  copy of the source                                   53.3 us a call     3954 GB/s  ratio 1.210\n"
+            "  (ring fallbacks pack/unpack by rings: {'torch,8': [0, 0]}; driver calls {'copy': 9})\n")
+    assert gpu_validate.set_call_rows(text) == [
+        {"variant": "pack   torch, 8 slots", "us": 58.5, "gbps": 2562.0, "ratio": 0.784},
+        {"variant": "unpack driver, 8 slots, key launch", "us": 55.5, "gbps": 2700.0, "ratio": 0.826},
+        {"variant": "copy of the source", "us": 53.3, "gbps": 3954.0, "ratio": 1.21}]
+
+
 def test_save_timeline_reads_rounds_marks_and_gpu_spans():
     """`save_timeline.timeline` finds each profiled round and its host mark on the profiler's
     clock (here on a CPU: no GPU span, so those columns are NaN); `_idle` counts the time no
