@@ -474,6 +474,8 @@ def test_launch_path_never_synchronizes(tp):
     assert host.whole is not None and pack_set.pack([[2], [4, 1, 3]]).whole is not None  # one allocation
     ring = next(iter(pack_set._plans._plans.values())).tables.ring
     assert ring is not None and ring.fallbacks == 0  # the tables crossed from the set's own buffers
+    # the driver's copies (which sync debug mode cannot see) read page-locked memory: asynchronous
+    assert all(t.is_pinned() for t in ring.host_tensors) and ring.driver is not None
     for k, (p, s) in enumerate(packed):
         hp, hs = host.part(k)
         assert torch.equal(hp, p.cpu()) and torch.equal(hs.view(torch.int32), s.cpu().view(torch.int32))
