@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -652,6 +653,13 @@ class TableRing:
     the record go to the driver directly (`cuda_driver`: the copy 1.4-3.1 us less host time a
     call than torch's `copy_` on an H200 host); `driver` is the process's unless a test passes
     a stand-in (None: torch's calls only, as for stand-in buffers).
+
+    A ring that dies (its plan evicted from its set's cache, or the set dropped) with a slot's
+    work still queued keeps its buffers until every slot's event has completed (`_bury`): torch's
+    allocators were never told which stream reads them (a driver copy tells the caching host
+    allocator nothing; the device buffers are read on whatever stream the calls ran on), so
+    freeing them at once could hand a page-locked block to another allocation while a queued
+    copy still reads it, and the kernel would write the wrong blocks.
     One thread at a time, as the set that owns it (the connector packs on the step's thread
     and unpacks on its one load thread).
     """
@@ -695,11 +703,16 @@ class TableRing:
         self.host_ptrs = [t.data_ptr() for t in self.host_tensors]
         self.device_ptrs = [t.data_ptr() for t in self.devices]
         self.nbytes = size * 8
+        weakref.finalize(self, _bury, (self.host_tensors, self.devices, self.events))
+        if _BURIED:
+            _sweep()
 
     def stage(self, array: np.ndarray, site: tuple[int, int] | None = None) -> list[torch.Tensor]:
         """The array in the next slot's device buffer (its per-launch views), copied on the
         current stream (`site`'s stream through the driver, when `site` is on this ring's
         device); torch's allocators when the slot is busy."""
+        if _BURIED:
+            _sweep()
         k = self.next
         if self.staged[k] or not self.events[k].query():
             self.fallbacks += 1
@@ -739,6 +752,40 @@ class TableRing:
         self.events[k].record(stream)
         self.staged[k] = False
         self.current = None
+
+
+#: The buffers of dead rings whose events had not all completed (`TableRing`). No lock: a ring
+#: dies on whichever thread drops it last, possibly inside a sweep (the garbage collector runs
+#: finalizers during allocations), so only the list's atomic `append` / `pop` / `extend` touch it.
+_BURIED: list[tuple[list, list, list]] = []
+
+
+def _done(events: list) -> bool:
+    try:
+        return all(e.query() for e in events)
+    except Exception:  # (CUDA torn down at exit: nothing left to wait for)
+        return True
+
+
+def _bury(buffers: tuple[list, list, list]) -> None:
+    """A dead ring's (host tensors, device tensors, events): dropped now if every event has
+    completed, else kept until a later `_sweep` finds them complete."""
+    if not _done(buffers[2]):
+        _BURIED.append(buffers)
+
+
+def _sweep() -> None:
+    """Drop the buried buffers whose events have all completed (a query each, never a wait);
+    what another thread buries meanwhile is kept or examined, never lost."""
+    keep = []
+    while True:
+        try:
+            buffers = _BURIED.pop()
+        except IndexError:
+            break
+        if not _done(buffers[2]):
+            keep.append(buffers)
+    _BURIED.extend(keep)
 
 
 def _cuda_table_buffers(device: torch.device, size: int) -> tuple[torch.Tensor, torch.Tensor]:

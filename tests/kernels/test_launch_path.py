@@ -286,7 +286,7 @@ def test_with_a_launch_site_the_tables_copy_and_event_go_to_the_driver(monkeypat
         assert second.tolist() == [20, 21, 22, ids[3][0]]
         assert first.data_ptr() == ring.devices[k].data_ptr()
         tables.release(site)
-        assert log[1:] == [("driver record", 0x1000 + k, 0xAB)] and not ring.staged[k]
+        assert log[1:] == [("driver record", 0x1000 + k, 0xAB)] and not ring.staged[k] and ring.current is None
     assert cuda_driver.counts["copy"] - before["copy"] == 2 and cuda_driver.counts["record"] - before["record"] == 2
     assert ring.fallbacks == 0
 
@@ -355,6 +355,109 @@ def test_no_current_context_sends_that_call_through_torch_and_keeps_the_driver_p
                     else ["driver copy", "driver record"])
             assert [e[0] for e in log] == want
     assert ring.driver.on and not caplog.records
+
+
+def test_a_dead_rings_buffers_live_until_its_queued_work_has_run(monkeypatch):
+    """A ring dropped while a slot's copy and kernel are still queued (its event pending) keeps
+    its page-locked and device buffers: torch's allocators do not know which stream reads them,
+    and handing the page-locked block to another allocation would change the ids the queued
+    copy moves. Once every event has completed, the next ring made or slot staged frees them."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(batch, "_BURIED", [])  # (other tests' rings die with stand-in events pending)
+    tables, cuda, log, ring, lib = _driver_ring(monkeypatch)
+    tables.write([(1,), (3,), (1,), (5,)])
+    tables.stage(cuda, (0, 0xAB))
+    tables.release((0, 0xAB))  # (recorded by the driver stand-in, which knows no stand-in event:)
+    pending = ring.events[0]
+    pending.done = False  # slot 0's copy and kernel still queued
+    host, device = weakref.ref(ring.host_tensors[0]), weakref.ref(ring.devices[0])
+    other = _driver_ring(monkeypatch)[0]  # a ring that lives on
+    del ring, lib
+    tables.ring = None
+    gc.collect()
+    assert host() is not None and device() is not None  # buried, not freed
+    other.write([(2,), (4,), (2,), (6,)])
+    other.stage(cuda, (0, 0xAB))  # (a sweep: the event still pending)
+    other.release((0, 0xAB))
+    assert host() is not None
+    pending.done = True
+    other.write([(2,), (4,), (2,), (6,)])
+    other.stage(cuda, (0, 0xAB))  # the sweep finds it complete
+    other.release((0, 0xAB))
+    gc.collect()
+    assert host() is None and device() is None and not batch._BURIED
+
+
+def test_a_dead_rings_buffers_go_at_once_when_nothing_is_queued(monkeypatch):
+    import gc
+    import weakref
+
+    monkeypatch.setattr(batch, "_BURIED", [])  # (other tests' rings die with stand-in events pending)
+    tables, cuda, log, ring, lib = _driver_ring(monkeypatch)
+    host = weakref.ref(ring.host_tensors[0])
+    del ring, lib
+    tables.ring = None
+    gc.collect()
+    assert host() is None and not batch._BURIED
+
+
+def test_unpack_set_kernel_launches_with_addresses_once_the_jit_has_launched_it():
+    """`_SetPlan._launch_set`: the first call goes through the `Launcher` with tensors (the JIT)
+    and keeps its key; later calls pass the table's, payload's and scales' addresses under that
+    key (`Launcher.direct`), the batch's own scales or the plan's `no_scales`; an address off
+    16 bytes, no launch site, or a direct launch refused goes through the `Launcher` again."""
+    from types import SimpleNamespace
+
+    from anchorkv.kernels import launch
+    from anchorkv.kernels.triton_unpack import _SetPlan, _unpack_set_kernel
+
+    calls = []
+
+    class Fused:
+        refuse = False
+
+        def __call__(self, kernel, _at=None, **changing):
+            calls.append(("jit", _at, {k: (v.dtype, v.data_ptr()) for k, v in changing.items()}))
+
+        def direct(self, kernel, key, _at=None, **values):
+            assert kernel is _unpack_set_kernel
+            calls.append(("direct", key, _at, values))
+            return not self.refuse
+
+    buf = torch.zeros(64, dtype=torch.uint8)
+    payload, scales = buf[:32], buf[32:48].view(torch.float32)
+    table = torch.zeros(4, dtype=torch.int64)
+    plan = SimpleNamespace(fused=Fused(), set_key=None, no_scales=torch.zeros(4, dtype=torch.int32))
+    packed = SimpleNamespace(payload=payload, scales=scales)
+    site = (0, 0xAB)
+    assert buf.data_ptr() % 16 == 0
+    _SetPlan._launch_set(plan, packed, table, None)  # no site: the JIT, no key kept
+    assert calls[-1][0] == "jit" and plan.set_key is None
+    _SetPlan._launch_set(plan, packed, table, site)
+    assert calls[-1] == ("jit", site, {"tab": (torch.int64, table.data_ptr()),
+                                       "payload": (torch.uint8, payload.data_ptr()),
+                                       "scales": (torch.int32, scales.data_ptr())})
+    want_key = launch.key_of({"tab": table, "payload": payload, "scales": scales.view(torch.int32)})
+    assert plan.set_key == want_key
+    calls.clear()
+    _SetPlan._launch_set(plan, packed, table, site)
+    assert calls == [("direct", want_key, site, {"tab": table.data_ptr(), "payload": payload.data_ptr(),
+                                                  "scales": scales.data_ptr()})]
+    calls.clear()
+    _SetPlan._launch_set(plan, SimpleNamespace(payload=payload, scales=scales.new_empty(0)), table, site)
+    assert calls[0][3]["scales"] == plan.no_scales.data_ptr() and len(calls) == 1
+    calls.clear()
+    _SetPlan._launch_set(plan, SimpleNamespace(payload=payload, scales=buf[36:52].view(torch.float32)), table, site)
+    assert [c[0] for c in calls] == ["jit"]  # scales 4 bytes off 16: not under the key
+    calls.clear()
+    _SetPlan._launch_set(plan, packed, table, None)
+    assert [c[0] for c in calls] == ["jit"]
+    calls.clear()
+    plan.fused.refuse = True
+    _SetPlan._launch_set(plan, packed, table, site)
+    assert [c[0] for c in calls] == ["direct", "jit"] and plan.set_key == want_key
 
 
 def test_the_driver_path_is_off_by_the_environment_or_without_libcuda(monkeypatch):
