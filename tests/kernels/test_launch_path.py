@@ -403,6 +403,36 @@ def test_a_dead_rings_buffers_go_at_once_when_nothing_is_queued(monkeypatch):
     assert host() is None and not batch._BURIED
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="queued copies need CUDA; the CPU tests above check "
+                    "the burial with stand-in events")
+@pytest.mark.parametrize("driver", [True, False], ids=["driver", "torch"])
+def test_a_ring_dropped_with_its_copy_queued_still_copies_its_own_bytes(driver):
+    """A ring dropped while its copy waits behind other GPU work: the page-locked blocks that
+    pinned allocations get next are not the ones the queued copy reads, and the device buffer
+    receives the ring's bytes, through the driver or torch's `copy_` (review of stop 42)."""
+    import gc
+
+    from anchorkv.kernels import launch
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    drv = cuda_driver.driver() if driver else None
+    assert drv is not None or not driver, "libcuda did not load"
+    ring = batch.TableRing(64, [(0, 64)], dev, driver=drv)
+    site = launch.launch_site()
+    torch.cuda._sleep(200_000_000)  # (GPU work ahead of the copy on the same stream, ~0.1 s)
+    ring.stage(np.arange(64, dtype=np.int64), site)
+    ring.release(site)
+    device_buffer, host_block = ring.devices[0], ring.host_ptrs[0]
+    del ring
+    gc.collect()
+    fresh = [torch.full((64,), -7, dtype=torch.int64, pin_memory=True) for _ in range(2 * batch.TableRing.SLOTS)]
+    assert all(t.data_ptr() != host_block for t in fresh)
+    torch.cuda.synchronize()
+    assert device_buffer.tolist() == list(range(64))
+    batch._sweep()
+    assert not batch._BURIED  # (its event complete: the next sweep lets the buffers go)
+
+
 def test_unpack_set_kernel_launches_with_addresses_once_the_jit_has_launched_it():
     """`_SetPlan._launch_set`: the first call goes through the `Launcher` with tensors (the JIT)
     and keeps its key; later calls pass the table's, payload's and scales' addresses under that
