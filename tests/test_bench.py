@@ -433,3 +433,12 @@ def test_store_crc_runs_and_compares_the_libraries(tmp_path):
                                            for lib in libs}
     assert set(rows) == want
     assert all(r["median_ms"] > 0 and r["ratio_vs_plain"] > 0 for r in rows.values())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
+def test_set_calls_says_it_needs_cuda_in_one_line():
+    """`python -m benchmarks.set_calls` (set calls back to back, launch-path variants; GPU only)
+    refuses a machine without CUDA in one line, exit status 2, no traceback."""
+    res = subprocess.run([sys.executable, "-m", "benchmarks.set_calls", "--rounds", "1"],
+                         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stderr.strip() == "set_calls needs CUDA" and not res.stdout, res
