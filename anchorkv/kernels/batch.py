@@ -703,7 +703,7 @@ class TableRing:
         self.host_ptrs = [t.data_ptr() for t in self.host_tensors]
         self.device_ptrs = [t.data_ptr() for t in self.devices]
         self.nbytes = size * 8
-        weakref.finalize(self, _bury, (self.host_tensors, self.devices, self.events))
+        weakref.finalize(self, _bury, (self.host_tensors, self.devices, self.events, self.staged))
         if _BURIED:
             _sweep()
 
@@ -757,35 +757,41 @@ class TableRing:
 #: The buffers of dead rings whose events had not all completed (`TableRing`). No lock: a ring
 #: dies on whichever thread drops it last, possibly inside a sweep (the garbage collector runs
 #: finalizers during allocations), so only the list's atomic `append` / `pop` / `extend` touch it.
-_BURIED: list[tuple[list, list, list]] = []
+_BURIED: list[tuple[list, list, list, list]] = []
 
 
-def _done(events: list) -> bool:
+def _done(buffers: tuple[list, list, list, list]) -> bool:
+    """Whether a dead ring's queued work has all run: every slot's event complete and no slot
+    staged without its release (then no event covers its copy: kept for good)."""
+    if any(buffers[3]):
+        return False
     try:
-        return all(e.query() for e in events)
-    except Exception:  # (CUDA torn down at exit: nothing left to wait for)
-        return True
+        return all(e.query() for e in buffers[2])
+    except Exception:  # (a CUDA error, or CUDA torn down at exit: keep them, never free early)
+        return False
 
 
-def _bury(buffers: tuple[list, list, list]) -> None:
-    """A dead ring's (host tensors, device tensors, events): dropped now if every event has
-    completed, else kept until a later `_sweep` finds them complete."""
-    if not _done(buffers[2]):
+def _bury(buffers: tuple[list, list, list, list]) -> None:
+    """A dead ring's (host tensors, device tensors, events, staged flags): dropped now if its
+    work has all run (`_done`), else kept until a later `_sweep` finds it has."""
+    if not _done(buffers):
         _BURIED.append(buffers)
 
 
 def _sweep() -> None:
-    """Drop the buried buffers whose events have all completed (a query each, never a wait);
-    what another thread buries meanwhile is kept or examined, never lost."""
+    """Drop the buried buffers whose work has all run (a query each, never a wait); what
+    another thread buries meanwhile is kept or examined, never lost."""
     keep = []
-    while True:
-        try:
-            buffers = _BURIED.pop()
-        except IndexError:
-            break
-        if not _done(buffers[2]):
-            keep.append(buffers)
-    _BURIED.extend(keep)
+    try:
+        while True:
+            try:
+                buffers = _BURIED.pop()
+            except IndexError:
+                break
+            if not _done(buffers):
+                keep.append(buffers)
+    finally:
+        _BURIED.extend(keep)
 
 
 def _cuda_table_buffers(device: torch.device, size: int) -> tuple[torch.Tensor, torch.Tensor]:

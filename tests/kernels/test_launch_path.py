@@ -357,7 +357,8 @@ def test_no_current_context_sends_that_call_through_torch_and_keeps_the_driver_p
     assert ring.driver.on and not caplog.records
 
 
-def test_a_dead_rings_buffers_live_until_its_queued_work_has_run(monkeypatch):
+@pytest.mark.parametrize("sweep", ["stage", "new ring"])
+def test_a_dead_rings_buffers_live_until_its_queued_work_has_run(monkeypatch, sweep):
     """A ring dropped while a slot's copy and kernel are still queued (its event pending) keeps
     its page-locked and device buffers: torch's allocators do not know which stream reads them,
     and handing the page-locked block to another allocation would change the ids the queued
@@ -383,11 +384,32 @@ def test_a_dead_rings_buffers_live_until_its_queued_work_has_run(monkeypatch):
     other.release((0, 0xAB))
     assert host() is not None
     pending.done = True
-    other.write([(2,), (4,), (2,), (6,)])
-    other.stage(cuda, (0, 0xAB))  # the sweep finds it complete
-    other.release((0, 0xAB))
+    if sweep == "stage":
+        other.write([(2,), (4,), (2,), (6,)])
+        other.stage(cuda, (0, 0xAB))  # the sweep finds it complete
+        other.release((0, 0xAB))
+    else:
+        _driver_ring(monkeypatch)  # a new ring sweeps too
     gc.collect()
     assert host() is None and device() is None and not batch._BURIED
+
+
+def test_a_dead_rings_slot_staged_and_never_released_keeps_its_buffers(monkeypatch):
+    """A slot staged whose release never came (release itself raised): no event covers its
+    copy, so the dead ring's buffers are never freed (a few hundred bytes, kept for good)."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(batch, "_BURIED", [])
+    tables, cuda, log, ring, lib = _driver_ring(monkeypatch)
+    tables.write([(1,), (3,), (1,), (5,)])
+    tables.stage(cuda, (0, 0xAB))  # (never released)
+    host = weakref.ref(ring.host_tensors[0])
+    del ring, lib
+    tables.ring = None
+    gc.collect()
+    batch._sweep()
+    assert host() is not None and len(batch._BURIED) == 1
 
 
 def test_a_dead_rings_buffers_go_at_once_when_nothing_is_queued(monkeypatch):
@@ -406,7 +428,7 @@ def test_a_dead_rings_buffers_go_at_once_when_nothing_is_queued(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="queued copies need CUDA; the CPU tests above check "
                     "the burial with stand-in events")
 @pytest.mark.parametrize("driver", [True, False], ids=["driver", "torch"])
-def test_a_ring_dropped_with_its_copy_queued_still_copies_its_own_bytes(driver):
+def test_a_ring_dropped_with_its_copy_queued_still_copies_its_own_bytes(monkeypatch, driver):
     """A ring dropped while its copy waits behind other GPU work: the page-locked blocks that
     pinned allocations get next are not the ones the queued copy reads, and the device buffer
     receives the ring's bytes, through the driver or torch's `copy_` (review of stop 42)."""
@@ -414,6 +436,7 @@ def test_a_ring_dropped_with_its_copy_queued_still_copies_its_own_bytes(driver):
 
     from anchorkv.kernels import launch
 
+    monkeypatch.setattr(batch, "_BURIED", [])  # (the CPU tests' rings die with stand-in events pending)
     dev = torch.device("cuda", torch.cuda.current_device())
     drv = cuda_driver.driver() if driver else None
     assert drv is not None or not driver, "libcuda did not load"
