@@ -77,7 +77,7 @@ def main(argv=None) -> int:
                         t.ring = None
                         t.stage(pplan.device)  # (makes the ring)
                         t.ring.SLOTS = slots  # (the ring reads its size from itself at every call)
-                        t.ring.staged = [False] * slots  # (that stage is never launched)
+                        t.ring.release()  # (that stage launched nothing: its event says so at once)
                         if how == "torch":
                             t.ring.driver = None
                         made.append(t.ring)
