@@ -319,3 +319,20 @@ def test_the_warm_store_loads_are_held_to_the_design_target():
     got = {t["target"] for t in gpu_validate.targets(rows, on_gpu=True)}
     assert got == {f"store load 7680 tokens, {p}: >= 0.8 x plain files"
                    for p in ("store-raw", "store-raw:warm", "store-quant:warm")}
+
+
+def test_save_timeline_saves_specs_made_before_its_rounds(tmp_path):
+    """`save_timeline`'s `pack+d2h` round saves a spec made before the rounds (building one is
+    the scheduler's work, not the save's), a new one each call (a new entry each time)."""
+    from benchmarks.bench_save_path import QUICK_TOKENS, Request, request_layout
+    from benchmarks.save_timeline import _round
+
+    req = Request(request_layout(True), QUICK_TOKENS, "raw", tmp_path)
+    made = req.saves
+    fn = _round(req, "pack+d2h", 3)
+    assert req.saves == made + 3  # all three specs made up front
+    for _ in range(3):
+        fn()
+    assert req.saves == made + 3 and req.discard.saved[-3:] == [req.packed_bytes] * 3
+    with pytest.raises(IndexError):
+        fn()
