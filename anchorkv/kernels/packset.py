@@ -306,19 +306,22 @@ class _TargetSet:
         self._check_of = tuple(checks.setdefault((s, t.num_blocks), len(checks))
                                for s, t in zip(self.slots, self.targets, strict=True))
         self._checks = tuple(checks)
+        self._need = max(self.slots) + 1  # slots a call names ids for
         self._plans: batch.PlanCache = batch.PlanCache(PLANS_PER_SET)
         self._told = False  # (`_made`)
 
     def _ids(self, ids_by_slot: Sequence, *, distinct: bool) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
         """(each slot's length, each target's checked ids)."""
-        need = max(self.slots) + 1
+        need = self._need
         if len(ids_by_slot) < need:
             raise ValueError(f"block ids for {need} slots are needed, found {len(ids_by_slot)}")
         checked = [batch.check_ids(ids_by_slot[s], n, distinct=distinct) for s, n in self._checks]
         lens = [0] * need
         for (s, _), ids in zip(self._checks, checked, strict=True):
             lens[s] = len(ids)
-        return tuple(lens), [checked[k] for k in self._check_of]
+        # (each target's ids by its check's index: one C-level map, ~half a list comprehension's
+        # cost for a Kimi-Linear request's 47 targets)
+        return tuple(lens), list(map(checked.__getitem__, self._check_of))
 
     def _lens(self, lens_by_slot: Sequence[int]) -> list[int]:
         return [lens_by_slot[s] for s in self.slots]
