@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     row("  device.copy_(pinned, non_blocking)", lambda: ring.devices[0].copy_(ring.host_tensors[0], non_blocking=True))
     drv = ring.driver
     if drv is not None:  # (`cuda_driver`: what the ring stages through given a launch site)
-        raw = torch._C._cuda_getCurrentRawStream(device.index)
+        raw = launch.launch_site()[1]
         row("  driver copy (cuMemcpyHtoDAsync)",
             lambda: drv.copy(ring.device_ptrs[0], ring.host_ptrs[0], ring.nbytes, raw))
         row("  driver event record (cuEventRecord)", lambda: drv.record(ring.events[0].cuda_event, raw))

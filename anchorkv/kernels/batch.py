@@ -740,16 +740,14 @@ class TableRing:
         handle = site[1] if site is not None and site[0] == self.device.index else None
         d, event = self.driver, self.events[k]
         # (a torch event is made at its first record: until then it has no handle)
-        if handle is not None and d is not None and d.on and event.cuda_event and d.record(event.cuda_event, handle):
-            self.staged[k] = False
-            self.current = None
-            return
-        stream = None if handle is None else self.streams.get(handle)
-        if stream is None:
-            stream = self.stream()
-            if handle is not None:
-                self.streams[handle] = stream
-        self.events[k].record(stream)
+        if not (handle is not None and d is not None and d.on and event.cuda_event
+                and d.record(event.cuda_event, handle)):
+            stream = None if handle is None else self.streams.get(handle)
+            if stream is None:
+                stream = self.stream()
+                if handle is not None:
+                    self.streams[handle] = stream
+            event.record(stream)
         self.staged[k] = False
         self.current = None
 

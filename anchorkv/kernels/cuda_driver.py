@@ -58,20 +58,18 @@ class Driver:
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> bool:
         """`nbytes` from page-locked host address `src` to device address `dst`, queued on the
         stream of raw handle `stream`."""
-        err = self._copy(dst, src, nbytes, stream)
-        if err:
-            self._off("cuMemcpyHtoDAsync", err)
-            return False
-        counts["copy"] += 1
-        return True
+        return self._call("copy", "cuMemcpyHtoDAsync", self._copy(dst, src, nbytes, stream))
 
     def record(self, event: int, stream: int) -> bool:
         """Record the CUDA event of handle `event` on the stream of raw handle `stream`."""
-        err = self._record(event, stream)
+        return self._call("record", "cuEventRecord", self._record(event, stream))
+
+    def _call(self, what: str, call: str, err: int) -> bool:
+        """The outcome of a driver `call` that returned `err` (counted under `what`)."""
         if err:
-            self._off("cuEventRecord", err)
+            self._off(call, err)
             return False
-        counts["record"] += 1
+        counts[what] += 1
         return True
 
     def _off(self, call: str, err: int) -> None:

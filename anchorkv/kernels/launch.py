@@ -148,7 +148,7 @@ class Launcher:
     caller computed, under a key it kept (`key_of`): no tensor at all on the call's path.
     """
 
-    __slots__ = ("grid", "fixed", "kernel", "compiled", "device", "template", "at")
+    __slots__ = ("grid", "fixed", "kernel", "compiled", "device", "template", "at", "address_key")
 
     def __init__(self, grid: tuple[int, ...], fixed: Mapping[str, Any]) -> None:
         if not 1 <= len(grid) <= 3:
@@ -166,6 +166,8 @@ class Launcher:
         # first kept kernel)
         self.template: list[Any] = []
         self.at: dict[str, int] = {}
+        #: the key of the first `by_address` launch through the JIT (its later calls' key)
+        self.address_key: tuple | None = None
 
     def __call__(self, kernel: Any, _at: tuple[int, int] | None = None, **changing: Any) -> None:
         key = None
@@ -187,10 +189,34 @@ class Launcher:
         addresses); False, launching nothing, when `kernel` is not the kept one (a stand-in), none
         is kept for the key, direct launches are off, or another device is current: then the
         caller launches through `__call__`."""
+        return self._direct(kernel, key, _at, values)
+
+    def _direct(self, kernel: Any, key: tuple, at: tuple[int, int] | None, values: Mapping[str, Any]) -> bool:
         if kernel is not self.kernel or _disabled:
             return False
         launch = self.compiled.get(key)
-        return launch is not None and self._launch(launch, _at, values)
+        return launch is not None and self._launch(launch, at, values)
+
+    def by_address(self, kernel: Any, site: tuple[int, int] | None, tensors: Callable[[], dict[str, Any]],
+                   **addresses: int) -> None:
+        """Launch `kernel` with the changing arguments given as `addresses` (ints), under the key
+        of this method's first launch through the JIT (`address_key`): no tensor, no key to
+        compute on the call's path (what a set plan's calls do, the same arguments every call).
+        The call goes through `__call__` with `tensors()` (the tensors those addresses stand
+        for, made only then) at the first call, without a launch site, when an address is off
+        16 bytes (the key holds each tensor's 16-byte alignment as at that launch), or when the
+        direct launch is refused (`direct`)."""
+        key = self.address_key
+        if key is not None and site is not None:
+            bits = 0
+            for a in addresses.values():  # (a loop: cheaper than `any` over a generator here)
+                bits |= a
+            if not bits & 15 and self._direct(kernel, key, site, addresses):
+                return
+        changing = tensors()
+        self(kernel, _at=site, **changing)
+        if key is None and site is not None:
+            self.address_key = key_of(changing)
 
     def _launch(self, launch: Callable[[list, int | None], None], at: tuple[int, int] | None,
                 values: Mapping[str, Any]) -> bool:

@@ -42,7 +42,7 @@ from anchorkv.kernels.bits import (
     widen,
 )
 from anchorkv.kernels.items import PackItem, PackTarget, Span
-from anchorkv.kernels.launch import Launcher, key_of, launch_site
+from anchorkv.kernels.launch import Launcher, launch_site
 from anchorkv.kernels.quant import FP8_MAX, INT4_LEVELS, INT8_MAX, POISON_SCALE_BITS
 
 # Globals a @triton.jit function reads must be constexprs (a GPU compile refuses plain floats).
@@ -560,11 +560,9 @@ class _Plan:
         self.tables = None if slots is None else batch.TableArray(
             [(launch.static, launch.members, launch.n) for launch in ordered], slots)
         own = [launch.launcher.fixed for launch in ordered if launch.launcher is not None]  # (every one runs)
-        #: the set kernel's call: its one allocation's bytes, where its scales start, and the
-        #: key of the JIT's launch (`_launch_set`)
+        #: the set kernel's call: its one allocation's bytes and where its scales start
         self.whole_bytes = batch.scales_start(self.payload_bytes) + 4 * self.scale_values
         self.scales_at = batch.scales_start(self.payload_bytes)
-        self.set_key: tuple | None = None
         self._chunks: dict[int, list] = {}  # `chunk_launchers`, by chunk count
         #: the set kernel's launcher (`FUSED`, a set's plan of several launches), else None
         self.fused: Launcher | None = None if self.tables is None else set_launcher(
@@ -618,10 +616,9 @@ class _Plan:
         """`launch` of a set kernel's plan on a GPU: (the call's one allocation, None, None),
         the payload and scales views left to the caller (`PackSet.pack`'s batch makes them when
         first read: each costs the host ~3 us on an H200's, and a save that copies the whole
-        allocation to the host reads neither). Once the JIT has launched the kernel for the
-        call's key (`set_key`), a call passes addresses only (`Launcher.direct`): the
-        allocation's, its scales' (at `scales_start`) and the staged table's, all 16-byte
-        aligned as at the JIT's launch (checked)."""
+        allocation to the host reads neither). Once the JIT has launched the kernel, a call
+        passes addresses only (`Launcher.by_address`): the allocation's, its scales' (at
+        `scales_start`) and the staged table's."""
         fused, tables = self.fused, self.tables
         assert fused is not None and tables is not None  # (the caller's test; a set kernel's plan has tables)
         whole = torch.empty(self.whole_bytes, dtype=torch.uint8, device=self.device)
@@ -629,15 +626,14 @@ class _Plan:
         tables.write(ids)
         table = tables.stage(self.device, site)[0]
         try:
-            base, tab = whole.data_ptr(), table.data_ptr()
-            if (self.set_key is None or (base | tab) % 16
-                    or not fused.direct(_pack_set_kernel, self.set_key, site, tab=tab, payload=base,
-                                        scales=base + self.scales_at)):
+            base = whole.data_ptr()
+
+            def tensors() -> dict[str, torch.Tensor]:
                 payload, scales = batch.batch_views(whole, self.payload_bytes, self.scale_values)
-                changing = {"tab": table, "payload": payload, "scales": scales.view(torch.int32)}
-                fused(_pack_set_kernel, _at=site, **changing)
-                if self.set_key is None:
-                    self.set_key = key_of(changing)
+                return {"tab": table, "payload": payload, "scales": scales.view(torch.int32)}
+
+            fused.by_address(_pack_set_kernel, site, tensors, tab=table.data_ptr(), payload=base,
+                             scales=base + self.scales_at)
         finally:  # (after whatever was issued: the tables' buffers are free once it has run)
             tables.release(site)
         return whole, None, None

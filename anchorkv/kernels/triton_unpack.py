@@ -25,7 +25,7 @@ import triton.language as tl
 from anchorkv.kernels import batch
 from anchorkv.kernels.bits import FMT_BF16, FMT_FP8, FMT_INT4, FMT_RAW, fp8_decode, narrow, widen
 from anchorkv.kernels.items import UnpackItem
-from anchorkv.kernels.launch import Launcher, key_of, launch_site
+from anchorkv.kernels.launch import Launcher, launch_site
 from anchorkv.kernels.triton_pack import (
     PLAN_CACHE_SIZE,
     SET_LAUNCHES,
@@ -281,8 +281,6 @@ class _SetPlan:
         #: the scales argument when the batch has none (never read)
         self.no_scales = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.seen: tuple | None = None  # spans found equal to the layout's (`UnpackSet.unpack`)
-        #: the set kernel's specialization key, once the JIT has launched it (`_launch_set`)
-        self.set_key: tuple | None = None
 
     def launch(self, packed, ids: Sequence[Sequence[int]]) -> None:
         """Decode `packed` (checked by the caller against `layout`, 16-byte aligned) into the
@@ -308,23 +306,17 @@ class _SetPlan:
             self.tables.release(site)
 
     def _launch_set(self, packed, table: torch.Tensor, site: tuple[int, int] | None) -> None:
-        """The set kernel's launch: once the JIT has launched it for the call's key
-        (`set_key`), with addresses only (`Launcher.direct`: the table's, the payload's, the
-        scales', all 16-byte aligned as at the JIT's launch; no int32 view of the scales, no
-        key to compute), as `triton_pack`'s set calls do."""
+        """The set kernel's launch: once the JIT has launched it, with addresses only
+        (`Launcher.by_address`: the table's, the payload's, the scales' or `no_scales`'; no
+        int32 view of the scales, no key to compute), as `triton_pack`'s set calls do."""
         fused = self.fused
         assert fused is not None
         payload, scales = packed.payload, packed.scales
         has_scales = scales.numel() > 0
-        tab, pay = table.data_ptr(), payload.data_ptr()
-        sc = scales.data_ptr() if has_scales else self.no_scales.data_ptr()
-        if (self.set_key is None or site is None or (tab | pay | sc) % 16
-                or not fused.direct(_unpack_set_kernel, self.set_key, site, tab=tab, payload=pay, scales=sc)):
-            changing = {"tab": table, "payload": payload,
-                        "scales": scales.view(torch.int32) if has_scales else self.no_scales}
-            fused(_unpack_set_kernel, _at=site, **changing)
-            if self.set_key is None and site is not None:
-                self.set_key = key_of(changing)
+        fused.by_address(_unpack_set_kernel, site, lambda: {
+            "tab": table, "payload": payload, "scales": scales.view(torch.int32) if has_scales else self.no_scales},
+            tab=table.data_ptr(), payload=payload.data_ptr(),
+            scales=scales.data_ptr() if has_scales else self.no_scales.data_ptr())
 
 
 def _build(items: Sequence[UnpackItem], ids: list[tuple[int, ...]]) -> list[_Launch]:

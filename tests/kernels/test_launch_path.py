@@ -457,10 +457,11 @@ def test_a_ring_dropped_with_its_copy_queued_still_copies_its_own_bytes(monkeypa
 
 
 def test_unpack_set_kernel_launches_with_addresses_once_the_jit_has_launched_it():
-    """`_SetPlan._launch_set`: the first call goes through the `Launcher` with tensors (the JIT)
-    and keeps its key; later calls pass the table's, payload's and scales' addresses under that
-    key (`Launcher.direct`), the batch's own scales or the plan's `no_scales`; an address off
-    16 bytes, no launch site, or a direct launch refused goes through the `Launcher` again."""
+    """`_SetPlan._launch_set` through `Launcher.by_address`: the first call goes through the
+    `Launcher` with tensors (the JIT) and keeps its key; later calls pass the table's, payload's
+    and scales' addresses under that key (a direct launch), the batch's own scales or the
+    plan's `no_scales`; an address off 16 bytes, no launch site, or a direct launch refused goes
+    through the `Launcher` again."""
     from types import SimpleNamespace
 
     from anchorkv.kernels import launch
@@ -468,32 +469,32 @@ def test_unpack_set_kernel_launches_with_addresses_once_the_jit_has_launched_it(
 
     calls = []
 
-    class Fused:
+    class Fused(launch.Launcher):
         refuse = False
 
         def __call__(self, kernel, _at=None, **changing):
             calls.append(("jit", _at, {k: (v.dtype, v.data_ptr()) for k, v in changing.items()}))
 
-        def direct(self, kernel, key, _at=None, **values):
+        def _direct(self, kernel, key, at, values):
             assert kernel is _unpack_set_kernel
-            calls.append(("direct", key, _at, values))
+            calls.append(("direct", key, at, dict(values)))
             return not self.refuse
 
     buf = torch.zeros(64, dtype=torch.uint8)
     payload, scales = buf[:32], buf[32:48].view(torch.float32)
     table = torch.zeros(4, dtype=torch.int64)
-    plan = SimpleNamespace(fused=Fused(), set_key=None, no_scales=torch.zeros(4, dtype=torch.int32))
+    plan = SimpleNamespace(fused=Fused((1,), {}), no_scales=torch.zeros(4, dtype=torch.int32))
     packed = SimpleNamespace(payload=payload, scales=scales)
     site = (0, 0xAB)
     assert buf.data_ptr() % 16 == 0
     _SetPlan._launch_set(plan, packed, table, None)  # no site: the JIT, no key kept
-    assert calls[-1][0] == "jit" and plan.set_key is None
+    assert calls[-1][0] == "jit" and plan.fused.address_key is None
     _SetPlan._launch_set(plan, packed, table, site)
     assert calls[-1] == ("jit", site, {"tab": (torch.int64, table.data_ptr()),
                                        "payload": (torch.uint8, payload.data_ptr()),
                                        "scales": (torch.int32, scales.data_ptr())})
     want_key = launch.key_of({"tab": table, "payload": payload, "scales": scales.view(torch.int32)})
-    assert plan.set_key == want_key
+    assert plan.fused.address_key == want_key
     calls.clear()
     _SetPlan._launch_set(plan, packed, table, site)
     assert calls == [("direct", want_key, site, {"tab": table.data_ptr(), "payload": payload.data_ptr(),
@@ -510,7 +511,7 @@ def test_unpack_set_kernel_launches_with_addresses_once_the_jit_has_launched_it(
     calls.clear()
     plan.fused.refuse = True
     _SetPlan._launch_set(plan, packed, table, site)
-    assert [c[0] for c in calls] == ["direct", "jit"] and plan.set_key == want_key
+    assert [c[0] for c in calls] == ["direct", "jit"] and plan.fused.address_key == want_key
 
 
 def test_the_driver_path_is_off_by_the_environment_or_without_libcuda(monkeypatch):
