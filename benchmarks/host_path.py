@@ -10,7 +10,8 @@ the connector's `WorkerSide._pack` (the codec layer, the kernels' launch path) a
 save (`save` + `flush`: the writer thread's views, trimming and NaN check too) and an idle `flush` with
 CPU tensors through the Triton launchers (`TRITON_INTERPRET=1`, `ANCHORKV_BACKEND=triton`),
 each kernel replaced by a no-op (in the whole save, one that zeroes the scales it is given),
-and reports microseconds per call (the best of 5 repeats of `--iters` calls). The `A/B` rows time
+and reports microseconds per call (the best of 5 repeats of `--iters` calls; the `cold` rows: the
+median of single calls each after 64 MB of other memory traffic, `cold_us`). The `A/B` rows time
 the sets with their set kernel against the same sets launching once per signature, alternated
 (`_set_kernel_ab`). The CPU path
 skips the pinned staging copy a CUDA call makes. The restore rows time a worker's reads of a
@@ -67,6 +68,30 @@ def per_call_us(fn, iters: int, repeats: int = 5) -> float:
     return best * 1e6
 
 
+#: Bytes of other memory traffic before each call of a `cold_us` row (a step's other work: the
+#: forward pass's launches, the scheduler), and the Python run with it
+POLLUTE_BYTES = 64 << 20
+
+
+def cold_us(fn, calls: int = 30) -> float:
+    """Median microseconds of single calls of `fn`, each after `POLLUTE_BYTES` of other memory
+    traffic and some other Python (the host's caches cold, as a save's launch path finds them
+    once a step: its code and data evicted by the step's other work)."""
+    import numpy as np
+
+    junk = np.zeros(POLLUTE_BYTES, dtype=np.uint8)
+    fn()
+    out = []
+    for _ in range(calls):
+        junk += 1
+        sum(len(str(i)) for i in range(20_000))
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    out.sort()
+    return out[len(out) // 2] * 1e6
+
+
 def measure(tp: int, iters: int, tokens: int | None = None) -> dict[str, float]:
     """Host microseconds per call of each step, the kernels stubbed for the duration (the
     caller sets TRITON_INTERPRET=1 and ANCHORKV_BACKEND=triton before triton is imported)."""
@@ -115,9 +140,12 @@ def _measure(tp: int, iters: int, tokens: int | None) -> dict[str, float]:
         "kernels.pack_many: plan.run (outputs, tables)": per_call_us(lambda: plan.run(ids), iters),
         "kernels.PackSet.pack (the same items as fixed targets)": per_call_us(
             lambda: req.pack_set.pack(req.slot_ids), iters),
+        "kernels.PackSet.pack, cold (after 64 MB of other memory traffic)": cold_us(
+            lambda: req.pack_set.pack(req.slot_ids)),
         "kernels.unpack_many": per_call_us(lambda: triton_unpack.unpack_many(unpack_items), iters),
         "kernels.UnpackSet.unpack (the same items as fixed targets)": per_call_us(
             lambda: req.unpack_set.unpack(req.packed_batch, req.slot_ids), iters),
+        "kernels.UnpackSet.unpack, cold": cold_us(lambda: req.unpack_set.unpack(req.packed_batch, req.slot_ids)),
     }
     out.update(_set_kernel_ab(req, iters))
     if tp == 1:  # the save path's request (bench_save_path) is a tp=1 one
@@ -128,6 +156,7 @@ def _measure(tp: int, iters: int, tokens: int | None) -> dict[str, float]:
             worker = save.discard_worker
             out["codec.pack_many (quant codecs)"] = per_call_us(save.pack, iters)
             out["WorkerSide._pack (quant codecs)"] = per_call_us(lambda: worker._pack(spec), iters)
+            out["WorkerSide._pack (quant codecs), cold"] = cold_us(lambda: worker._pack(spec))
 
             def save_and_flush() -> None:  # the step's part, then the writer thread's, to the store
                 worker.save(Metadata(saves=[spec]))

@@ -17,6 +17,19 @@ before each:
     save + flush         the whole, as `pack+d2h` times it
     d2h copy             the baseline: one copy of the packed bytes to pinned memory
 
+and then `_pack` alone, in rounds of its own, with the side streams switched by `launch.on_stream`
+(torch's C calls, the default) and by `torch.cuda.stream` (`launch.LEAN_STREAMS` off), rounds
+of the two alternated:
+
+    _pack after sync     one call after a synchronization, as `_pack returns` times it (the
+                         host's caches cold from the round's other work: a save's case)
+    _pack hot            the median of `HOT` calls back to back (each call's host buffer given
+                         back at once): the same code with the host's caches warm
+
+(on this machine's CPU a `PackSet.pack` takes 4-6x its hot time after 64 MB of other memory
+traffic, `python -m benchmarks.host_path`'s `cold` rows: the gap between the two rows is the cold
+path's, and what a save's host time is made of).
+
 On a GPU (or with `--pack-profile`) it then lists where `_pack returns` and `writer` go: another
 `--rounds` saves, their `WorkerSide._pack` and `_write` calls under cProfile, each function's own and
 cumulative microseconds a call (the H200 spent ~0.35 ms there a save at stop 30, against ~0.05 ms
@@ -99,9 +112,56 @@ def breakdown(codecs: str = "quant", rounds: int = 10, quick: bool = False,
         failed = (worker.stats.take() or {}).get("save_failed")
         if failed:
             raise RuntimeError(f"{failed} saves were refused: the figures would time the refusals")
-        return {k: statistics.median(v) for k, v in times.items()}
+        out = {k: statistics.median(v) for k, v in times.items()}
+        out.update(pack_alone(req, rounds))
+        return out
     finally:
         req.close()  # (removes root)
+
+
+#: `_pack` calls a `_pack hot` round times back to back
+HOT = 20
+
+
+def pack_alone(req, rounds: int) -> dict[str, float]:
+    """Median ms of `WorkerSide._pack` of `req` (a `bench_save_path.Request`) after a
+    synchronization and back to back (`HOT` calls), with `launch.LEAN_STREAMS` on and off,
+    rounds alternated (see the module docstring). Each call's host buffer goes back to the
+    pool at once (the hot rounds' copies may overwrite one another's: nothing reads them)."""
+    from anchorkv.kernels import launch
+
+    worker = req.discard_worker
+    names = {True: "", False: ", torch.cuda.stream"}
+    times: dict[str, list[float]] = {f"_pack {k}{n}": [] for n in names.values() for k in ("after sync", "hot")}
+
+    def call(spec) -> None:
+        packing = worker._pack(spec)
+        if packing.host is not None:
+            worker._save_host.give(packing.host)
+
+    lean = launch.LEAN_STREAMS
+    try:
+        for r in range(rounds + 1):  # the first round warms up
+            for on, name in names.items():
+                launch.LEAN_STREAMS = on
+                spec = req.spec()
+                _sync()
+                t0 = time.perf_counter()
+                call(spec)
+                t1 = time.perf_counter()
+                _sync()
+                specs = [req.spec() for _ in range(HOT)]
+                t2 = time.perf_counter()
+                for spec in specs:
+                    call(spec)
+                t3 = time.perf_counter()
+                _sync()
+                if r:
+                    times[f"_pack after sync{name}"].append((t1 - t0) * 1e3)
+                    times[f"_pack hot{name}"].append((t3 - t2) / HOT * 1e3)
+    finally:
+        launch.LEAN_STREAMS = lean
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def listing(profile: cProfile.Profile, calls: int, top: int = 25) -> list[tuple[str, float, float]]:

@@ -357,8 +357,9 @@ def test_host_path_runs_on_a_cpu_and_names_every_step(tmp_path):
     assert set(steps) == {
         "kernels.pack_many", "kernels.pack_many: check the block ids", "kernels.pack_many: find the cached plan",
         "kernels.pack_many: plan.run (outputs, tables)", "kernels.PackSet.pack (the same items as fixed targets)",
+        "kernels.PackSet.pack, cold (after 64 MB of other memory traffic)", "kernels.UnpackSet.unpack, cold",
         "kernels.unpack_many", "kernels.UnpackSet.unpack (the same items as fixed targets)",
-        "codec.pack_many (quant codecs)", "WorkerSide._pack (quant codecs)",
+        "codec.pack_many (quant codecs)", "WorkerSide._pack (quant codecs)", "WorkerSide._pack (quant codecs), cold",
         "WorkerSide.save + flush (quant codecs, a store that keeps nothing)", "WorkerSide.flush (nothing queued)",
         "restore: read into the worker's arena, sent as it lies (now)",
         "restore: read into the batch's spans (batch)",

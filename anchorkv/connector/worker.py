@@ -52,6 +52,7 @@ from anchorkv.connector.plan import GroupInfo, GroupKind, LoadSpec, Metadata, Sa
 from anchorkv.connector.storage import EntryStore
 from anchorkv.kernels import BatchLayout, PackedBatch
 from anchorkv.kernels.dispatch import backend_for
+from anchorkv.kernels.launch import Streams, on_stream
 from anchorkv.store.settings import cores
 
 log = logging.getLogger("anchorkv.connector")
@@ -159,6 +160,10 @@ class WorkerSide:
         self._backlog_warned = -float("inf")  # when the last "store is behind" warning was logged
         self._stream: torch.cuda.Stream | None = None
         self._copy_stream: torch.cuda.Stream | None = None  # (`SAVE_COPY_STREAM`; made when first used)
+        #: (CUDA) the step's stream objects by handle, and the one event a save's side stream waits
+        #: on (recorded on the step's stream at each save: a wait takes the record made before it)
+        self._streams: Streams | None = None
+        self._fork: torch.cuda.Event | None = None
         #: the host memory restores are read into (page-locked for a GPU cache: parts cross in
         #: one copy as they lie), reused restore after restore; one restore at a time
         self._arena = HostArena(pin=False)
@@ -182,6 +187,7 @@ class WorkerSide:
         if device.type == "cuda":
             self._stream = torch.cuda.Stream(device=device)
             self._copy_stream = None
+            self._streams, self._fork = Streams(), torch.cuda.Event()
         with self._arena_lock:
             self._arena = HostArena(pin=device.type == "cuda")
         self._save_host = HostPool(pin=device.type == "cuda")
@@ -291,12 +297,14 @@ class WorkerSide:
         stream = self._stream
         if stream is None:
             return _Packing(packer.pack(spec.blocks))
-        step = torch.cuda.current_stream(stream.device)
-        stream.wait_stream(step)  # order after the forward pass without blocking the host
+        assert self._streams is not None and self._fork is not None  # (made with the stream)
+        step = self._streams.current(stream.device_index)
+        self._fork.record(step)  # order after the forward pass without blocking the host
+        stream.wait_event(self._fork)
         read = None
         try:
             copy = self._copies(stream)
-            with torch.cuda.stream(stream):
+            with on_stream(stream):  # (`torch.cuda.stream`, in fewer host calls)
                 packed = packer.pack(spec.blocks)
                 read = torch.cuda.Event()
                 read.record(stream)
@@ -307,7 +315,7 @@ class WorkerSide:
                     ready.record(stream)
             if copy is not stream:
                 copy.wait_event(read)
-                with torch.cuda.stream(copy):
+                with on_stream(copy):
                     on_device, packed = packed, packed.to_host(pin=True, host=host)
                     ready = torch.cuda.Event()
                     ready.record(copy)

@@ -128,6 +128,79 @@ def launch_site() -> tuple[int, int]:
     return device, torch._C._cuda_getCurrentRawStream(device)
 
 
+#: Whether `on_stream` switches streams with torch's C calls (False: `torch.cuda.stream`, the
+#: path before; benchmarks flip it to compare the two in one run).
+LEAN_STREAMS = True
+
+
+@functools.cache
+def _stream_calls() -> tuple[Callable, Callable, Callable] | None:
+    """torch's C calls behind `torch.cuda.current_device`, `current_stream` and `set_stream`
+    (`_cuda_getDevice`, `_cuda_getCurrentStream`, `_cuda_setStream`: a CUDA build's), or None."""
+    names = ("_cuda_getDevice", "_cuda_getCurrentStream", "_cuda_setStream")
+    calls = tuple(getattr(torch._C, n, None) for n in names)
+    return calls if all(calls) else None  # type: ignore[return-value]
+
+
+class on_stream:
+    """`with torch.cuda.stream(stream):` in four C calls: the current device, its current
+    stream (kept), the switch, and the switch back on exit (also on an error). What
+    `torch.cuda.stream` does for a stream on the current device, without its Python (a
+    device lookup, a `Stream` object built for the current stream, two `device` comparisons;
+    a save switches twice, on the step's thread). A stream on another device than the
+    current one, a torch without the C calls, or `LEAN_STREAMS` off: `torch.cuda.stream`
+    itself. One thread, not re-entered."""
+
+    __slots__ = ("stream", "prev", "ctx")
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.prev: tuple[int, int, int] | None = None
+        self.ctx: Any = None
+
+    def __enter__(self) -> Any:
+        s = self.stream
+        calls = _stream_calls() if LEAN_STREAMS else None
+        if calls is not None and calls[0]() == s.device_index:
+            self.prev = calls[1](s.device_index)
+            calls[2](stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+        else:
+            self.ctx = torch.cuda.stream(s)
+            self.ctx.__enter__()
+        return s
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+            return
+        prev, calls = self.prev, _stream_calls()
+        assert prev is not None and calls is not None  # (set by __enter__)
+        calls[2](stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+
+
+class Streams:
+    """The current stream of a device as a `torch.cuda.Stream`, one object kept per raw
+    handle: `current(device)` asks torch for the handle (one C call, `launch_site`'s) instead
+    of building a new `Stream` (`torch.cuda.current_stream`: ~4.5 us of an H200 host's time,
+    `benchmarks.launch_variants`). A handle names one CUDA stream whichever object stands for
+    it. `current` stands for `torch.cuda.current_stream` in tests."""
+
+    def __init__(self, current: Callable[[int], Any] | None = None,
+                 handle: Callable[[int], int] | None = None) -> None:
+        self.known: dict[int, Any] = {}
+        self._current = current or torch.cuda.current_stream
+        self._handle = handle or (lambda device: torch._C._cuda_getCurrentRawStream(device))
+
+    def current(self, device: int) -> Any:
+        handle = self._handle(device)
+        s = self.known.get(handle)
+        if s is None:
+            s = self._current(device)
+            if s.cuda_stream == handle:  # (one thread: always; else not kept)
+                self.known[handle] = s
+        return s
+
+
 _disabled = False  # set when a direct launch failed: the JIT takes every launch after it
 
 

@@ -46,9 +46,9 @@ class PackedBatch:
     #: or None when they are two tensors; with it, a batch crosses to the host in one copy
     whole: torch.Tensor | None = None
     #: a host batch copied from a GPU in one allocation (`copy_into`, `copy_to_host`): the sum of
-    #: its scales from the first run's start to the last run's end, reduced on the GPU before
-    #: the copy and copied with it (a 0-dim fp32 tensor, page-locked; read it, as the bytes,
-    #: once the copies are complete). Not NaN: no run holds a NaN. Else None
+    #: its scales from the first run's start to the last run's end, reduced on the GPU and
+    #: copied after the bytes (a 0-dim fp32 tensor, page-locked; read it, as the bytes, once
+    #: the copies are complete). Not NaN: no run holds a NaN. Else None
     nan_sum: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -74,8 +74,10 @@ class PackedBatch:
     def _nan_sum(self) -> torch.Tensor | None:
         """The `nan_sum` of this batch's host copy: the sum of its scale runs (and the padding
         between) reduced on its device, copied to page-locked memory, both queued on the current
-        stream (ahead of the batch's own copy: the host reads it when it reads the bytes). None
-        on a CPU, for two tensors, or without scales."""
+        stream after the batch's own copy (the host reads it when it reads the bytes, after an
+        event recorded behind both; queued first, its two host calls, ~10 us of an H200 host's
+        time hot and several times that on a save's cold path, delayed the copy that bounds the
+        save). None on a CPU, for two tensors, or without scales."""
         if self.whole is None or self.whole.device.type != "cuda" or not self.scale_runs:
             return None
         return self._runs_values().sum().to("cpu", non_blocking=True)
@@ -124,8 +126,8 @@ class PackedBatch:
         """`to_host` without the shortcut: always new host memory (one copy of `whole`, or two
         new tensors)."""
         if self.whole is not None:
-            nan_sum = self._nan_sum()
-            return self._in(host_copy(self.whole, pin=pin), nan_sum)
+            whole = host_copy(self.whole, pin=pin)  # (the bytes' copy queued first: `_nan_sum`)
+            return self._in(whole, self._nan_sum())
         return PackedBatch(host_copy(self.payload, pin=pin), host_copy(self.scales, pin=pin), self.spans,
                            self.scale_runs)
 
@@ -158,10 +160,10 @@ class PackedBatch:
             raise ValueError(f"copy_into needs a contiguous 1-D uint8 CPU tensor of at least {need} bytes, found "
                              f"{host.dtype} {list(host.shape)} on {host.device}")
         if self.whole is not None:  # one allocation: one copy (the padding between rides along)
-            out = self._in(host.narrow(0, 0, need), self._nan_sum())
+            whole = host.narrow(0, 0, need)
             if need:
-                out.whole.copy_(self.whole, non_blocking=True)  # type: ignore[union-attr]
-            return out
+                whole.copy_(self.whole, non_blocking=True)
+            return self._in(whole, self._nan_sum())  # (the bytes' copy queued first: `_nan_sum`)
         out = self._in(host.narrow(0, 0, need))
         if out.payload.numel():
             out.payload.copy_(self.payload, non_blocking=True)

@@ -98,6 +98,28 @@ def test_saves_back_to_back_each_store_their_own_bytes(tmp_path, monkeypatch, co
     assert (worker._copy_stream is not None) == copy_stream
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean-switch", "torch-context"])
+def test_a_save_packs_on_its_side_stream_and_leaves_the_steps_stream_current(tmp_path, monkeypatch, lean):
+    """Each save packs with the worker's side stream current (`launch.on_stream`, or torch's own
+    context with `LEAN_STREAMS` off) and returns with the step's stream current again; the
+    bytes stored are `pack_many`'s (`back_to_back_saves`), the saves on a stream made current
+    by the caller (as vLLM's step may run on one of its own)."""
+    from anchorkv.codec import api
+    from anchorkv.kernels import launch
+
+    monkeypatch.setattr(launch, "LEAN_STREAMS", lean)
+    seen: list = []
+    real = api.Packer.pack
+    monkeypatch.setattr(api.Packer, "pack", lambda self, ids: (seen.append(torch.cuda.current_stream()),
+                                                              real(self, ids))[1])
+    step = torch.cuda.Stream()
+    with torch.cuda.stream(step):
+        worker = back_to_back_saves(tmp_path, "quant", "cuda", tokens=1920, saves=2)
+        assert torch.cuda.current_stream() == step
+    assert seen == [worker._stream] * 2
+    assert worker._streams is not None and step.cuda_stream in worker._streams.known
+
+
 def back_to_back_saves(tmp_path, codecs: str, device: str, tokens: int, saves: int = 3):
     """`saves` saves of a Kimi-Linear request (tp=1, `tokens` tokens) on `device`, each of
     other blocks, issued back to back and flushed; every stored part checked against

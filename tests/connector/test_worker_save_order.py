@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ CODECS = {"conv": "int8:128", "recurrent": "int4:32", "latent": "fp8:64"}  # sca
 
 class _Stream:
     def __init__(self, name: str, log: list) -> None:
-        self.name, self.log, self.device = name, log, torch.device("cpu")
+        self.name, self.log, self.device, self.device_index = name, log, torch.device("cpu"), 0
 
     def wait_stream(self, other: _Stream) -> None:
         self.log.append((self.name, "waits for stream", other.name))
@@ -76,11 +77,16 @@ def recorded(tmp_path, monkeypatch):
         finally:
             current.pop()
 
+    fork = _Event()  # the worker's one fork event (made with its side stream at `register`)
+    fork.name = "fork"
     _Event.made = []
     _Event.gate.set()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
     monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(worker_module, "on_stream", on)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
+    w._streams = SimpleNamespace(current=lambda device: current[-1])
+    w._fork = fork
 
     def to_host(self, *, pin, host=None):  # CPU "device" tensors: copy into the buffer as a GPU batch would
         log.append((current[-1].name, "copies to the host"))
@@ -106,7 +112,8 @@ def test_the_next_forward_waits_for_the_pack_not_for_the_host_copies(recorded):
     w, log, store, tokens = recorded
     w.save(Metadata(saves=[_spec(tokens)]))
     read, ready = _Event.made
-    assert log == [("side", "waits for stream", "step"), ("side", "packs"), ("side", "records", read.name),
+    assert log == [("step", "records", "fork"), ("side", "waits for", "fork"), ("side", "packs"),
+                   ("side", "records", read.name),
                    ("side", "copies to the host"), ("side", "records", ready.name),
                    ("step", "waits for", read.name)], log
     # the blocks are released when the pack has read them, the copies still running
@@ -127,7 +134,7 @@ def test_a_pack_that_fails_leaves_the_step_waiting_for_the_whole_side_stream(rec
 
     monkeypatch.setattr(packer, "pack", fails)
     w.save(Metadata(saves=[_spec(tokens)]))
-    assert log == [("side", "waits for stream", "step"), ("side", "packs"),
+    assert log == [("step", "records", "fork"), ("side", "waits for", "fork"), ("side", "packs"),
                    ("step", "waits for stream", "side")], log
     assert w.stats.take().get("save_failed") == 1
     assert w.transfer_results({"r1"})[0] == {"r1"}  # nothing to wait for: the step's stream does
@@ -221,7 +228,8 @@ def test_with_a_copy_stream_the_copies_wait_for_the_pack_and_the_next_pack_does_
         log.clear()
         w.save(Metadata(saves=[_spec(tokens, f"r{k}", salt=1000 * k)]))
         read, ready = _Event.made[-2:]
-        assert log == [("side", "waits for stream", "step"), ("side", "packs"), ("side", "records", read.name),
+        assert log == [("step", "records", "fork"), ("side", "waits for", "fork"), ("side", "packs"),
+                   ("side", "records", read.name),
                        ("copy", "waits for", read.name), ("copy", "copies to the host"),
                        ("copy", "records", ready.name), ("copy", "recorded"),
                        ("step", "waits for", read.name)], log

@@ -809,3 +809,116 @@ def test_profile_kernels_times_the_set_calls_own_steps(monkeypatch, fused):
     assert [g for g, _ in alone] == [g for g, _ in call] == grids
     for (_, a), (_, c) in zip(alone, call, strict=True):
         assert torch.equal(a["tab"], c["tab"]) and a["payload"].dtype == c["payload"].dtype
+
+
+class _FakeStream:
+    """Stands for a `torch.cuda.Stream` (what `on_stream` and `Streams` read of one)."""
+
+    def __init__(self, stream_id: int, device_index: int = 0, cuda_stream: int = 0) -> None:
+        self.stream_id, self.device_index, self.device_type, self.cuda_stream = stream_id, device_index, 1, cuda_stream
+
+
+def _fake_stream_calls(monkeypatch, device: int = 0):
+    """torch's C stream calls as stand-ins over a current stream per device; returns (the
+    current (stream_id, device, type) per device, the calls made)."""
+    from anchorkv.kernels import launch
+
+    current = {0: (100, 0, 1), 1: (200, 1, 1)}
+    calls: list = []
+
+    def set_stream(*, stream_id, device_index, device_type):
+        calls.append(("set", stream_id, device_index))
+        current[device_index] = (stream_id, device_index, device_type)
+
+    monkeypatch.setattr(launch, "_stream_calls", lambda: (lambda: device, lambda d: current[d], set_stream))
+    return current, calls
+
+
+def test_on_stream_switches_to_the_stream_and_back_even_on_an_error(monkeypatch):
+    """`on_stream(s)` makes `s` current on the current device and restores the stream that was
+    current there when it exits, by torch's C calls (what `torch.cuda.stream` does), also when
+    the block raises; `torch.cuda.stream` is not called."""
+    from anchorkv.kernels import launch
+
+    current, calls = _fake_stream_calls(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: pytest.fail("the lean path used torch.cuda.stream"))
+    with launch.on_stream(_FakeStream(7)) as s:
+        assert s.stream_id == 7 and current[0][0] == 7
+    assert current[0] == (100, 0, 1) and calls == [("set", 7, 0), ("set", 100, 0)]
+    with pytest.raises(RuntimeError, match="boom"), launch.on_stream(_FakeStream(8)):
+        assert current[0][0] == 8
+        raise RuntimeError("boom")
+    assert current[0] == (100, 0, 1), "an error inside left the side stream current"
+
+
+@pytest.mark.parametrize("why", ["other device", "no C calls", "switched off"])
+def test_on_stream_takes_torch_cuda_stream_otherwise(monkeypatch, why):
+    """A stream on another device than the current one (torch's context also keeps that
+    device's stream), a torch without the C calls, or `LEAN_STREAMS` off: `torch.cuda.stream`,
+    entered and exited once each."""
+    from anchorkv.kernels import launch
+
+    current, calls = _fake_stream_calls(monkeypatch)
+    if why == "no C calls":
+        monkeypatch.setattr(launch, "_stream_calls", lambda: None)
+    if why == "switched off":
+        monkeypatch.setattr(launch, "LEAN_STREAMS", False)
+    used: list = []
+
+    class Ctx:
+        def __init__(self, s):
+            used.append(("init", s.stream_id))
+
+        def __enter__(self):
+            used.append("enter")
+
+        def __exit__(self, *exc):
+            used.append("exit")
+
+    monkeypatch.setattr(torch.cuda, "stream", Ctx)
+    with launch.on_stream(_FakeStream(9, device_index=1 if why == "other device" else 0)):
+        pass
+    assert used == [("init", 9), "enter", "exit"] and calls == []
+
+
+def test_streams_keeps_one_stream_object_per_handle():
+    """`Streams.current` asks for the device's raw handle at every call and builds a `Stream`
+    only for a handle it has not seen (one kept per handle, the handle checked against it)."""
+    from anchorkv.kernels.launch import Streams
+
+    handle = {0: 0xA}
+    made: list = []
+
+    def current(device):
+        made.append(device)
+        return _FakeStream(len(made), device, cuda_stream=handle[device])
+
+    streams = Streams(current=current, handle=lambda d: handle[d])
+    first = streams.current(0)
+    assert streams.current(0) is first and made == [0]
+    handle[0] = 0xB  # another stream made current (vLLM's, a context's)
+    other = streams.current(0)
+    assert other is not first and other.cuda_stream == 0xB and made == [0, 0]
+    handle[0] = 0xA
+    assert streams.current(0) is first and made == [0, 0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams; the CPU tests above check the calls")
+def test_on_stream_matches_torch_cuda_stream_on_a_gpu():
+    """On a GPU: inside `on_stream(s)` torch's current stream is `s` (kernels and allocations go
+    there), after it the one before, on the current device; the stream cache finds the
+    current stream by its handle."""
+    from anchorkv.kernels.launch import Streams, on_stream
+
+    side, before = torch.cuda.Stream(), torch.cuda.current_stream()
+    with on_stream(side):
+        assert torch.cuda.current_stream() == side
+        x = torch.ones(1 << 20, device="cuda")
+        y = x * 2
+    assert torch.cuda.current_stream() == before
+    torch.cuda.synchronize()
+    assert bool((y == 2).all())
+    streams = Streams()
+    assert streams.current(torch.cuda.current_device()) == before
+    with torch.cuda.stream(side):
+        assert streams.current(torch.cuda.current_device()) == side

@@ -372,10 +372,34 @@ def test_a_gpu_nan_sum_decides_alone_when_it_is_not_nan(monkeypatch, codecs):
     assert not dataclasses.replace(cpu, nan_sum=nan).may_hold_nan()  # a false alarm, cleared on the host
 
 
+@pytest.mark.parametrize("how", ["copy_into", "copy_to_host"])
+def test_the_batchs_copy_is_queued_before_its_nan_sum(monkeypatch, how):
+    """A one-allocation batch's copy to the host is issued before its NaN sum (`_nan_sum`: a
+    reduction and a small copy, queued on the same stream, read after both): the copy bounds a
+    save, so nothing of the host's is spent ahead of it. The sum still reaches the host batch."""
+    _one_allocation(monkeypatch)
+    targets, slots = _set(_regions(3, seed=8), CODEC_SETS[0])
+    batch = PackSet(targets, slots).pack([(1,), (5, 3, 4)])
+    assert batch.whole is not None and batch.scale_runs
+    order: list[str] = []
+    total = torch.tensor(0.0)
+    monkeypatch.setattr(PackedBatch, "_nan_sum", lambda self: (order.append("nan_sum"), total)[1])
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, non_blocking=False: (
+        order.append("copy"), real_copy(self, src, non_blocking=non_blocking))[1])
+    if how == "copy_into":
+        out = batch.copy_into(torch.empty(batch.host_bytes, dtype=torch.uint8))
+    else:
+        out = batch.copy_to_host(pin=False)
+    monkeypatch.undo()
+    assert order == ["copy", "nan_sum"], order
+    assert out.nan_sum is total and torch.equal(out.whole, batch.whole)
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the GPU's NaN sum: CUDA only (its host side runs in CI above)")
 @pytest.mark.parametrize("poisoned", [False, True])
 def test_a_batch_copied_from_a_gpu_brings_its_nan_sum(monkeypatch, poisoned):
-    """`copy_into` and `copy_to_host` of a GPU batch queue the NaN sum ahead of the copy; it lands
+    """`copy_into` and `copy_to_host` of a GPU batch queue the NaN sum after the copy; it lands
     in page-locked memory, NaN exactly when a source group held a NaN (its scale is NaN)."""
     _, _, latent = _page()
     regions = _regions(3, seed=9)
