@@ -27,6 +27,14 @@ Providers (all in the same process, on the same filesystem, none calls fsync):
                   the results): which one a machine should use
     plain         the same raw bytes as one file per (layer, field): open, write, close /
                   open, read (the baseline of the 0.8x target)
+    files-raw, files-quant (saves only)
+                  the files a `store-raw` / `store-quant` save writes (one such save made
+                  beforehand, untimed), written as plain files: the same paths, directories
+                  (made in the round) and bytes, each file open, write, close. Against its
+                  `store-*` row: what the store's own work costs (checksums, staging, commit,
+                  JSON, Python) apart from its files; against `plain`: what its number of
+                  files costs (a quantized entry's scales are arrays of their own: 104 files
+                  where `plain` writes 47)
     safetensors   one safetensors file per layer (`save_file` / `load_file`), as vLLM's
                   ExampleConnector stores KV caches
 
@@ -241,6 +249,24 @@ def save_threads(how: str) -> tuple[int, int, bool]:
     raise ValueError(f"a save variant is one of {', '.join(SAVE_THREADS)} or put-N, found {how!r}")
 
 
+def store_files(req: Request, root: Path, kind: str) -> list[tuple[Path, bytes]]:
+    """(path relative to `root`, bytes) of every file one `store_save(req, root, kind)` leaves,
+    in path order (`files_save` writes them again)."""
+    store_save(req, root, kind)
+    paths = sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file())
+    return [(p, (root / p).read_bytes()) for p in paths]
+
+
+def files_save(files: list[tuple[Path, bytes]], root: Path) -> None:
+    """`store_files`' files written into `root` as plain files: their directories made, then
+    each file opened, written and closed."""
+    for d in sorted({p.parent for p, _ in files}):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    for p, data in files:
+        with open(root / p, "wb") as f:
+            f.write(data)
+
+
 def store_load(req: Request, root: Path, entry: str):
     store = Store.open(root)  # a fresh Store: the manifest is read inside the timing
     return [store.load(entry, req.layout, layer, field) for layer, field in req.raw]
@@ -342,7 +368,11 @@ def _plain_median(op: str, req: Request, root: Path, rounds: int) -> float:
 def _run(benchmark, op: str, provider: str, req: Request, root: Path, rounds: int, group: str) -> None:
     d = root / provider
     kind = provider.removeprefix("store-")
-    if op == "save":
+    if op == "save" and provider.startswith("files-"):
+        files = store_files(req, _fresh(root / f"{provider}-source"), provider.removeprefix("files-"))
+        fn = lambda: files_save(files, d)  # noqa: E731
+        setup = lambda: (_fresh(d), os.sync(), None)[-1]  # noqa: E731  (untimed; see the docstring)
+    elif op == "save":
         fn = {"plain": lambda: plain_save(req, d), "safetensors": lambda: safetensors_save(req, d)}.get(
             provider, lambda: store_save(req, d, kind))
         setup = lambda: (_fresh(d), os.sync(), None)[-1]  # noqa: E731  (untimed; see the docstring)
@@ -400,6 +430,15 @@ def test_kimi_save_checksums(benchmark, provider, quick, rounds, tmp_path_factor
     against plain files of the same run."""
     req = request(TOKENS)
     _run(benchmark, "save", provider, req, tmp_path_factory.mktemp("crc"), rounds,
+         f"kimi-linear request tp=1 {TOKENS} tokens save")
+
+
+@pytest.mark.parametrize("provider", ["files-raw", "files-quant"])
+def test_kimi_save_files(benchmark, provider, quick, rounds, tmp_path_factory):
+    """The files of the request's store saves written as plain files (the same paths and
+    bytes), in the save group: against plain files and the `store-*` rows of the same run."""
+    req = request(TOKENS)
+    _run(benchmark, "save", provider, req, tmp_path_factory.mktemp("files"), rounds,
          f"kimi-linear request tp=1 {TOKENS} tokens save")
 
 

@@ -373,6 +373,25 @@ def test_host_path_runs_on_a_cpu_and_names_every_step(tmp_path):
     assert steps["kernels.pack_many"] > steps["kernels.pack_many: check the block ids"]
 
 
+@pytest.mark.parametrize("kind", ["raw", "quant"])
+def test_a_stores_files_written_plainly_are_the_same_tree(tmp_path, kind):
+    """`bench_store`'s `files-*` rows: `store_files` holds every file a store save leaves (its
+    shards, the arrays' and the group's zarr.json) and `files_save` writes the same tree, byte
+    for byte, as plain files."""
+    from benchmarks.bench_store import files_save, request, store_files
+
+    req = request(1920, ("paged",))
+    files = store_files(req, tmp_path / "store", kind)
+    names = [p.name for p, _ in files]
+    assert names.count("zarr.json") >= 3 and len(files) >= 7 + 3, names  # 7 latent layers' shards
+    if kind == "quant":
+        assert any("scales" in str(p) for p, _ in files), "the quantized latent's scales shards are missing"
+    files_save(files, tmp_path / "plain")
+    again = sorted((p.relative_to(tmp_path / "plain"), p.read_bytes()) for p in (tmp_path / "plain").rglob("*")
+                   if p.is_file())
+    assert again == files
+
+
 def test_store_puts_saves_one_put_at_a_time_and_several_to_s3():
     """`python -m benchmarks.store_puts` (a save's shard writes to moto on loopback, one at a
     time against the object backend's concurrency) runs without a GPU and prints a time per
