@@ -18,17 +18,21 @@ before each:
     d2h copy             the baseline: one copy of the packed bytes to pinned memory
 
 and then `_pack` alone, in rounds of its own, with the side streams switched by `launch.on_stream`
-(torch's C calls, the default) and by `torch.cuda.stream` (`launch.LEAN_STREAMS` off), rounds
-of the two alternated:
+(torch's C calls, the default) and by `torch.cuda.stream` (`launch.LEAN_STREAMS` off), the two
+alternated within each round, which goes first alternating between rounds (medians of the
+rounds):
 
-    _pack after sync     one call after a synchronization, as `_pack returns` times it (the
-                         host's caches cold from the round's other work: a save's case)
-    _pack hot            the median of `HOT` calls back to back (each call's host buffer given
-                         back at once): the same code with the host's caches warm
+    _pack cold           one call after a synchronization and `host_path.POLLUTE_BYTES` of other
+                         memory traffic and Python (`host_path.cold_us`'s): the host's caches
+                         cold, as a save finds them once a step (`_pack returns` above: after
+                         the round's other work)
+    _pack hot            the mean of `HOT` calls back to back (each call's host buffer given
+                         back at once; with the copy stream each call's device batch waits for
+                         its copy, so up to `HOT` are held: the warm-up round makes them): the
+                         same code with the host's caches warm
 
 (on this machine's CPU a `PackSet.pack` takes 4-6x its hot time after 64 MB of other memory
-traffic, `python -m benchmarks.host_path`'s `cold` rows: the gap between the two rows is the cold
-path's, and what a save's host time is made of).
+traffic, `python -m benchmarks.host_path`'s `cold` rows).
 
 On a GPU (or with `--pack-profile`) it then lists where `_pack returns` and `writer` go: another
 `--rounds` saves, their `WorkerSide._pack` and `_write` calls under cProfile, each function's own and
@@ -66,7 +70,7 @@ def _profiling(profile: cProfile.Profile | None):
 
 def breakdown(codecs: str = "quant", rounds: int = 10, quick: bool = False,
               pack_profile: cProfile.Profile | None = None,
-              write_profile: cProfile.Profile | None = None) -> dict[str, float]:
+              write_profile: cProfile.Profile | None = None, alone: bool = True) -> dict[str, float]:
     """Median milliseconds of each stage of one save (see the module docstring); with
     `pack_profile`, the measured rounds' `WorkerSide._pack` calls (the step's host time) are
     profiled into it, with `write_profile` their `WorkerSide._write` calls (the writer's part,
@@ -113,7 +117,8 @@ def breakdown(codecs: str = "quant", rounds: int = 10, quick: bool = False,
         if failed:
             raise RuntimeError(f"{failed} saves were refused: the figures would time the refusals")
         out = {k: statistics.median(v) for k, v in times.items()}
-        out.update(pack_alone(req, rounds))
+        if alone:
+            out.update(pack_alone(req, rounds))
         return out
     finally:
         req.close()  # (removes root)
@@ -124,15 +129,19 @@ HOT = 20
 
 
 def pack_alone(req, rounds: int) -> dict[str, float]:
-    """Median ms of `WorkerSide._pack` of `req` (a `bench_save_path.Request`) after a
-    synchronization and back to back (`HOT` calls), with `launch.LEAN_STREAMS` on and off,
-    rounds alternated (see the module docstring). Each call's host buffer goes back to the
-    pool at once (the hot rounds' copies may overwrite one another's: nothing reads them)."""
+    """Median ms of `WorkerSide._pack` of `req` (a `bench_save_path.Request`) cold and hot, with
+    `launch.LEAN_STREAMS` on and off (see the module docstring). Each call's host buffer goes
+    back to the pool at once (the hot calls' copies may overwrite one another's: nothing reads
+    them)."""
+    import numpy as np
+
     from anchorkv.kernels import launch
+    from benchmarks.host_path import POLLUTE_BYTES
 
     worker = req.discard_worker
+    junk = np.zeros(POLLUTE_BYTES, dtype=np.uint8)
     names = {True: "", False: ", torch.cuda.stream"}
-    times: dict[str, list[float]] = {f"_pack {k}{n}": [] for n in names.values() for k in ("after sync", "hot")}
+    times: dict[str, list[float]] = {f"_pack {k}{n}": [] for n in names.values() for k in ("cold", "hot")}
 
     def call(spec) -> None:
         packing = worker._pack(spec)
@@ -142,10 +151,12 @@ def pack_alone(req, rounds: int) -> dict[str, float]:
     lean = launch.LEAN_STREAMS
     try:
         for r in range(rounds + 1):  # the first round warms up
-            for on, name in names.items():
+            for on in (True, False) if r % 2 else (False, True):
                 launch.LEAN_STREAMS = on
                 spec = req.spec()
                 _sync()
+                junk += 1  # (host_path.cold_us's other work)
+                sum(len(str(i)) for i in range(20_000))
                 t0 = time.perf_counter()
                 call(spec)
                 t1 = time.perf_counter()
@@ -157,8 +168,8 @@ def pack_alone(req, rounds: int) -> dict[str, float]:
                 t3 = time.perf_counter()
                 _sync()
                 if r:
-                    times[f"_pack after sync{name}"].append((t1 - t0) * 1e3)
-                    times[f"_pack hot{name}"].append((t3 - t2) / HOT * 1e3)
+                    times[f"_pack cold{names[on]}"].append((t1 - t0) * 1e3)
+                    times[f"_pack hot{names[on]}"].append((t3 - t2) / HOT * 1e3)
     finally:
         launch.LEAN_STREAMS = lean
     return {k: statistics.median(v) for k, v in times.items()}
@@ -190,7 +201,7 @@ def main(argv=None) -> int:
         print(f"   {k:20s} {v:8.3f} ms")
     if profiled:
         profiles = {"_pack": cProfile.Profile(), "_write": cProfile.Profile()}
-        breakdown(args.codecs, args.rounds, args.quick, profiles["_pack"], profiles["_write"])
+        breakdown(args.codecs, args.rounds, args.quick, profiles["_pack"], profiles["_write"], alone=False)
         for fn, profile in profiles.items():
             print(f"-- WorkerSide.{fn}, {args.codecs} codecs, {args.rounds} calls under cProfile: us a {fn} call, "
                   "own and with callees, by own time")

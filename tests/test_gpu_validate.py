@@ -153,8 +153,8 @@ def test_save_stages_are_measured_parsed_and_reported(capsys):
     assert list(stages) == ["raw", "quant"]
     for ms in stages.values():
         assert list(ms) == ["_pack returns", "cache read", "host copies done", "writer", "flush (idle)",
-                            "save + flush", "d2h copy", "_pack after sync", "_pack hot",
-                            "_pack after sync, torch.cuda.stream", "_pack hot, torch.cuda.stream"]
+                            "save + flush", "d2h copy", "_pack cold", "_pack hot",
+                            "_pack cold, torch.cuda.stream", "_pack hot, torch.cuda.stream"]
         assert all(v > 0 for v in ms.values())
         assert ms["_pack returns"] <= ms["cache read"] <= ms["host copies done"]
 

@@ -315,11 +315,13 @@ class WorkerSide:
                     ready.record(stream)
             if copy is not stream:
                 copy.wait_event(read)
+                # its memory is not reused before what the copy stream is given has run (told
+                # before the copies: whatever fails after them, they never read freed memory)
+                packed.record_stream(copy)
                 with on_stream(copy):
-                    on_device, packed = packed, packed.to_host(pin=True, host=host)
+                    packed = packed.to_host(pin=True, host=host)
                     ready = torch.cuda.Event()
                     ready.record(copy)
-                on_device.record_stream(copy)  # its memory is not reused before the copy has read it
         finally:
             # the next forward may write these blocks (vLLM frees and reuses align-mode state
             # blocks from the next step on): it runs after the packs have read them (after all

@@ -179,25 +179,26 @@ class on_stream:
 
 
 class Streams:
-    """The current stream of a device as a `torch.cuda.Stream`, one object kept per raw
-    handle: `current(device)` asks torch for the handle (one C call, `launch_site`'s) instead
-    of building a new `Stream` (`torch.cuda.current_stream`: ~4.5 us of an H200 host's time,
-    `benchmarks.launch_variants`). A handle names one CUDA stream whichever object stands for
-    it. `current` stands for `torch.cuda.current_stream` in tests."""
+    """The current stream of a device as a `torch.cuda.Stream`, one object kept per (device,
+    raw handle): `current(device)` asks torch for the handle (one C call, `launch_site`'s)
+    instead of building a new `Stream` (`torch.cuda.current_stream`: ~4.5 us of an H200 host's
+    time, `benchmarks.launch_variants`). On one device a handle names one CUDA stream whichever
+    object stands for it; across devices it does not (every device's default stream is handle
+    0), hence the device in the key. `current` and `handle` stand for torch's calls in tests."""
 
     def __init__(self, current: Callable[[int], Any] | None = None,
                  handle: Callable[[int], int] | None = None) -> None:
-        self.known: dict[int, Any] = {}
+        self.known: dict[tuple[int, int], Any] = {}
         self._current = current or torch.cuda.current_stream
         self._handle = handle or (lambda device: torch._C._cuda_getCurrentRawStream(device))
 
     def current(self, device: int) -> Any:
-        handle = self._handle(device)
-        s = self.known.get(handle)
+        key = (device, self._handle(device))
+        s = self.known.get(key)
         if s is None:
             s = self._current(device)
-            if s.cuda_stream == handle:  # (one thread: always; else not kept)
-                self.known[handle] = s
+            if s.cuda_stream == key[1] and s.device_index == device:  # (one thread: always; else not kept)
+                self.known[key] = s
         return s
 
 

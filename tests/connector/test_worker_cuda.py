@@ -117,7 +117,7 @@ def test_a_save_packs_on_its_side_stream_and_leaves_the_steps_stream_current(tmp
         worker = back_to_back_saves(tmp_path, "quant", "cuda", tokens=1920, saves=2)
         assert torch.cuda.current_stream() == step
     assert seen == [worker._stream] * 2
-    assert worker._streams is not None and step.cuda_stream in worker._streams.known
+    assert worker._streams is not None and (step.device_index, step.cuda_stream) in worker._streams.known
 
 
 def back_to_back_saves(tmp_path, codecs: str, device: str, tokens: int, saves: int = 3):

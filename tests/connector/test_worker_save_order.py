@@ -229,9 +229,9 @@ def test_with_a_copy_stream_the_copies_wait_for_the_pack_and_the_next_pack_does_
         w.save(Metadata(saves=[_spec(tokens, f"r{k}", salt=1000 * k)]))
         read, ready = _Event.made[-2:]
         assert log == [("step", "records", "fork"), ("side", "waits for", "fork"), ("side", "packs"),
-                   ("side", "records", read.name),
-                       ("copy", "waits for", read.name), ("copy", "copies to the host"),
-                       ("copy", "records", ready.name), ("copy", "recorded"),
+                       ("side", "records", read.name),
+                       ("copy", "waits for", read.name), ("copy", "recorded"), ("copy", "copies to the host"),
+                       ("copy", "records", ready.name),
                        ("step", "waits for", read.name)], log
     assert len(made) == 1  # one copy stream, kept
     w.flush()
@@ -252,3 +252,30 @@ def test_saves_back_to_back_store_their_own_bytes_on_the_cpu(tmp_path, codecs):
     from tests.connector.test_worker_cuda import back_to_back_saves
 
     back_to_back_saves(tmp_path, codecs, "cpu", tokens=1920)
+
+
+def test_a_copy_that_fails_after_it_is_queued_never_reads_freed_memory(recorded, monkeypatch):
+    """With the copies on their own stream, the batch's device memory is recorded on that stream
+    before the copies are queued: a failure after them (the NaN sum's allocations, an event)
+    still leaves the allocator waiting for what the copy stream was given. The save fails
+    (counted), the step's stream waits for the pack's `read` mark as always."""
+    from anchorkv.connector import worker as worker_module
+
+    w, log, store, tokens = recorded
+    monkeypatch.setattr(worker_module, "SAVE_COPY_STREAM", True)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream("copy", log))
+    monkeypatch.setattr(PackedParts, "record_stream", lambda self, stream: log.append((stream.name, "recorded")))
+
+    def fails(self, *, pin, host=None):
+        log.append(("copy", "copies to the host"))
+        raise RuntimeError("out of memory after the copy was queued")
+
+    monkeypatch.setattr(PackedParts, "to_host", fails)
+    w.save(Metadata(saves=[_spec(tokens)]))
+    read = _Event.made[0]
+    assert log == [("step", "records", "fork"), ("side", "waits for", "fork"), ("side", "packs"),
+                   ("side", "records", read.name), ("copy", "waits for", read.name), ("copy", "recorded"),
+                   ("copy", "copies to the host"), ("step", "waits for", read.name)], log
+    assert w.stats.take().get("save_failed") == 1
+    w.flush()
+    assert list(store.store.list()) == []

@@ -901,6 +901,10 @@ def test_streams_keeps_one_stream_object_per_handle():
     assert other is not first and other.cuda_stream == 0xB and made == [0, 0]
     handle[0] = 0xA
     assert streams.current(0) is first and made == [0, 0]
+    handle[1] = 0xA  # another device's stream of the same handle (every device's default stream is 0)
+    on_one = streams.current(1)
+    assert on_one is not first and on_one.device_index == 1 and made == [0, 0, 1]
+    assert streams.current(1) is on_one and streams.current(0) is first
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams; the CPU tests above check the calls")
