@@ -73,6 +73,13 @@ def per_call_us(fn, iters: int, repeats: int = 5) -> float:
 POLLUTE_BYTES = 64 << 20
 
 
+def pollute(junk) -> None:
+    """Other work between cold calls: `junk` (a numpy array of `POLLUTE_BYTES`) read and written
+    once, and some other Python."""
+    junk += 1
+    sum(len(str(i)) for i in range(20_000))
+
+
 def cold_us(fn, calls: int = 30) -> float:
     """Median microseconds of single calls of `fn`, each after `POLLUTE_BYTES` of other memory
     traffic and some other Python (the host's caches cold, as a save's launch path finds them
@@ -83,8 +90,7 @@ def cold_us(fn, calls: int = 30) -> float:
     fn()
     out = []
     for _ in range(calls):
-        junk += 1
-        sum(len(str(i)) for i in range(20_000))
+        pollute(junk)
         t = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t)

@@ -25,7 +25,7 @@ from typing import Generic, TypeVar
 import numpy as np
 import torch
 
-from anchorkv.kernels import cuda_driver, reference
+from anchorkv.kernels import cuda_driver, launch, reference
 from anchorkv.kernels.items import Span
 from anchorkv.kernels.quant import (
     ELEMENTWISE,
@@ -698,7 +698,7 @@ class TableRing:
         self.next = 0
         self.current: int | None = None  # the slot of the last stage, until its release
         self.fallbacks = 0  # calls that found their slot busy (tests, profiles)
-        self.streams: dict[int, object] = {}  # raw stream handle -> its stream (`release`)
+        self.streams = launch.Streams()  # (device, raw stream handle) -> its stream (`release`)
         # (the driver path's addresses and size, per slot)
         self.host_ptrs = [t.data_ptr() for t in self.host_tensors]
         self.device_ptrs = [t.data_ptr() for t in self.devices]
@@ -732,8 +732,7 @@ class TableRing:
         """Record the staged slot's event on the current stream. With `site`
         (`launch.launch_site()`: the current device and its current stream's raw handle) on
         this ring's device, the stream object is the one kept for that handle
-        (`torch.cuda.current_stream` costs ~4.5 us a call on an H200 host; a handle names one
-        CUDA stream, whichever torch object stands for it)."""
+        (`launch.Streams`)."""
         k = self.current
         if k is None:
             return
@@ -742,12 +741,7 @@ class TableRing:
         # (a torch event is made at its first record: until then it has no handle)
         if not (handle is not None and d is not None and d.on and event.cuda_event
                 and d.record(event.cuda_event, handle)):
-            stream = None if handle is None else self.streams.get(handle)
-            if stream is None:
-                stream = self.stream()
-                if handle is not None:
-                    self.streams[handle] = stream
-            event.record(stream)
+            event.record(self.stream() if handle is None else self.streams.of(self.device.index, handle, self.stream))
         self.staged[k] = False
         self.current = None
 

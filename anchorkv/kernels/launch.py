@@ -182,9 +182,11 @@ class Streams:
     """The current stream of a device as a `torch.cuda.Stream`, one object kept per (device,
     raw handle): `current(device)` asks torch for the handle (one C call, `launch_site`'s)
     instead of building a new `Stream` (`torch.cuda.current_stream`: ~4.5 us of an H200 host's
-    time, `benchmarks.launch_variants`). On one device a handle names one CUDA stream whichever
-    object stands for it; across devices it does not (every device's default stream is handle
-    0), hence the device in the key. `current` and `handle` stand for torch's calls in tests."""
+    time, `benchmarks.launch_variants`); `of(device, handle)` for a handle the caller has
+    (a launch site's). On one device a handle names one CUDA stream whichever object stands
+    for it; across devices it does not (every device's default stream is handle 0), hence the
+    device in the key. An object is made for a handle while that handle's stream is current
+    (one thread). `current` and `handle` stand for torch's calls in tests."""
 
     def __init__(self, current: Callable[[int], Any] | None = None,
                  handle: Callable[[int], int] | None = None) -> None:
@@ -193,12 +195,15 @@ class Streams:
         self._handle = handle or (lambda device: torch._C._cuda_getCurrentRawStream(device))
 
     def current(self, device: int) -> Any:
-        key = (device, self._handle(device))
+        return self.of(device, self._handle(device))
+
+    def of(self, device: int, handle: int, make: Callable[[], Any] | None = None) -> Any:
+        """The stream object kept for `handle` on `device`, the current stream there; a new
+        one (`make()`, else the current stream's) the first time."""
+        key = (device, handle)
         s = self.known.get(key)
         if s is None:
-            s = self._current(device)
-            if s.cuda_stream == key[1] and s.device_index == device:  # (one thread: always; else not kept)
-                self.known[key] = s
+            s = self.known[key] = make() if make is not None else self._current(device)
         return s
 
 
