@@ -28,10 +28,14 @@ bytes (zarr's fill value, 0) *before* encoding, as zarr does; zero scales decode
 **Shards** (since format version 2): each array uses zarr v3's ``sharding_indexed`` codec. The chunks
 above are its *inner* chunks; a *shard* (one file / object, the key of the outer chunk grid) is
 
-* state field: one layer x the *writer's* rank slice (`[1, *F]` with the shard axis divided by
-  the tp the entry was written at), so every rank writes whole shards of its own, as in version 1
-  it wrote whole chunks of its own; a reader at any tp in {1, 2, 4, 8} reads only the inner chunks
-  it needs by byte range;
+* state field: `layer_span` layers x the *writer's* rank slice (`[S, *F]` with the shard axis
+  divided by the tp the entry was written at), so every rank writes whole shards of its own, as
+  in version 1 it wrote whole chunks of its own; a reader at any tp in {1, 2, 4, 8} reads only
+  the inner chunks it needs by byte range. S is 1 up to version 6; from version 7 it is the most
+  layers, a divisor of the field's layer count, whose rank slices fit in `LAYER_SHARD_BYTES`
+  (a Kimi-Linear request's int8 conv state: all 20 layers in one file of 0.7 MB, where version 6
+  wrote 20 files of 37 KB and 20 of its scales; each file a save writes costs it far more than
+  its bytes: `bench_store.py`'s ``files-*`` rows);
 * paged field (written by rank 0): one layer x up to `SHARD_TOKEN_CHUNKS` inner token chunks
   (`min(8, ceil(T / token_chunk(T)))` chunks: one shard per layer up to 8192 tokens, so a typical request
   is one file per layer, while a very long context is cut into 8192-token files, which keeps a
@@ -42,7 +46,8 @@ above are its *inner* chunks; a *shard* (one file / object, the key of the outer
   with ``write_empty_chunks=True``.
 
 A shard is the encoded inner chunks concatenated in zarr's order (`shard_order`, zarr's morton
-order of the chunks in the shard), then the index (``index_location: end``): uint64
+order of the chunks in the shard; a shard spanning layers: layer after layer, each in that
+order), then the index (``index_location: end``): uint64
 little-endian ``(offset, nbytes)`` per inner chunk, C order over the shard's chunk grid, followed
 by its crc32c (``index_codecs: [bytes little, crc32c]``), byte for byte what zarr-python's
 ``ShardingCodec`` writes for the same values and metadata.
@@ -111,8 +116,15 @@ SIZED_CHUNK_FORMAT_VERSION = 5
 #: The format version of an entry with a sliding-window field (rows from its `first_token`;
 #: version 5 plus such fields).
 WINDOW_FORMAT_VERSION = 6
+#: The format version of an entry whose state fields' shards span several layers
+#: (`layer_span`; version 6 plus such shards). Entries whose every shard holds one layer (no
+#: state field, or state layers of `LAYER_SHARD_BYTES` or more) are still written as before.
+LAYER_SPAN_FORMAT_VERSION = 7
+#: The format version new entries are cut for (`geometry`'s default): the lowest version that
+#: represents an entry's arrays is what its manifest records (`entry_format_version`).
+WRITE_FORMAT_VERSION = LAYER_SPAN_FORMAT_VERSION
 #: Format versions this anchorkv can read (older ones are listed as ``old-format``, never loaded).
-READABLE_VERSIONS = (3, 4, 5, 6)
+READABLE_VERSIONS = (3, 4, 5, 6, 7)
 #: The largest tensor-parallel size whose rank slices are whole chunks.
 MAX_TP = 8
 #: Tokens per chunk of a paged field, at most (and always, in format versions 3 and 4).
@@ -121,6 +133,12 @@ TOKEN_CHUNK = 1024
 TOKEN_CHUNK_STEP = 64
 #: Inner token chunks per shard of a paged field (at most).
 SHARD_TOKEN_CHUNKS = 8
+#: A state field's shard holds as many layers as fit in this many bytes (its codes and scales
+#: together, the writer's rank slice), the most that divides the field's layer count
+#: (`layer_span`, format version 7): a quantized Kimi-Linear request's conv state is 2 files
+#: instead of 40 (codes, scales), its recurrent state 8 instead of 40. Part of the format: the
+#: manifest checks recompute it, so another value needs another version.
+LAYER_SHARD_BYTES = 4 << 20
 #: zarr's marker of an empty inner chunk in a shard index.
 EMPTY = 2**64 - 1
 #: Suffix of the array holding a quantized field's scales.
@@ -129,6 +147,8 @@ SCALES_SUFFIX = "_scales"
 
 def entry_format_version(arrays: dict[str, ArrayLayout]) -> int:
     """The version an entry of these arrays is written as: the lowest that can represent them."""
+    if any(a.shards[0] > 1 for a in arrays.values()):
+        return LAYER_SPAN_FORMAT_VERSION
     if any(a.window is not None for a in arrays.values()):
         return WINDOW_FORMAT_VERSION
     if any(a.kind == "paged" and a.chunks[1] != TOKEN_CHUNK for a in arrays.values()):
@@ -141,7 +161,8 @@ def describe_version(version: int) -> str:
     return {FORMAT_VERSION: "built-in codecs, 1024-token chunks",
             PLUGIN_FORMAT_VERSION: "codec plug-in arrays, 1024-token chunks",
             SIZED_CHUNK_FORMAT_VERSION: "token chunks sized to the entry",
-            WINDOW_FORMAT_VERSION: "sliding-window fields"}.get(version, "unknown")
+            WINDOW_FORMAT_VERSION: "sliding-window fields",
+            LAYER_SPAN_FORMAT_VERSION: "state shards spanning layers"}.get(version, "unknown")
 
 
 def token_chunk(num_tokens: int, version: int = SIZED_CHUNK_FORMAT_VERSION) -> int:
@@ -509,11 +530,17 @@ def array_keys(array: ArrayLayout) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 @functools.lru_cache(maxsize=256)
 def shard_order(chunks_per_shard: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
-    """Local coordinates of a shard's inner chunks in the order zarr-python lays out their
-    bytes (its `morton_order_iter`, taken from zarr itself so the two never differ)."""
+    """Local coordinates of a shard's inner chunks in the order their bytes lie in it: zarr-python's
+    (its `morton_order_iter`, taken from zarr itself so the two never differ) for a shard of one
+    layer; for a shard spanning layers (format version 7) layer after layer, each in zarr's
+    order, so one layer's chunks are one run of bytes (a restore reads a layer at a time; the
+    index, not the order, is what any zarr reader goes by)."""
     from zarr.core.indexing import morton_order_iter
 
-    return tuple(tuple(int(v) for v in c) for c in morton_order_iter(tuple(chunks_per_shard)))
+    k = tuple(chunks_per_shard)
+    if k[0] > 1:
+        return tuple((j, *rest[1:]) for j in range(k[0]) for rest in shard_order((1, *k[1:])))
+    return tuple(tuple(int(v) for v in c) for c in morton_order_iter(k))
 
 
 def shard_index(chunks_per_shard: tuple[int, ...], slots: dict[tuple[int, ...], tuple[int, int]]) -> bytes:
@@ -655,11 +682,13 @@ def shard_chunk(n: int) -> int:
 
 
 def geometry(name: str, kind: str, num_layers: int, logical: tuple[int, ...], axis: int | None,
-             num_tokens: int, tp_size: int, version: int = SIZED_CHUNK_FORMAT_VERSION,
+             num_tokens: int, tp_size: int, version: int = WRITE_FORMAT_VERSION,
+             encoding: ChunkEncoding | None = None,
              ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(shape, chunks, shards) of the array of a field (see the module docstring) in an entry of
     format `version`: `logical` is the field's logical shape (paged: the per-token row), `axis`
-    the array axis tp splits."""
+    the array axis tp splits; from version 7 a state field's shard spans `layer_span` layers,
+    which needs the field's `encoding` (without one, one layer a shard)."""
     rows = token_chunk(num_tokens, version)
     if kind == "state":
         shape = (num_layers, *logical)
@@ -680,9 +709,19 @@ def geometry(name: str, kind: str, num_layers: int, logical: tuple[int, ...], ax
                     f"axis {axis}; tp must divide {per_axis}"
                 )
             shards[axis] = shape[axis] // tp_size
+        if version >= LAYER_SPAN_FORMAT_VERSION and encoding is not None:
+            shards[0] = layer_span(num_layers, sum(encoding.nbytes(tuple(shards[1:]))))
     else:
         shards[1] = rows * min(SHARD_TOKEN_CHUNKS, -(-num_tokens // rows))
     return tuple(shape), tuple(chunks), tuple(shards)
+
+
+def layer_span(num_layers: int, layer_bytes: int) -> int:
+    """Layers a state field's shard holds (format version 7): the most that divide `num_layers`
+    and fit, at `layer_bytes` a layer, in `LAYER_SHARD_BYTES` (at least 1). A divisor, so no
+    shard runs past the last layer and every shard of the field has the same shape."""
+    fit = max(1, LAYER_SHARD_BYTES // max(layer_bytes, 1))
+    return max(d for d in range(1, min(fit, num_layers) + 1) if num_layers % d == 0)
 
 
 def array_layouts(layout: ModelLayout, codecs: Mapping[str, CodecSpec | str],
@@ -715,11 +754,13 @@ def array_layouts(layout: ModelLayout, codecs: Mapping[str, CodecSpec | str],
             raise FormatError(f"paged field {name!r} cannot be sharded along its token axis")
         axis = None if shard is None else shard + 1
         first = window_first(num_tokens, window, window_align)
-        shape, chunks, shards = geometry(name, kind.value, len(layers), logical, axis, num_tokens - first,
-                                         layout.tp_size)
+        shape, chunks, _ = geometry(name, kind.value, len(layers), logical, axis, num_tokens - first,
+                                    layout.tp_size)
         if name not in codecs:
             raise FormatError(f"no codec given for field {name!r}; codecs were given for {sorted(codecs)}")
         encoding = encoding_for_field(codecs[name], dtype, chunks[-1], where=f"field {name!r}", field_last=shape[-1])
+        shape, chunks, shards = geometry(name, kind.value, len(layers), logical, axis, num_tokens - first,
+                                         layout.tp_size, encoding=encoding)
         out[name] = ArrayLayout(name, kind.value, tuple(layers), shape, tuple(chunks), axis, encoding, tuple(shards),
                                 window, first)
     unknown = set(codecs) - set(out)

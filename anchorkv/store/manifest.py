@@ -421,7 +421,8 @@ def _check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:
                        f"{window_first(n, a.window)} of {n}")
             continue
         try:
-            geo = geometry(fname, a.kind, len(layers), fshape, a.shard_axis, n - a.first, tp, m["format_version"])
+            geo = geometry(fname, a.kind, len(layers), fshape, a.shard_axis, n - a.first, tp, m["format_version"],
+                           encoding=a.codec)
         except Exception as e:
             out.append(f"{where}: {e}")
             continue

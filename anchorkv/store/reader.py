@@ -68,8 +68,11 @@ class _ShardRead(NamedTuple):
     #: when the load reads every byte of the shard (all its chunks, one after another from its
     #: start, then its index): the crc32c its chunks' checksums in the manifest make together,
     #: and the shard's own there; the whole file is read by one range and checked by one
-    #: running crc32c against both (`_read_whole`). None: by groups, each chunk by its own
-    crc: tuple[int, int] | None
+    #: running crc32c against both (`_read_whole`). When it reads one run of neighbouring
+    #: chunks that is not the whole file (a layer of a shard spanning layers, format version 7):
+    #: the first alone, (crc, None), the run read and checked alike, without the index. None:
+    #: by groups, each chunk by its own
+    crc: tuple[int, int | None] | None
 
 
 #: `_steps`: (the first chunk's first row's start, rows a chunk, bytes a row, step between
@@ -256,14 +259,19 @@ def bind_reads(info: EntryInfo, array: ArrayLayout, geometry: _Geometry, layer: 
         chunks = [c for c, _ in pairs]
         crcs = tuple(crc for _, crc in pairs)
         groups = _groups(chunks, steps)
-        whole = _whole_shard(chunks, groups, want_shard[1], array.parts[pi].chunks_per_shard(array.chunks_per_shard))
+        slots = array.parts[pi].chunks_per_shard(array.chunks_per_shard)
+        whole = _whole_shard(chunks, groups, want_shard[1], slots)
+        run = whole or (slots[0] > 1 and _one_run(chunks, groups))  # (a shard spanning layers: format 7)
         shards.append(_ShardRead(skey, f"{info.path}/{skey}", want_shard[1], pi, tuple(chunks), crcs, groups,
-                                 _whole_crc(chunks, crcs, want_shard[0], compressed) if whole else None))
+                                 _whole_crc(chunks, crcs, want_shard[0] if whole else None, compressed)
+                                 if run else None))
     return ReadPlan(tuple(shards), geometry.scratch)
 
 
-def _whole_crc(chunks: Sequence[_Chunk], crcs: Sequence[int], shard_crc: int, compressed: bool) -> tuple[int, int]:
-    """`_ShardRead.crc` of a shard read whole: (its chunks' crc32c together, its own)."""
+def _whole_crc(chunks: Sequence[_Chunk], crcs: Sequence[int], shard_crc: int | None,
+               compressed: bool) -> tuple[int, int | None]:
+    """`_ShardRead.crc` of a shard read whole: (its chunks' crc32c together, its own); of a run
+    of it (`shard_crc` None): (its chunks' crc32c together, None)."""
     combine = crc32c_combine if compressed else crc32c_combine_fixed
     data = crcs[0]
     for c, crc in zip(chunks[1:], crcs[1:], strict=True):
@@ -292,7 +300,8 @@ def rebind_reads(plan: ReadPlan, info: EntryInfo, compressed: bool) -> ReadPlan 
         crcs = tuple(v[0] for v in got)
         shards.append(shard._replace(
             path=f"{info.path}/{shard.key}", crcs=crcs,
-            crc=None if shard.crc is None else _whole_crc(shard.chunks, crcs, want_shard[0], compressed)))
+            crc=None if shard.crc is None else _whole_crc(
+                shard.chunks, crcs, None if shard.crc[1] is None else want_shard[0], compressed)))
     return ReadPlan(tuple(shards), plan.scratch)
 
 
@@ -309,6 +318,23 @@ def _whole_shard(chunks: Sequence[_Chunk], groups: Sequence[_Group], size: int, 
         nbufs += 1 if g.strided is not None else sum(1 if c.runs is None else len(c.runs)
                                                        for c in chunks[g.first : g.stop])
     return end + index_nbytes(slots) == size and nbufs < GROUP_BUFFERS
+
+
+def _one_run(chunks: Sequence[_Chunk], groups: Sequence[_Group]) -> bool:
+    """Whether `chunks` (by offset) lie one after another in their file, in at most
+    `GROUP_BUFFERS` buffers, and are more than one group: then one range reads them and one
+    running crc32c checks them (`_read_whole`), not a range and a check a group. Used for the
+    layers of a shard spanning layers (format version 7; each layer's chunks lie together,
+    `format.shard_order`), which a load of a layer reads as a load of a shard of one layer read
+    it whole; a part of a shard of one layer is still read and checked group by group."""
+    end = chunks[0].offset if chunks else 0
+    for c in chunks:
+        if c.offset != end:
+            return False
+        end += c.size
+    nbufs = sum(1 if g.strided is not None else sum(1 if c.runs is None else len(c.runs)
+                                                      for c in chunks[g.first : g.stop]) for g in groups)
+    return len(groups) > 1 and nbufs < GROUP_BUFFERS
 
 
 def _groups(chunks: Sequence[_Chunk], steps: _Steps | None) -> tuple[_Group, ...]:
@@ -464,8 +490,8 @@ def _keep_scratch(scratch: dict[int, list[bytes | bytearray]], keys: dict[int, s
 
 def _read_whole(backend: Backend, info: EntryInfo, shard: _ShardRead, buf: memoryview, base: int,
                 dst: np.ndarray) -> list[bytearray | None]:
-    """Read a shard the load reads every byte of (`_ShardRead.crc`) by one range, its chunks
-    straight into their places (neighbouring places as one buffer), a strided group's into one
+    """Read a shard the load reads every byte of (`_ShardRead.crc`), or a run of its chunks, by
+    one range, its chunks straight into their places (neighbouring places as one buffer), a strided group's into one
     buffer, others into buffers of their own, the index after them, and check the whole file
     against the shard's crc32c: one system call and a few checksum calls a shard, not one of
     each a chunk or group (each call gives up Python's lock: with several threads reading, a
@@ -505,9 +531,12 @@ def _read_whole(backend: Backend, info: EntryInfo, shard: _ShardRead, buf: memor
                 hi = s + n
     if hi >= 0:
         segments.append(buf[lo:hi])
-    index = memoryview(bytearray(shard.size - sum(c.size for c in chunks)))
     assert shard.crc is not None
     want_data, want_shard = shard.crc
+    start = chunks[0].offset  # (0 for the whole file)
+    nbytes = sum(c.size for c in chunks)
+    index = memoryview(bytearray(0 if want_shard is None else shard.size - nbytes))
+    want = nbytes + len(index)
 
     checked = [False]
 
@@ -515,19 +544,19 @@ def _read_whole(backend: Backend, info: EntryInfo, shard: _ShardRead, buf: memor
         checked[i] = True
         _check_size(info, shard, fsize)
         crc = 0
-        if n == shard.size:
+        if n == want:
             for v in segments:
                 crc = crc32c(v, value=crc)
-        if n != shard.size or crc != want_data:  # the chunks' bytes against their checksums
-            _name_damage(info, shard, n, buf, base, own, staged)
-        if crc32c(index, value=crc) != want_shard:
+        if n != want or crc != want_data:  # the chunks' bytes against their checksums
+            _name_damage(info, shard, start + n, buf, base, own, staged)
+        if want_shard is not None and crc32c(index, value=crc) != want_shard:
             raise CorruptEntry(info.id, f"shard {shard.key} fails its check: its chunks pass theirs, the whole "
                                         "file fails the shard's crc32c (its zarr index, which other Zarr readers "
                                         "use, is damaged); delete the entry (anchorkv rm) and recompute")
         for g, stage in zip(shard.groups, staged, strict=True):
             _place(g, stage, dst, base)
 
-    _read_ranges(backend, info, shard, [(0, [*segments, index])], check, checked)
+    _read_ranges(backend, info, shard, [(start, [*segments, index] if index.nbytes else segments)], check, checked)
     return own
 
 
@@ -578,9 +607,10 @@ def _place(g: _Group, stage: np.ndarray | None, dst: np.ndarray, base: int) -> N
 
 def _name_damage(info: EntryInfo, shard: _ShardRead, n: int, buf: memoryview, base: int,
                  own: Sequence[bytearray | None], staged: Sequence[np.ndarray | None]) -> NoReturn:
-    """`_read_whole` read `n` bytes of a shard whose chunks fail their checksums together, or
-    fewer than its size: raise `CorruptEntry` naming the first chunk that fails its own (as a
-    load by groups would), else saying the read came up short."""
+    """`_read_whole` read a shard's (or a run's) bytes up to offset `n` of its file, and its
+    chunks fail their checksums together, or it read fewer than it asked: raise `CorruptEntry`
+    naming the first chunk that fails its own (as a load by groups would), else saying the read
+    came up short."""
     for g, stage in zip(shard.groups, staged, strict=True):
         at = 0
         for k in range(g.first, g.stop):
@@ -596,8 +626,8 @@ def _name_damage(info: EntryInfo, shard: _ShardRead, n: int, buf: memoryview, ba
             crc = _crc_of(views, got)
             if got != c.size or crc != shard.crcs[k]:
                 raise _chunk_fails(info, shard, k, got, crc)
-    raise CorruptEntry(info.id, f"shard {shard.key}: {n} of its {shard.size} bytes were read (it changed while "
-                                "read); recompute")
+    raise CorruptEntry(info.id, f"shard {shard.key}: its bytes up to offset {n} of {shard.size} were read (it "
+                                "changed while read); recompute")
 
 
 def verify_shard(backend: Backend, info: EntryInfo, array: ArrayLayout, part: Part,

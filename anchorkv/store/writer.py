@@ -4,9 +4,10 @@ Protocol (multi-process safe; ranks may be separate processes or machines):
 
 1. every rank calls `Store.begin_entry(...)` with the same arguments and the same `write_id`
    (the connector derives it from the request), then `write_layer` once per (layer, field)
-   with its own slice, written as whole shards (one file per layer and rank slice; see
-   `anchorkv.store.format`). Shards land in a place no reader looks at: the staging directory
-   ``.staging/<write id>/data`` (local) or ``entries/<key>/<name>.<write id>/`` (object store);
+   with its own slice, written as whole shards (one file per rank slice of a layer, or of
+   `layer_span` layers of a state field: see `anchorkv.store.format`). Shards land in a place no
+   reader looks at: the staging directory ``.staging/<write id>/data`` (local) or
+   ``entries/<key>/<name>.<write id>/`` (object store);
 2. `finish_rank` waits for the rank's shard writes still in flight (an object store's puts),
    then puts the rank's part marker ``.staging/<write id>/parts/rank-R-of-T.json``
    (the entry header plus the crc32c, size and offset of each inner chunk the rank wrote and
@@ -112,8 +113,8 @@ def _checksums(placed: list, index: bytes, combine: Callable[[int, int, int], in
 def _shard_cuts(array: ArrayLayout, bounds: tuple[tuple[int, int], ...]) -> tuple[tuple[tuple, tuple], ...]:
     """`shards_plan` of a rank's region (by its bounds) with what every layer of a field repeats
     worked out once: per shard, ((shard key, chunks per shard) of each part, and per slot
-    (the `ShardSlot`, its payload and scales slices of the region's block (`Encoded.region`),
-    (chunk key, coordinates in the shard) of each part))."""
+    (the `ShardSlot`, the region's layer j it lies in, its payload and scales slices of that
+    layer's block (`Encoded.region`), (chunk key, coordinates in the shard) of each part))."""
     parts = array.parts
     e = array.codec
     out = []
@@ -121,11 +122,12 @@ def _shard_cuts(array: ArrayLayout, bounds: tuple[tuple[int, int], ...]) -> tupl
         shards = tuple((p.shard_key(plan.shard), p.chunks_per_shard(plan.chunks_per_shard)) for p in parts)
         slots = []
         for slot in plan.slots:
-            *outer, last = slot.chunk.into_region
+            layer, *inner, last = slot.chunk.into_region  # (a chunk holds one layer)
+            outer = (slice(0, 1), *inner)  # into the block of that layer
             pl = (*outer, slice(e.row_bytes(last.start), e.row_bytes(last.stop)))
             gl = (*outer, slice(e.groups(last.start), e.groups(last.stop)))
             names = tuple((p.chunk_key(slot.chunk.coords), p.local(slot.local)) for p in parts)
-            slots.append((slot, pl, gl, names))
+            slots.append((slot, layer.start, pl, gl, names))
         out.append((shards, tuple(slots)))
     return tuple(out)
 
@@ -159,6 +161,9 @@ class EntryWriter:
         self._put_submit = put_submit
         self._help_submit = help_submit if put_submit is None else None
         self._puts: list[tuple[str, int, Any]] = []  # (shard, size, its write) in flight (`put_submit`, help)
+        # (format 7) blocks of state layers held until their shard's last layer comes, by
+        # (field, shard of layers)
+        self._held: dict[tuple[str, int], dict[int, Encoded]] = {}
         self._on_commit = on_commit
 
     @property
@@ -197,21 +202,43 @@ class EntryWriter:
             if skip:
                 enc = Encoded(enc.encoding, enc.payload[:, skip:], enc.scales[:, skip:])
             region[1] = slice(0, min(enc.payload.shape[1], array.shape[1]))
+        span = array.shards[0]
+        if span == 1:
+            return self._write_region(array, region, (enc,))
+        # (format 7) a state field's shard spans `span` layers: each layer's block is held (a
+        # view of the caller's Packed, which must not change before `finish_rank` returns) until
+        # the last layer of its shard comes, then the shard is written whole (a layer written
+        # again replaces its block, or once the shard is written, writes it again with the
+        # others' next writes, as a shard of one layer is written again). Layers that never
+        # come leave their shard unwritten: the commit names its chunks, never written
+        group = index // span
+        held = self._held.setdefault((field, group), {})
+        held[index] = enc
+        if len(held) < span:
+            return 0
+        del self._held[(field, group)]
+        region[0] = slice(group * span, group * span + span)
+        return self._write_region(array, region, tuple(held[group * span + j] for j in range(span)))
+
+    def _write_region(self, array: ArrayLayout, region: list[slice], blocks: tuple[Encoded, ...]) -> int:
+        """Write the shards of `region` (whole shards of this rank), from the blocks of its
+        layers (`blocks[j]`: the block of the region's layer j, one layer each); the bytes
+        written."""
         total = 0
-        payload, scales = enc.payload, enc.scales
-        has_scales = scales.size != 0  # (raw, bf16 and plug-ins without scales: none in any chunk)
+        has_scales = blocks[0].scales.size != 0  # (raw, bf16 and plug-ins without scales: none in any chunk)
         for shards, slots in _shard_cuts(array, tuple((s.start, s.stop) for s in region)):
             per_part: list[list] = [[] for _ in shards]
-            for slot, pl, gl, names in slots:
+            for slot, j, pl, gl, names in slots:
                 chunk = slot.chunk
+                enc = blocks[j]
                 if chunk.whole:  # `Encoded.buffers` of the chunk's region, without building it
-                    bufs = [np.ascontiguousarray(payload[pl]).data.cast("B")]
+                    bufs = [np.ascontiguousarray(enc.payload[pl]).data.cast("B")]
                     if has_scales:
-                        bufs.append(np.ascontiguousarray(scales[gl]).data.cast("B"))
+                        bufs.append(np.ascontiguousarray(enc.scales[gl]).data.cast("B"))
                     for (name, local), chunks, b in zip(names, per_part, bufs, strict=False):
                         chunks.append((name, local, [b]))
                     continue
-                part = Encoded(enc.encoding, payload[pl], scales[gl])
+                part = Encoded(enc.encoding, enc.payload[pl], enc.scales[gl])
                 if slot.lead is not None:
                     both = self._row_padded(array, part, slot.lead)
                 else:

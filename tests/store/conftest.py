@@ -93,3 +93,13 @@ def store(store_url):
     url, options = store_url
     with Store.open(url, **options) as s:
         yield s
+
+
+@pytest.fixture
+def one_layer_shards(monkeypatch):
+    """Entries cut as before format version 7, every shard one layer (`format.layer_span` 1): for
+    tests of what such shards do (their bytes as zarr-python writes them, reads of a whole shard,
+    keys by layer, versions 3-6). `tests/store/test_layer_span.py` tests shards spanning layers."""
+    from anchorkv.store import format as F
+
+    monkeypatch.setattr(F, "LAYER_SHARD_BYTES", 0)

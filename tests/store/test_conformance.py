@@ -108,6 +108,7 @@ class TestStoreConformance:
                 k = N * 72 if field == "latent" else ref.payload.numel()
                 assert torch.equal(got.payload[:k], ref.payload[:k]), (layer, field, rank)
 
+    @pytest.mark.usefixtures("one_layer_shards")  # (a shard a layer: test_layer_span.py spans them)
     def test_readers_read_only_their_inner_chunks(self, store):
         """A tp=1 entry holds one shard per layer; a reader at tp 8 / 2 reads its inner chunks
         alone, by byte range (offsets from the manifest), and a token window of the latent reads
@@ -199,6 +200,7 @@ class TestStoreConformance:
         with pytest.raises(FingerprintMismatch, match=info.id):
             store.load(info, other, "model.layers.0.attn", "conv")
 
+    @pytest.mark.usefixtures("one_layer_shards")  # (a shard a layer: test_layer_span.py spans them)
     def test_flipped_byte_is_detected(self, store):
         info = save(store)
         # inner chunk [1, 3, 0, 0] of `recurrent` (its second layer, heads 3) lies in the shard

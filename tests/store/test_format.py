@@ -179,6 +179,7 @@ ZARR_CASES = [  # (codecs, compressor, writer tp, tokens, zarr's write_empty_chu
 
 @pytest.mark.parametrize("codecs,compressor,tp,n,write_empty", ZARR_CASES,
                          ids=["quant", "raw", "int4", "quant-zstd", "quant-tp2", "zstd-tp8", "long-tp4"])
+@pytest.mark.usefixtures("one_layer_shards")  # (versions 3-6; test_layer_span.py: version 7)
 def test_zarr_write_gives_fast_path_bytes(tmp_path, codecs, compressor, tp, n, write_empty):
     """zarr-python (its ShardingCodec, standard codecs only) writing the codes and scales of the
     logical values with the entry's metadata writes exactly the shard files of the fast path,
@@ -221,6 +222,7 @@ def test_zarr_write_gives_fast_path_bytes(tmp_path, codecs, compressor, tp, n, w
     assert torch.equal(p.payload[:rows], packed_latent.payload[:rows])
 
 
+@pytest.mark.usefixtures("one_layer_shards")  # (versions 3-6; test_layer_span.py: version 7)
 def test_shard_layout(tmp_path):
     """Shards: state = one layer x the writer's rank slice; paged = one layer x up to 8 token
     chunks; the index is zarr's (offset, nbytes) uint64 pairs + crc32c, empty = 2**64-1."""
@@ -270,6 +272,7 @@ def test_token_chunk_pads_a_short_entry_little():
     assert [F.token_chunk(n) for n in (280, 600, 1100, 3000, 5000)] == [64, 128, 192, 384, 640]
 
 
+@pytest.mark.usefixtures("one_layer_shards")  # (versions 3-6; test_layer_span.py: version 7)
 def test_entries_chunked_by_1024_tokens_still_load(tmp_path, monkeypatch):
     """An entry written before format 5 (version 3: a 700-token latent in one 1024-token chunk)
     is listed ok, verifies and loads the same bytes as the new, smaller version 5 entry."""
@@ -293,6 +296,7 @@ def test_entries_chunked_by_1024_tokens_still_load(tmp_path, monkeypatch):
     assert torch.equal(window[0].payload, window[1].payload)
 
 
+@pytest.mark.usefixtures("one_layer_shards")  # (versions 3-6; test_layer_span.py: version 7)
 def test_an_older_reader_leaves_sized_chunk_entries_alone(tmp_path, monkeypatch):
     """An anchorkv that reads versions 3 and 4 lists a version 5 entry as newer-format, which its
     gc keeps, never as damaged."""
@@ -307,6 +311,7 @@ def test_an_older_reader_leaves_sized_chunk_entries_alone(tmp_path, monkeypatch)
     assert store.gc(stale_after=0)["removed"] == []
 
 
+@pytest.mark.usefixtures("one_layer_shards")  # (versions 3-6; test_layer_span.py: version 7)
 def test_group_for_last_axis_shard_is_fixed(tmp_path):
     store = Store.open(tmp_path)
     layout = tiny_layout()

@@ -32,6 +32,9 @@ from anchorkv.testing.metrics import sqnr_db
 from tests.codec.test_plugin_codec import install_example, uninstall_plugins
 from tests.store import helpers as H
 
+#: per-layer shards (format versions 3-6): see `one_layer_shards`
+pytestmark = pytest.mark.usefixtures("one_layer_shards")
+
 N = 1500  # tokens: eight latent chunks of 192 (format version 5), the last partial
 
 

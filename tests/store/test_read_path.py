@@ -14,6 +14,9 @@ from anchorkv.store.format import crc32c
 from anchorkv.store.store import Store
 from tests.store.helpers import CODECS, RAW_CODECS, all_packed, rank_packed, tiny_layout, tokens
 
+#: per-layer shards (format versions 3-6): see `one_layer_shards`
+pytestmark = pytest.mark.usefixtures("one_layer_shards")
+
 N = 700
 
 
