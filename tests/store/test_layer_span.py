@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, kimi_linear_layout
-from anchorkv.store.store import Store
 from anchorkv.store import format as F
 from anchorkv.store import manifest as M
 from anchorkv.store import reader as reader_module
 from anchorkv.store.errors import CorruptEntry, IncompleteEntry
 from anchorkv.store.format import LAYER_SPAN_FORMAT_VERSION, array_layouts, layer_span
+from anchorkv.store.store import Store
 from tests.store.helpers import CODECS, RAW_CODECS, all_packed, rank_packed, tiny_layout, tokens
 from tests.store.test_format import expected_values
 
