@@ -6,12 +6,13 @@ with `anchorkv.codec.pack`: 20 KDA layers x (conv `[3, 3, 4096]` bf16 + recurren
 
 Providers (all in the same process, on the same filesystem, none calls fsync):
     store-raw     `Store.save` / `Store.load` with the raw codec: the same bytes as `plain`,
-                  as 47 zarr shard files (format version 3; 376 inner chunks, each with its
+                  as 18 zarr shard files (format version 7: the state fields' shards span
+                  layers, conv 20 and recurrent 2 a file; 376 inner chunks, each with its
                   crc32c, and a shard index), manifest, staged commit and rename
     store-quant   the same with conv int8:128, recurrent int8:128, latent fp8:64 (the packing
-                  is done before timing: the kernels have their own benchmark); format 3
-                  keeps each quantized field as two arrays (codes, scales), so twice the
-                  shard files of store-raw
+                  is done before timing: the kernels have their own benchmark); each
+                  quantized field is two arrays (codes, scales): 24 shard files (conv 20
+                  layers a file, recurrent 5; the 47 per-layer shards of format 6 made 94)
     store-<codecs>:crc-thread, :crc-inline, :help, :help+crc-thread, :put-2, :put-4 (saves only)
                   the same save with the saving thread writing each shard, its crc32c
                   computed on a chunk thread while the shard is written or by the writing
@@ -33,8 +34,8 @@ Providers (all in the same process, on the same filesystem, none calls fsync):
                   (made in the round) and bytes, each file open, write, close. Against its
                   `store-*` row: what the store's own work costs (checksums, staging, commit,
                   JSON, Python) apart from its files; against `plain`: what its number of
-                  files costs (a quantized entry's scales are arrays of their own: 104 files
-                  where `plain` writes 47)
+                  files costs (a quantized entry: 34 files with its zarr.json and manifest,
+                  where `plain` writes 47; 104 in format 6)
     safetensors   one safetensors file per layer (`save_file` / `load_file`), as vLLM's
                   ExampleConnector stores KV caches
 
