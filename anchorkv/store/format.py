@@ -49,8 +49,11 @@ A shard is the encoded inner chunks concatenated in zarr's order (`shard_order`,
 order of the chunks in the shard; a shard spanning layers: layer after layer, each in that
 order), then the index (``index_location: end``): uint64
 little-endian ``(offset, nbytes)`` per inner chunk, C order over the shard's chunk grid, followed
-by its crc32c (``index_codecs: [bytes little, crc32c]``), byte for byte what zarr-python's
-``ShardingCodec`` writes for the same values and metadata.
+by its crc32c (``index_codecs: [bytes little, crc32c]``): for a shard of one layer byte for byte
+what zarr-python's ``ShardingCodec`` writes for the same values and metadata; a shard spanning
+layers holds the same chunks, in its own order, which the index gives any reader. A load of one
+layer of such a shard reads and checks that layer's chunks, not the index (anchorkv's reads go
+by the manifest's offsets); `Store.verify` checks the index of every shard.
 
 **Codec plug-ins** (format version 4; an entry whose arrays all use built-in formats is still
 written as version 3, byte for byte as before). A field may use any codec registered in the

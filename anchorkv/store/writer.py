@@ -161,8 +161,9 @@ class EntryWriter:
         self._put_submit = put_submit
         self._help_submit = help_submit if put_submit is None else None
         self._puts: list[tuple[str, int, Any]] = []  # (shard, size, its write) in flight (`put_submit`, help)
-        # (format 7) blocks of state layers held until their shard's last layer comes, by
-        # (field, shard of layers)
+        # (format 7) blocks of state layers by (field, shard of layers): held until the shard's
+        # last layer comes, then kept (a layer written again rewrites the shard) until the
+        # commit, an abort or a settle drops them
         self._held: dict[tuple[str, int], dict[int, Encoded]] = {}
         self._on_commit = on_commit
 
@@ -207,16 +208,15 @@ class EntryWriter:
             return self._write_region(array, region, (enc,))
         # (format 7) a state field's shard spans `span` layers: each layer's block is held (a
         # view of the caller's Packed, which must not change before `finish_rank` returns) until
-        # the last layer of its shard comes, then the shard is written whole (a layer written
-        # again replaces its block, or once the shard is written, writes it again with the
-        # others' next writes, as a shard of one layer is written again). Layers that never
-        # come leave their shard unwritten: the commit names its chunks, never written
+        # the last layer of its shard comes, then the shard is written whole; a layer written
+        # again replaces its block and, once its shard is whole, writes it again at once (as a
+        # shard of one layer is written again). Layers that never come leave their shard
+        # unwritten: the commit names its chunks, never written
         group = index // span
         held = self._held.setdefault((field, group), {})
         held[index] = enc
         if len(held) < span:
             return 0
-        del self._held[(field, group)]
         region[0] = slice(group * span, group * span + span)
         return self._write_region(array, region, tuple(held[group * span + j] for j in range(span)))
 
@@ -418,14 +418,20 @@ class EntryWriter:
                 # the header as a marker's JSON gives it back (lists, not tuples): the manifest
                 # handed to `on_commit` is then the one a reader parses
                 part["header"] = json.loads(json.dumps(part["header"]))
-                return commit_parts(self.backend, self.write_id, [part], self._on_commit)
-            self.finish_rank()
-        return commit_staged(self.backend, self.write_id, self._on_commit)
+                info = commit_parts(self.backend, self.write_id, [part], self._on_commit)
+            else:
+                self.finish_rank()
+                info = commit_staged(self.backend, self.write_id, self._on_commit)
+        else:
+            info = commit_staged(self.backend, self.write_id, self._on_commit)
+        self._held.clear()  # (the caller's buffers: once committed, nothing writes them)
+        return info
 
     def settle(self) -> None:
         """Wait for this rank's writes in flight, whatever their outcome (a failed write whose
         caller reuses the buffers it handed over: a write still reading them would stage
-        another save's bytes)."""
+        another save's bytes); the state layers held for their shards are dropped."""
+        self._held.clear()
         try:
             self._wait_puts()
         except Exception:  # (the failure being cleaned up is the caller's to report)

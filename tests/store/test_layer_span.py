@@ -218,3 +218,35 @@ def test_the_manifest_check_recomputes_the_span(tmp_path):
         arrays = {**info.manifest["arrays"], "conv": {**info.manifest["arrays"]["conv"], "shards": [span, 3, 3, 64]}}
         problems = M.check_manifest(info.id, {**info.manifest, "arrays": arrays})
         assert any("array 'conv': shape/chunks/shards" in p for p in problems), (span, problems)
+
+
+def test_a_layer_written_again_rewrites_its_shard(tmp_path):
+    """A layer written again once its shard is written (a retry) rewrites the shard at once
+    with the others' blocks, as a shard of one layer is rewritten: the entry holds the new
+    values (found by review: the block waited for the others' next writes, which never came,
+    and the commit published the old bytes)."""
+    store = Store.open(tmp_path / "s")
+    layout = tiny_layout()
+    w = store.begin_entry(layout, CODECS, tokens(N), anchor="a", write_id="w1")
+    for key, p in all_packed(layout, CODECS, N).items():
+        w.write_layer(*key, p)
+    again = ("model.layers.1.attn", "recurrent")
+    new = all_packed(layout, CODECS, N, seed=5)[again]
+    assert w.write_layer(*again, new) > 0
+    info = w.commit()
+    got = Store.open(tmp_path / "s", create=False).load(info.id, layout, *again)
+    assert torch.equal(got.payload, new.payload) and torch.equal(got.scales, new.scales)
+    assert w._held == {}  # the caller's buffers are let go once committed
+
+
+def test_a_failed_write_drops_held_layers(tmp_path):
+    """An aborted write lets go of the blocks it held for their shards (views of the caller's,
+    perhaps page-locked, buffers)."""
+    store = Store.open(tmp_path / "s")
+    layout = tiny_layout()
+    w = store.begin_entry(layout, CODECS, tokens(N), anchor="a", write_id="w1")
+    key = ("model.layers.0.attn", "recurrent")
+    w.write_layer(*key, all_packed(layout, CODECS, N)[key])
+    assert w._held
+    w.abort()
+    assert w._held == {} and store.list() == []
