@@ -305,36 +305,34 @@ def rebind_reads(plan: ReadPlan, info: EntryInfo, compressed: bool) -> ReadPlan 
     return ReadPlan(tuple(shards), plan.scratch)
 
 
-def _whole_shard(chunks: Sequence[_Chunk], groups: Sequence[_Group], size: int, slots: tuple[int, ...]) -> bool:
-    """Whether `chunks` (by offset) are every byte of their shard file of `size` bytes but its
-    index: one after another from byte 0, then the index of `slots` chunks, in at most
-    `GROUP_BUFFERS` buffers (a strided group's chunks: one)."""
-    end = nbufs = 0
-    for c in chunks:
-        if c.offset != end:
-            return False
-        end += c.size
-    for g in groups:
-        nbufs += 1 if g.strided is not None else sum(1 if c.runs is None else len(c.runs)
-                                                       for c in chunks[g.first : g.stop])
-    return end + index_nbytes(slots) == size and nbufs < GROUP_BUFFERS
-
-
-def _one_run(chunks: Sequence[_Chunk], groups: Sequence[_Group]) -> bool:
-    """Whether `chunks` (by offset) lie one after another in their file, in at most
-    `GROUP_BUFFERS` buffers, and are more than one group: then one range reads them and one
-    running crc32c checks them (`_read_whole`), not a range and a check a group. Used for the
-    layers of a shard spanning layers (format version 7; each layer's chunks lie together,
-    `format.shard_order`), which a load of a layer reads as a load of a shard of one layer read
-    it whole; a part of a shard of one layer is still read and checked group by group."""
+def _run_end(chunks: Sequence[_Chunk], groups: Sequence[_Group]) -> int | None:
+    """Where `chunks` (by offset) end in their file when they lie one after another and are at
+    most `GROUP_BUFFERS` buffers (a strided group's chunks: one), so one range reads them all;
+    None otherwise."""
     end = chunks[0].offset if chunks else 0
     for c in chunks:
         if c.offset != end:
-            return False
+            return None
         end += c.size
     nbufs = sum(1 if g.strided is not None else sum(1 if c.runs is None else len(c.runs)
                                                       for c in chunks[g.first : g.stop]) for g in groups)
-    return len(groups) > 1 and nbufs < GROUP_BUFFERS
+    return end if nbufs < GROUP_BUFFERS else None
+
+
+def _whole_shard(chunks: Sequence[_Chunk], groups: Sequence[_Group], size: int, slots: tuple[int, ...]) -> bool:
+    """Whether `chunks` (by offset) are every byte of their shard file of `size` bytes but its
+    index: one run (`_run_end`) from byte 0, then the index of `slots` chunks."""
+    end = _run_end(chunks, groups)
+    return end is not None and (not chunks or chunks[0].offset == 0) and end + index_nbytes(slots) == size
+
+
+def _one_run(chunks: Sequence[_Chunk], groups: Sequence[_Group]) -> bool:
+    """Whether `chunks` are one run (`_run_end`) of more than one group: then one range reads
+    them and one running crc32c checks them (`_read_whole`), not a range and a check a group.
+    Used for the layers of a shard spanning layers (format version 7; each layer's chunks lie
+    together, `format.shard_order`), which a load of a layer reads as a load of a shard of one
+    layer read it whole; a part of a shard of one layer is still read and checked group by group."""
+    return len(groups) > 1 and _run_end(chunks, groups) is not None
 
 
 def _groups(chunks: Sequence[_Chunk], steps: _Steps | None) -> tuple[_Group, ...]:
@@ -491,8 +489,9 @@ def _keep_scratch(scratch: dict[int, list[bytes | bytearray]], keys: dict[int, s
 def _read_whole(backend: Backend, info: EntryInfo, shard: _ShardRead, buf: memoryview, base: int,
                 dst: np.ndarray) -> list[bytearray | None]:
     """Read a shard the load reads every byte of (`_ShardRead.crc`), or a run of its chunks, by
-    one range, its chunks straight into their places (neighbouring places as one buffer), a strided group's into one
-    buffer, others into buffers of their own, the index after them, and check the whole file
+    one range, its chunks straight into their places (neighbouring places as one buffer), a
+    strided group's into one buffer, others into buffers of their own, the index after them
+    (a run: none), and check the whole file
     against the shard's crc32c: one system call and a few checksum calls a shard, not one of
     each a chunk or group (each call gives up Python's lock: with several threads reading, a
     call is also a wait to take it back, which dominated loads of many small calls). On a

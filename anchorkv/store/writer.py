@@ -412,17 +412,16 @@ class EntryWriter:
 
         Raises `IncompleteEntry` naming the missing ranks or chunks; call it again later.
         """
-        if not self.backend.exists(part_marker(self.write_id, self.tp_rank, self.tp_size)):
-            if self.tp_size == 1:
-                part = self._part()
-                # the header as a marker's JSON gives it back (lists, not tuples): the manifest
-                # handed to `on_commit` is then the one a reader parses
-                part["header"] = json.loads(json.dumps(part["header"]))
-                info = commit_parts(self.backend, self.write_id, [part], self._on_commit)
-            else:
-                self.finish_rank()
-                info = commit_staged(self.backend, self.write_id, self._on_commit)
+        staged = self.backend.exists(part_marker(self.write_id, self.tp_rank, self.tp_size))
+        if not staged and self.tp_size == 1:
+            part = self._part()
+            # the header as a marker's JSON gives it back (lists, not tuples): the manifest
+            # handed to `on_commit` is then the one a reader parses
+            part["header"] = json.loads(json.dumps(part["header"]))
+            info = commit_parts(self.backend, self.write_id, [part], self._on_commit)
         else:
+            if not staged:
+                self.finish_rank()
             info = commit_staged(self.backend, self.write_id, self._on_commit)
         self._held.clear()  # (the caller's buffers: once committed, nothing writes them)
         return info

@@ -23,28 +23,23 @@ from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, kimi_linear_layout
 from anchorkv.store import format as F
 from anchorkv.store import manifest as M
 from anchorkv.store import reader as reader_module
+from anchorkv.store import store as store_module
 from anchorkv.store.errors import CorruptEntry, IncompleteEntry
 from anchorkv.store.format import LAYER_SPAN_FORMAT_VERSION, array_layouts, layer_span
 from anchorkv.store.store import Store
 from tests.store.helpers import CODECS, RAW_CODECS, all_packed, rank_packed, tiny_layout, tokens
-from tests.store.test_format import expected_values
+from tests.store.test_format import _save_at_tp, expected_values
+from tests.store.test_read_path import _flip
 
 N = 700
 KIMI_QUANT = {"conv": "int8:128", "recurrent": "int8:128", "latent": "fp8:64"}
 KIMI_RAW = {"conv": "raw", "recurrent": "raw", "latent": "raw"}
 
 
-def _save(root: Path, codecs: dict, tp: int, compressor=None, n: int = N):
-    """An entry of the tiny model (3 state layers: one shard a state field and rank slice)
-    written by `tp` ranks."""
-    store = Store.open(root)
-    writers = [store.begin_entry(tiny_layout(tp, r), codecs, tokens(n), anchor="a", write_id=f"tp{tp}",
-                                 compressor=compressor) for r in range(tp)]
-    for w in writers:
-        for (layer, field), p in all_packed(w.layout, codecs, n).items():
-            w.write_layer(layer, field, p)
-        w.finish_rank()
-    return store, writers[0].commit()
+def _save(root: Path, codecs: dict, tp: int, compressor=None):
+    """An entry of the tiny model (3 state layers: one shard a state field and rank slice) of
+    `N` tokens written by `tp` ranks."""
+    return _save_at_tp(root, codecs, N, tp, compressor)
 
 
 def test_layer_span_is_the_most_layers_that_divide_and_fit():
@@ -131,6 +126,14 @@ def _spy(monkeypatch, store) -> list:
     return calls
 
 
+def _one_chunk_groups(monkeypatch, info) -> None:
+    """Loads group one recurrent chunk a range (`reader.GROUP_BYTES`), in plans of their own:
+    the module-wide plans (`store._SHAPED`) other tests made with the default groups are set
+    aside for this test."""
+    monkeypatch.setattr(reader_module, "GROUP_BYTES", info.manifest["checksums"]["recurrent/c.1.0.0.0"][1])
+    monkeypatch.setattr(store_module, "_SHAPED", store_module._Recent(4096))
+
+
 @pytest.mark.parametrize("group", ["default", "chunk"])
 def test_a_layer_of_a_spanning_shard_is_one_range(tmp_path, monkeypatch, group):
     """The shard holds layer after layer: a load of the middle layer reads its chunks alone,
@@ -138,7 +141,7 @@ def test_a_layer_of_a_spanning_shard_is_one_range(tmp_path, monkeypatch, group):
     are more than one group of `reader.GROUP_BYTES` (then checked by one running crc32c)."""
     store, info = _save(tmp_path / "s", CODECS, 1)
     if group == "chunk":  # (a Kimi-Linear layer's 8 chunks of 256 KiB: 8 groups)
-        monkeypatch.setattr(reader_module, "GROUP_BYTES", info.manifest["checksums"]["recurrent/c.1.0.0.0"][1])
+        _one_chunk_groups(monkeypatch, info)
     sums = info.manifest["checksums"]
     calls = _spy(monkeypatch, store)
     layer = info.arrays()["recurrent"].layers[1]
@@ -159,14 +162,11 @@ def test_a_damaged_layer_of_a_spanning_shard_is_named(tmp_path, monkeypatch, gro
     as a run of groups checked together); layers 0 and 2 of the same file, which a load does
     not read, still load; verify names the shard and the chunk."""
     store, info = _save(tmp_path / "s", CODECS, 1)
-    if group == "chunk":
-        monkeypatch.setattr(reader_module, "GROUP_BYTES", info.manifest["checksums"]["recurrent/c.1.0.0.0"][1])
+    if group == "chunk":  # (a Kimi-Linear layer's 8 chunks of 256 KiB: 8 groups)
+        _one_chunk_groups(monkeypatch, info)
     key, shard = "recurrent/c.1.3.0.0", "recurrent/c.0.0.0.0"
-    crc, size, offset = info.manifest["checksums"][key]
-    path = f"{info.path}/{shard}"
-    data = bytearray(store.backend.read(path))
-    data[offset + size // 2] ^= 0x01
-    store.backend.write(path, [bytes(data)])
+    size = info.manifest["checksums"][key][1]
+    _flip(store, info, key, shard, size // 2, 0x01)
     fresh = Store(store.backend)
     layers = info.arrays()["recurrent"].layers
     with pytest.raises(CorruptEntry, match=f"{info.id}.*{key}.*crc32c.*{shard}"):
