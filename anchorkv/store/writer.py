@@ -73,6 +73,10 @@ HelpSubmit = Callable[..., "Future | None"]
 #: `store.LOCAL_PUT_THREADS`). A Kimi-Linear request's 8.8 MB latent shards go there, its 2 MB
 #: recurrent and 73 KB conv shards stay (measured in `bench_store.py`'s save rows).
 HELP_BYTES = 4 << 20
+#: Shards smaller than this are checksummed by the writing thread after their write rather than
+#: on a chunk thread during it: the hand-off to a thread and back costs more than the crc32c
+#: of a few hundred KB (at several GB/s).
+INLINE_CRC_BYTES = 256 << 10
 
 
 class _Written:
@@ -129,6 +133,87 @@ def _shard_cuts(array: ArrayLayout, bounds: tuple[tuple[int, int], ...]) -> tupl
             names = tuple((p.chunk_key(slot.chunk.coords), p.local(slot.local)) for p in parts)
             slots.append((slot, layer.start, pl, gl, names))
         out.append((shards, tuple(slots)))
+    return tuple(out)
+
+
+def _gather_recipe(shape: tuple[int, ...], cuts: list[tuple[slice, ...]]) -> tuple | None:
+    """How one layer block (`shape`) becomes its chunks' bytes one after another, when `cuts`
+    (each chunk's slices into the block, in shard order; trailing axes left out are whole) tile
+    a box of it from its origin with equal chunks: (that box's slices, None for the whole block;
+    the box reshaped to chunk grid and chunk axes interleaved; the transpose putting the grid
+    axes first; the grid order of the cuts, None where it is the C order). None where they do
+    not tile such a box."""
+    ext = None
+    at = []
+    for cut in cuts:
+        cut = (*cut, *(slice(0, n) for n in shape[len(cut):]))
+        e = tuple(c.stop - c.start for c in cut)
+        if ext is None:
+            ext = e
+        if e != ext or any(c.start % n for c, n in zip(cut, e, strict=True)):
+            return None
+        at.append(tuple(c.start // n for c, n in zip(cut, e, strict=True)))
+    if ext is None:
+        return None
+    counts = tuple(max(a) + 1 for a in zip(*at, strict=True))  # chunks along each axis (rows past them stay out)
+    extent = tuple(n * e for n, e in zip(counts, ext, strict=True))
+    if any(x > n for x, n in zip(extent, shape, strict=True)):
+        return None
+    order = [int(np.ravel_multi_index(a, counts)) for a in at]
+    if sorted(order) != list(range(int(np.prod(counts)))):
+        return None  # (not every chunk of the box, or one twice)
+    box = None if extent == tuple(shape) else tuple(slice(0, x) for x in extent)
+    inter = tuple(x for c, e in zip(counts, ext, strict=True) for x in (c, e))
+    axes = (*range(0, 2 * len(counts), 2), *range(1, 2 * len(counts), 2))
+    return box, inter, axes, None if order == sorted(order) else np.array(order)
+
+
+def _gather(src: np.ndarray, recipe: tuple) -> memoryview:
+    """A layer block's chunks' bytes in shard order (`_gather_recipe`): a view where they lie
+    so in the block already, else one copy."""
+    box, inter, axes, order = recipe
+    out = np.ascontiguousarray((src if box is None else src[box]).reshape(inter).transpose(axes))
+    if order is not None:
+        out = out.reshape(len(order), -1)[order]
+    return out.data.cast("B")
+
+
+@functools.lru_cache(maxsize=4096)
+def _gathers(array: ArrayLayout, bounds: tuple[tuple[int, int], ...],
+             blocks: tuple[tuple[tuple[int, ...], int], ...]) -> tuple | None:
+    """The shards of a rank's region written from whole layer blocks (`_gather`), one buffer
+    per layer and part instead of one per inner chunk, where every slot is a whole chunk and
+    each layer's chunks tile its block; None otherwise. `blocks`: (shape, item size) of a
+    layer block's payload and scales. Per shard and part: (shard key, its index, its size,
+    the layers' `_gather_recipe`s, per inner chunk (name, layer, offset in that layer's buffer,
+    size, offset in the shard))."""
+    out = []
+    for shards, slots in _shard_cuts(array, bounds):
+        if any(not slot.chunk.whole for slot, *_ in slots):
+            return None
+        layers = [j for _, j, *_ in slots]
+        if layers != sorted(layers):
+            return None  # (the layer-major order `format.shard_order` gives)
+        parts = []
+        for i, (skey, k) in enumerate(shards):
+            shape, itemsize = blocks[i]
+            recipes, chunks, index_slots = {}, [], []
+            offset = 0
+            for j in dict.fromkeys(layers):
+                mine = [s for s in slots if s[1] == j]
+                recipe = _gather_recipe(shape, [s[2 + i] for s in mine])
+                if recipe is None:
+                    return None
+                recipes[j] = recipe
+                size = int(np.prod(recipe[1][1::2])) * itemsize
+                for n, (*_, names) in enumerate(mine):
+                    name, local = names[i]
+                    chunks.append((name, j, n * size, size, offset))
+                    index_slots.append((local, (offset, size)))
+                    offset += size
+            index = _index(k, tuple(index_slots))
+            parts.append((skey, index, offset + len(index), recipes, tuple(chunks)))
+        out.append(tuple(parts))
     return tuple(out)
 
 
@@ -226,7 +311,21 @@ class EntryWriter:
         written."""
         total = 0
         has_scales = blocks[0].scales.size != 0  # (raw, bf16 and plug-ins without scales: none in any chunk)
-        for shards, slots in _shard_cuts(array, tuple((s.start, s.stop) for s in region)):
+        bounds = tuple((s.start, s.stop) for s in region)
+        if self._compressor is None:  # whole layer blocks, one buffer each (`_gathers`)
+            kinds = tuple((a.shape, a.itemsize) for a in (blocks[0].payload, blocks[0].scales)[:1 + has_scales])
+            fast = _gathers(array, bounds, kinds)
+            if fast is not None and all(tuple((a.shape, a.itemsize) for a in (b.payload, b.scales)[:1 + has_scales])
+                                        == kinds for b in blocks):
+                for parts in fast:
+                    for i, (skey, index, size, recipes, chunks) in enumerate(parts):
+                        views = {j: _gather(blocks[j].payload if i == 0 else blocks[j].scales, r)
+                                 for j, r in recipes.items()}
+                        placed = [(name, [views[j][at:at + n]], n, off) for name, j, at, n, off in chunks]
+                        total += self._submit_shard(skey, [*views.values(), memoryview(index)], placed, index,
+                                                    crc32c_combine_fixed, size)
+                return total
+        for shards, slots in _shard_cuts(array, bounds):
             per_part: list[list] = [[] for _ in shards]
             for slot, j, pl, gl, names in slots:
                 chunk = slot.chunk
@@ -346,7 +445,13 @@ class EntryWriter:
         index = _index(k, tuple(slots))
         buffers.append(memoryview(index))
         combine = crc32c_combine if comp is not None else crc32c_combine_fixed
-        size = offset + len(index)
+        return self._submit_shard(skey, buffers, placed, index, combine, offset + len(index))
+
+    def _submit_shard(self, skey: str, buffers: list[memoryview], placed: list, index: bytes,
+                      combine: Callable[[int, int, int], int], size: int) -> int:
+        """Write a shard file of `buffers` (its chunks `placed` as `_checksums` takes them, then
+        `index`) and record its checksums: on a put thread, the help thread or here (see
+        `_put_shard`); its size."""
         if self._put_submit is not None:
             self._puts.append((skey, size, self._put_submit(self._put, skey, buffers, placed, index, combine)))
             return size
@@ -357,6 +462,10 @@ class EntryWriter:
                 self._puts.append((skey, size, written))  # (first: settle / abort wait for it whatever follows)
                 written.sums = _checksums(placed, index, combine)
                 return size
+        if size < INLINE_CRC_BYTES:  # (checksummed here: quicker than handing it to a chunk thread)
+            self.backend.write(f"{self.data}/{skey}", buffers)
+            self._record(skey, size, *_checksums(placed, index, combine))
+            return size
         pending = self._chunk_submit(_checksums, placed, index, combine)
         try:
             self.backend.write(f"{self.data}/{skey}", buffers)

@@ -406,19 +406,23 @@ def test_checksums_on_a_chunk_thread_or_the_writing_thread_agree(tmp_path, monke
     """`CHUNK_THREADS` (which the machine's cores and crc32c library choose: CI runs one, users
     another) and `LOCAL_PUT_THREADS` (1; the benchmarks try more) move where a shard's crc32c
     is computed and which thread writes it, nothing else: every way writes the same shard files and records the same
-    checksums, and each entry verifies."""
+    checksums, and each entry verifies. So does `writer.INLINE_CRC_BYTES` (shards below it, here
+    all of them, checksummed by the writing thread after their write)."""
     from anchorkv.store import store as store_module
+    from anchorkv.store import writer as writer_module
 
     entries = {}
-    for chunk, put in ((1, 1), (2, 1), (1, 2), (2, 3)):
+    for chunk, put, inline in ((1, 1, 0), (2, 1, 0), (1, 2, 0), (2, 3, 0), (2, 1, 1 << 30)):
         monkeypatch.setattr(store_module, "CHUNK_THREADS", chunk)
         monkeypatch.setattr(store_module, "LOCAL_PUT_THREADS", put)
-        store, info = _save_at_tp(tmp_path / f"t{chunk}{put}", codecs, 3 * TOKEN_CHUNK + 100, tp, compressor)
+        monkeypatch.setattr(writer_module, "INLINE_CRC_BYTES", inline)
+        store, info = _save_at_tp(tmp_path / f"t{chunk}{put}{inline}", codecs, 3 * TOKEN_CHUNK + 100, tp, compressor)
         assert ("put" in store._pools) == (put > 1)  # the put threads did write the shards,
-        assert ("chunk" in store._pools) == (chunk == 2 and put == 1)  # which compute their own checksums
+        # which compute their own checksums
+        assert ("chunk" in store._pools) == (chunk == 2 and put == 1 and not inline)
         assert store.verify(info.id) == []
         root = store.backend.root / info.path
-        entries[chunk, put] = ({str(p.relative_to(root)): p.read_bytes() for p in root.rglob("c.*")},
-                               info.manifest["checksums"], info.manifest["shards"])
-    first = entries[1, 1]
+        entries[chunk, put, inline] = ({str(p.relative_to(root)): p.read_bytes() for p in root.rglob("c.*")},
+                                       info.manifest["checksums"], info.manifest["shards"])
+    first = entries[1, 1, 0]
     assert first[0] and all(e == first for e in entries.values())
