@@ -181,38 +181,48 @@ def _gather(src: np.ndarray, recipe: tuple) -> memoryview:
 @functools.lru_cache(maxsize=4096)
 def _gathers(array: ArrayLayout, bounds: tuple[tuple[int, int], ...],
              blocks: tuple[tuple[tuple[int, ...], int], ...]) -> tuple | None:
-    """The shards of a rank's region written from whole layer blocks (`_gather`), one buffer
-    per layer and part instead of one per inner chunk, where every slot is a whole chunk and
-    each layer's chunks tile its block; None otherwise. `blocks`: (shape, item size) of a
+    """The shards of a rank's region written from its layer blocks (`_gather`), one buffer per
+    layer and part instead of one per inner chunk, where each layer's whole chunks tile a box
+    of its block from the origin and at most one edge chunk of leading rows (`ShardSlot.lead`,
+    a paged field's last) follows them; None otherwise. `blocks`: (shape, item size) of a
     layer block's payload and scales. Per shard and part: (shard key, its index, its size,
-    the layers' `_gather_recipe`s, per inner chunk (name, layer, offset in that layer's buffer,
-    size, offset in the shard))."""
+    per layer its `_gather_recipe` (None: no whole chunk) and its edge chunk (None, or its
+    payload and scales slices and rows), per inner chunk (name, layer, offset in that layer's
+    buffer or None for the edge chunk, size, offset in the shard))."""
     out = []
+    zero = zero_chunk(array.codec, array.chunks)
     for shards, slots in _shard_cuts(array, bounds):
-        if any(not slot.chunk.whole for slot, *_ in slots):
-            return None
         layers = [j for _, j, *_ in slots]
         if layers != sorted(layers):
             return None  # (the layer-major order `format.shard_order` gives)
         parts = []
         for i, (skey, k) in enumerate(shards):
             shape, itemsize = blocks[i]
-            recipes, chunks, index_slots = {}, [], []
+            size = (zero.payload if i == 0 else zero.scales).nbytes  # (a chunk's, padded or not)
+            per_layer, chunks, index_slots = {}, [], []
             offset = 0
             for j in dict.fromkeys(layers):
                 mine = [s for s in slots if s[1] == j]
-                recipe = _gather_recipe(shape, [s[2 + i] for s in mine])
-                if recipe is None:
-                    return None
-                recipes[j] = recipe
-                size = int(np.prod(recipe[1][1::2])) * itemsize
-                for n, (*_, names) in enumerate(mine):
+                whole = [s for s in mine if s[0].chunk.whole]
+                edge = None
+                if len(whole) < len(mine):
+                    last = mine[-1][0]
+                    if len(whole) + 1 < len(mine) or last.chunk.whole or last.lead is None:
+                        return None
+                    edge = (mine[-1][2], mine[-1][3], last.lead)
+                recipe = None
+                if whole:
+                    recipe = _gather_recipe(shape, [s[2 + i] for s in whole])
+                    if recipe is None or int(np.prod(recipe[1][1::2])) * itemsize != size:
+                        return None
+                per_layer[j] = (recipe, edge)
+                for n, (slot, *_, names) in enumerate(mine):
                     name, local = names[i]
-                    chunks.append((name, j, n * size, size, offset))
+                    chunks.append((name, j, n * size if slot.chunk.whole else None, size, offset))
                     index_slots.append((local, (offset, size)))
                     offset += size
             index = _index(k, tuple(index_slots))
-            parts.append((skey, index, offset + len(index), recipes, tuple(chunks)))
+            parts.append((skey, index, offset + len(index), per_layer, tuple(chunks)))
         out.append(tuple(parts))
     return tuple(out)
 
@@ -318,12 +328,24 @@ class EntryWriter:
             if fast is not None and all(tuple((a.shape, a.itemsize) for a in (b.payload, b.scales)[:1 + has_scales])
                                         == kinds for b in blocks):
                 for parts in fast:
-                    for i, (skey, index, size, recipes, chunks) in enumerate(parts):
-                        views = {j: _gather(blocks[j].payload if i == 0 else blocks[j].scales, r)
-                                 for j, r in recipes.items()}
-                        placed = [(name, [views[j][at:at + n]], n, off) for name, j, at, n, off in chunks]
-                        total += self._submit_shard(skey, [*views.values(), memoryview(index)], placed, index,
-                                                    crc32c_combine_fixed, size)
+                    for i, (skey, index, size, per_layer, chunks) in enumerate(parts):
+                        views: dict[int, memoryview] = {}
+                        edges: dict[int, list] = {}
+                        buffers: list[memoryview] = []
+                        for j, (recipe, edge) in per_layer.items():
+                            if recipe is not None:
+                                views[j] = _gather(blocks[j].payload if i == 0 else blocks[j].scales, recipe)
+                                buffers.append(views[j])
+                            if edge is not None:  # its rows, then the cached zero rows (`_row_padded`)
+                                pl, gl, rows = edge
+                                enc = blocks[j]
+                                part = Encoded(enc.encoding, enc.payload[pl], enc.scales[gl])
+                                edges[j] = self._row_padded(array, part, rows)[i]
+                                buffers += edges[j]
+                        placed = [(name, edges[j] if at is None else [views[j][at:at + n]], n, off)
+                                  for name, j, at, n, off in chunks]
+                        buffers.append(memoryview(index))
+                        total += self._submit_shard(skey, buffers, placed, index, crc32c_combine_fixed, size)
                 return total
         for shards, slots in _shard_cuts(array, bounds):
             per_part: list[list] = [[] for _ in shards]

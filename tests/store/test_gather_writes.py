@@ -1,12 +1,13 @@
 """A shard written from whole layer blocks (`writer._gathers`): one buffer per layer and part,
 the bytes of the chunk-by-chunk path.
 
-Without a compressor, where every slot of a shard is a whole chunk and a layer's chunks tile a
-box of its block from the origin, the writer hands the file one buffer per layer (a view where
-the chunks lie in the block in shard order, else one reshape-and-transpose copy) and checksums
-each chunk as a slice of it, instead of building a buffer, a slot and a checksum call chain per
-inner chunk in Python (752 inner chunks in a quantized Kimi-Linear request). Here both paths
-write the same entries and every file must be byte for byte the same.
+Without a compressor, where a layer's whole chunks in a shard tile a box of its block from the
+origin (at most one edge chunk of leading rows after them: a paged field's last), the writer
+hands the file one buffer per layer (a view where the chunks lie in the block in shard order,
+else one reshape-and-transpose copy; the edge chunk's rows and zero rows after it) and
+checksums each chunk as a slice of it, instead of building a buffer, a slot and a checksum call
+chain per inner chunk in Python (752 inner chunks in a quantized Kimi-Linear request). Here
+both paths write the same entries and every file must be byte for byte the same.
 """
 
 from __future__ import annotations
@@ -117,9 +118,19 @@ def test_shards_from_blocks_are_the_chunk_by_chunk_bytes(tmp_path, monkeypatch, 
         gathered.append(1)
         return real(src, recipe)
 
+    plans: list[tuple[str, bool]] = []
+    real_plans = writer_module._gathers
+
+    def recorded(array, *a):
+        plans.append((array.kind, real_plans(array, *a) is not None))
+        return real_plans(array, *a)
+
     monkeypatch.setattr(writer_module, "_gather", counted)
+    monkeypatch.setattr(writer_module, "_gathers", recorded)
     _, fast = _save_at_tp(tmp_path / "fast", codecs, n, tp)
     assert gathered, "no shard was written from whole layer blocks"
+    # every field of these layouts takes the path: state fields, and paged ones with an edge chunk
+    assert {kind for kind, _ in plans} == {"state", "paged"} and all(ok for _, ok in plans), plans
     monkeypatch.setattr(writer_module, "_gathers", lambda *a: None)  # every shard chunk by chunk
     gathered.clear()
     _, slow = _save_at_tp(tmp_path / "slow", codecs, n, tp)
