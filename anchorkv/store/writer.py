@@ -474,6 +474,7 @@ class EntryWriter:
         """Write a shard file of `buffers` (its chunks `placed` as `_checksums` takes them, then
         `index`) and record its checksums: on a put thread, the help thread or here (see
         `_put_shard`); its size."""
+        self._supersede(skey)
         if self._put_submit is not None:
             self._puts.append((skey, size, self._put_submit(self._put, skey, buffers, placed, index, combine)))
             return size
@@ -495,6 +496,22 @@ class EntryWriter:
             sums, whole = pending.result()
         self._record(skey, size, sums, whole)
         return size
+
+    def _supersede(self, skey: str) -> None:
+        """Wait for an earlier write of shard `skey` still in flight (a layer written again: a
+        retry) and drop it, its outcome included: this write replaces the file, and its bytes
+        must land last and its checksums be the ones recorded (found by review: the earlier
+        write, landing last, left stale bytes under the new checksums, or under its own
+        checksums recorded over the new ones)."""
+        if not any(p[0] == skey for p in self._puts):
+            return
+        earlier = [p for p in self._puts if p[0] == skey]
+        self._puts = [p for p in self._puts if p[0] != skey]
+        for _, _, write in earlier:
+            try:
+                write.result()
+            except BaseException:  # (superseded: this write's outcome is what counts)
+                pass
 
     def _put(self, skey: str, buffers: list[memoryview], placed: list, index: bytes,
              combine: Callable[[int, int, int], int]) -> tuple[dict[str, list[int]], int]:

@@ -256,3 +256,54 @@ def test_a_failed_write_drops_held_layers(tmp_path):
     assert w._held
     w.abort()
     assert w._held == {} and store.list() == []
+
+
+@pytest.mark.parametrize("mode", ["put-threads", "help-thread"])
+def test_a_layer_written_again_waits_for_its_shards_earlier_write(tmp_path, monkeypatch, mode):
+    """A layer written again while its shard's earlier write is still in flight (on a put
+    thread, or the help thread) rewrites the shard after that write has ended: the retry's
+    bytes land last and its checksums are recorded (found by review: the stale write landed
+    last, leaving a corrupt entry with put threads and, with the help thread, an entry that
+    verified but held the first write's codes with the retry's scales)."""
+    import threading
+
+    from anchorkv.store import writer as writer_module
+
+    target = "recurrent/c.0.0.0.0"
+    if mode == "put-threads":
+        monkeypatch.setattr(store_module, "LOCAL_PUT_THREADS", 4)
+    else:
+        monkeypatch.setattr(store_module, "HELP_WRITES", True)
+        monkeypatch.setattr(writer_module, "HELP_BYTES", 1)
+    store = Store.open(tmp_path / "s")
+    if mode == "help-thread":  # only the target goes there (others would keep it busy at random)
+        real_help = store._help_submit
+        monkeypatch.setattr(store, "_help_submit",
+                            lambda fn, path, *a: real_help(fn, path, *a) if path.endswith(target) else None)
+    real_write = store.backend.write
+    second_done, calls = threading.Event(), []
+
+    def write(path, buffers, **kw):
+        if not path.endswith(target):
+            return real_write(path, buffers, **kw)
+        calls.append(1)
+        if len(calls) == 1:  # the first write: held until the retry's has landed, or 1 s
+            second_done.wait(1)
+            return real_write(path, buffers, **kw)
+        real_write(path, buffers, **kw)
+        second_done.set()
+
+    monkeypatch.setattr(store.backend, "write", write)
+    layout = tiny_layout()
+    w = store.begin_entry(layout, CODECS, tokens(N), anchor="a", write_id="w1")
+    first, second = all_packed(layout, CODECS, N), all_packed(layout, CODECS, N, seed=3)
+    for key, p in first.items():
+        w.write_layer(*key, p)
+    again = ("model.layers.1.attn", "recurrent")
+    w.write_layer(*again, second[again])
+    info = w.commit()
+    assert len(calls) == 2
+    fresh = Store.open(tmp_path / "s", create=False)
+    assert fresh.verify(info.id) == []
+    got = fresh.load(info.id, layout, *again)
+    assert torch.equal(got.payload, second[again].payload) and torch.equal(got.scales, second[again].scales)
