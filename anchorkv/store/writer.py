@@ -160,12 +160,13 @@ def _gather_recipe(shape: tuple[int, ...], cuts: list[tuple[slice, ...]]) -> tup
     if any(x > n for x, n in zip(extent, shape, strict=True)):
         return None
     order = [int(np.ravel_multi_index(a, counts)) for a in at]
-    if sorted(order) != list(range(int(np.prod(counts)))):
+    c_order = list(range(int(np.prod(counts))))
+    if sorted(order) != c_order:
         return None  # (not every chunk of the box, or one twice)
     box = None if extent == tuple(shape) else tuple(slice(0, x) for x in extent)
     inter = tuple(x for c, e in zip(counts, ext, strict=True) for x in (c, e))
     axes = (*range(0, 2 * len(counts), 2), *range(1, 2 * len(counts), 2))
-    return box, inter, axes, None if order == sorted(order) else np.array(order)
+    return box, inter, axes, None if order == c_order else np.array(order)
 
 
 def _gather(src: np.ndarray, recipe: tuple) -> memoryview:
@@ -322,31 +323,15 @@ class EntryWriter:
         total = 0
         has_scales = blocks[0].scales.size != 0  # (raw, bf16 and plug-ins without scales: none in any chunk)
         bounds = tuple((s.start, s.stop) for s in region)
-        if self._compressor is None:  # whole layer blocks, one buffer each (`_gathers`)
-            kinds = tuple((a.shape, a.itemsize) for a in (blocks[0].payload, blocks[0].scales)[:1 + has_scales])
-            fast = _gathers(array, bounds, kinds)
-            if fast is not None and all(tuple((a.shape, a.itemsize) for a in (b.payload, b.scales)[:1 + has_scales])
-                                        == kinds for b in blocks):
-                for parts in fast:
-                    for i, (skey, index, size, per_layer, chunks) in enumerate(parts):
-                        views: dict[int, memoryview] = {}
-                        edges: dict[int, list] = {}
-                        buffers: list[memoryview] = []
-                        for j, (recipe, edge) in per_layer.items():
-                            if recipe is not None:
-                                views[j] = _gather(blocks[j].payload if i == 0 else blocks[j].scales, recipe)
-                                buffers.append(views[j])
-                            if edge is not None:  # its rows, then the cached zero rows (`_row_padded`)
-                                pl, gl, rows = edge
-                                enc = blocks[j]
-                                part = Encoded(enc.encoding, enc.payload[pl], enc.scales[gl])
-                                edges[j] = self._row_padded(array, part, rows)[i]
-                                buffers += edges[j]
-                        placed = [(name, edges[j] if at is None else [views[j][at:at + n]], n, off)
-                                  for name, j, at, n, off in chunks]
-                        buffers.append(memoryview(index))
-                        total += self._submit_shard(skey, buffers, placed, index, crc32c_combine_fixed, size)
-                return total
+        if self._compressor is None:  # one buffer a layer block (`_gathers`), where it applies
+
+            def kinds(b: Encoded) -> tuple:
+                return tuple((a.shape, a.itemsize) for a in (b.payload, b.scales)[:1 + has_scales])
+
+            fast = _gathers(array, bounds, kinds(blocks[0]))
+            if fast is not None and all(kinds(b) == kinds(blocks[0]) for b in blocks[1:]):
+                return sum(self._write_gathered(array, blocks, i, *part) for parts in fast
+                           for i, part in enumerate(parts))
         for shards, slots in _shard_cuts(array, bounds):
             per_part: list[list] = [[] for _ in shards]
             for slot, j, pl, gl, names in slots:
@@ -371,6 +356,27 @@ class EntryWriter:
             for (skey, k), chunks in zip(shards, per_part, strict=True):
                 total += self._put_shard(skey, k, chunks)
         return total
+
+    def _write_gathered(self, array: ArrayLayout, blocks: tuple[Encoded, ...], i: int, skey: str, index: bytes,
+                        size: int, per_layer: dict, chunks: tuple) -> int:
+        """Write part `i` (payload, scales) of one shard of `_gathers`: each layer's whole
+        chunks as one buffer (`_gather`), its edge chunk's rows and the cached zero rows after
+        them (`_row_padded`), then the index; each chunk checksummed as its slice."""
+        views: dict[int, memoryview] = {}
+        edges: dict[int, list] = {}
+        buffers: list[memoryview] = []
+        for j, (recipe, edge) in per_layer.items():
+            if recipe is not None:
+                views[j] = _gather(blocks[j].payload if i == 0 else blocks[j].scales, recipe)
+                buffers.append(views[j])
+            if edge is not None:
+                pl, gl, rows = edge
+                enc = blocks[j]
+                edges[j] = self._row_padded(array, Encoded(enc.encoding, enc.payload[pl], enc.scales[gl]), rows)[i]
+                buffers += edges[j]
+        placed = [(name, edges[j] if at is None else [views[j][at:at + n]], n, off) for name, j, at, n, off in chunks]
+        buffers.append(memoryview(index))
+        return self._submit_shard(skey, buffers, placed, index, crc32c_combine_fixed, size)
 
     def _array(self, field: str) -> ArrayLayout:
         try:
@@ -503,14 +509,14 @@ class EntryWriter:
         must land last and its checksums be the ones recorded (found by review: the earlier
         write, landing last, left stale bytes under the new checksums, or under its own
         checksums recorded over the new ones)."""
-        if not any(p[0] == skey for p in self._puts):
-            return
         earlier = [p for p in self._puts if p[0] == skey]
+        if not earlier:
+            return
         self._puts = [p for p in self._puts if p[0] != skey]
         for _, _, write in earlier:
             try:
                 write.result()
-            except BaseException:  # (superseded: this write's outcome is what counts)
+            except Exception:  # (superseded: this write's outcome is what counts)
                 pass
 
     def _put(self, skey: str, buffers: list[memoryview], placed: list, index: bytes,
