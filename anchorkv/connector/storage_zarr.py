@@ -47,6 +47,7 @@ from anchorkv.store.format import array_layouts
 from anchorkv.store.keys import TOKEN_BLOCK
 from anchorkv.store.manifest import EntryInfo
 from anchorkv.store.store import Store
+from anchorkv.store.writer import EntryWriter
 
 log = logging.getLogger("anchorkv.connector")
 
@@ -307,14 +308,17 @@ class ZarrEntryStore:
                     first = n - p.shape[0]
                     p = p.reshape(p.shape[0], 1, *p.shape[1:])
                 written += writer.write_layer(layer, fname, p, first_token=first)
-            writer.finish_rank()
+            if tp_size == 1:
+                writer.wait_writes()  # (its commit, from memory, needs no part marker)
+            else:
+                writer.finish_rank()
         except BaseException:
             if tp_size == 1:
                 writer.abort()  # other ranks' parts are left to Store.gc
             else:
                 writer.settle()  # the caller reuses `parts` once this returns
             raise
-        self._try_commit(spec, wid)
+        self._try_commit(spec, wid, writer if tp_size == 1 else None)
         return written
 
     def entry_id_of(self, spec: SaveSpec) -> str:
@@ -327,12 +331,16 @@ class ZarrEntryStore:
                                  anchor=spec.anchor, mode="exact", scope=spec.scope)
         return info if info is not None and info.num_tokens == spec.num_tokens else None
 
-    def _try_commit(self, spec: SaveSpec, wid: str) -> EntryInfo | None:
+    def _try_commit(self, spec: SaveSpec, wid: str, writer: EntryWriter | None = None) -> EntryInfo | None:
         """Commit the write if every rank finished its part. Ranks that finish together may
         all commit it at once (in separate processes, or threads of one): the store's publish
-        keeps exactly one entry, and a rank whose commit lost the race finds the winner's."""
+        keeps exactly one entry, and a rank whose commit lost the race finds the winner's.
+        `writer`: the only rank's (tp_size 1), committed from memory (no part marker)."""
         try:
-            info = self.store.commit_staged(wid, replace=spec.replace)
+            if writer is not None:
+                info = writer.commit(replace=spec.replace)
+            else:
+                info = self.store.commit_staged(wid, replace=spec.replace)
         except IncompleteEntry as e:
             log.debug("anchorkv: request %s: not committed yet (%s); the last rank commits", spec.req_id, e)
             return None

@@ -29,6 +29,7 @@ from anchorkv.store.manifest import (
     manifest_checksum,
     now,
     parse_group,
+    signed_group_json,
 )
 from anchorkv.store.paths import (
     entry_path,
@@ -102,13 +103,13 @@ def commit_parts(backend: Backend, write_id: str, parts: list[dict], on_commit: 
     manifest = {**header, "created": now(), "checksums": dict(sorted(checksums.items())),
                 "shards": dict(sorted(shards.items())),
                 "stored_bytes": sum(v[1] for v in shards.values()), "logical_bytes": logical}
-    manifest["checksum"] = manifest_checksum(manifest)
+    group = signed_group_json(manifest)  # (sets manifest["checksum"])
     data = backend.data_prefix(final, write_id)
     for a in arrays.values():
         for name, doc in array_json(a, header["compressor"]).items():
             backend.write(zarr_json(f"{data}/{name}"), [doc])
     ensure_key_group(backend, header["key"])
-    backend.write(zarr_json(data), [group_json({"anchorkv": manifest})], atomic=True)
+    backend.write(zarr_json(data), [group], atomic=True)
     entry_id = final.split("/", 1)[1] if backend.atomic_publish else data.split("/", 1)[1]
     try:
         info = _publish(backend, data, final, entry_id, manifest, header["key"], replace)

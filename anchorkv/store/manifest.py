@@ -242,6 +242,26 @@ def manifest_checksum(manifest: dict[str, Any]) -> str:
     return "blake3:" + blake3.blake3(text.encode()).hexdigest()
 
 
+def signed_group_json(manifest: dict[str, Any]) -> bytes:
+    """The entry's group ``zarr.json`` for `manifest`, whose ``checksum`` it sets (what
+    `manifest_checksum` gives) from one encoding of the manifest: the canonical JSON is made in
+    two halves, the keys before and after ``checksum``, and the group document is those halves
+    with the checksum between them inside the group's own (sorted, compact) JSON. The bytes are
+    ``json.dumps`` of the group with sorted keys and no spaces; for a Kimi-Linear request's
+    manifest (752 inner chunks) that saves a second ~0.3 ms encoding on every commit."""
+    import blake3
+
+    def canonical(d: dict[str, Any]) -> str:
+        return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+    lo = canonical({k: v for k, v in manifest.items() if k < "checksum"})[1:-1]
+    hi = canonical({k: v for k, v in manifest.items() if k > "checksum"})[1:-1]
+    checksum = "blake3:" + blake3.blake3(("{" + ",".join(filter(None, (lo, hi))) + "}").encode()).hexdigest()
+    manifest["checksum"] = checksum
+    inner = ",".join(filter(None, (lo, f'"checksum":"{checksum}"', hi)))
+    return ('{"attributes":{"' + ATTR + '":{' + inner + '}},"node_type":"group","zarr_format":3}').encode()
+
+
 def parse_group(entry_id: str, data: bytes) -> EntryInfo:
     """The `EntryInfo` of an entry's group ``zarr.json``; `OtherFormat` for another format
     version, `CorruptEntry` naming every problem if anything a load relies on is inconsistent."""

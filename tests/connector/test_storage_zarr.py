@@ -368,3 +368,62 @@ def test_two_saves_of_one_request_id_and_tokens_stage_apart(tmp_path):
     assert a.store.verify(ref.entry_id) == []
     got = a.load(ref.entry_id, "s2", "recurrent", tp_size=1, tp_rank=0, rows=None, version=ref.version)
     assert torch.equal(got.payload, vals[2][("s2", "recurrent")].contiguous().view(torch.uint8).reshape(-1))
+
+
+def test_one_rank_commits_from_memory_and_replaces_a_damaged_write(tmp_path, monkeypatch):
+    """At tp_size 1 the save commits its part from memory: no part marker is written (nor
+    listed and read back), the staging directory is gone after the commit, and the entry loads
+    exactly. A save told to replace the committed write (`SaveSpec.replace`, what a load that
+    found it damaged asks for) publishes over it; one not told so leaves it alone."""
+    from anchorkv.store.backends._local import LocalBackend
+
+    writes: list[str] = []
+    write = LocalBackend.write
+
+    def recorded(self, path, buffers, *, atomic=False):
+        writes.append(path)
+        return write(self, path, buffers, atomic=atomic)
+
+    monkeypatch.setattr(LocalBackend, "write", recorded)
+    es = ZarrEntryStore(raw_config(tmp_path), tiny())
+    n = 120
+    first = save(es, n)[0]
+    assert writes and not [p for p in writes if "/parts/" in p], "a part marker was written at tp_size 1"
+    assert es.store.backend.list_dir(".staging") == []
+    ref = es.lookup(anchor="a", token_ids=TOKENS, max_tokens=399, multiple_of=1, mode="exact")
+    assert torch.equal(_load_all(es, ref, ref.version)[("s2", "recurrent")].payload,
+                       first[("s2", "recurrent")].contiguous().view(torch.uint8).reshape(-1))
+    other = parts_of(tiny(), TOKENS, n, seed=7)
+    assert es.save_part(SaveSpec("r2", "a", tuple(TOKENS[:n]), n, ()), packed(other), tp_size=1, tp_rank=0) == 0
+    spec = SaveSpec("r3", "a", tuple(TOKENS[:n]), n, (), nonce="x", replace=ref.version)
+    assert es.save_part(spec, packed(other), tp_size=1, tp_rank=0) > 0
+    new = es.lookup(anchor="a", token_ids=TOKENS, max_tokens=399, multiple_of=1, mode="exact")
+    assert new.entry_id == ref.entry_id and new.version != ref.version
+    got = _load_all(es, new, new.version)
+    for key, value in other.items():
+        want = value.contiguous().view(torch.uint8).reshape(-1)
+        assert torch.equal(got[key].payload.reshape(-1)[: want.numel()], want), key
+    assert es.store.verify(new.entry_id) == [] and es.store.backend.list_dir(".staging") == []
+
+
+def test_one_ranks_failed_shard_write_aborts_its_save(tmp_path, monkeypatch):
+    """At tp_size 1 a shard write that fails on a put thread surfaces in `save_part` (before the
+    commit, which would otherwise name it) and the save is aborted: the error is raised,
+    nothing is committed and nothing stays staged."""
+    from anchorkv.store import store as store_module
+    from anchorkv.store.backends._local import LocalBackend
+
+    monkeypatch.setattr(store_module, "LOCAL_PUT_THREADS", 2)
+    write = LocalBackend.write
+
+    def failing(self, path, buffers, *, atomic=False):
+        if path.rsplit("/", 1)[-1].startswith("c.") and "/recurrent/" in path:
+            raise OSError(28, "No space left on device")
+        return write(self, path, buffers, atomic=atomic)
+
+    monkeypatch.setattr(LocalBackend, "write", failing)
+    es = ZarrEntryStore(raw_config(tmp_path), tiny())
+    with pytest.raises(OSError, match="No space left"):
+        save(es, 120)
+    assert es.lookup(anchor="a", token_ids=TOKENS, max_tokens=399, multiple_of=1, mode="exact") is None
+    assert es.store.backend.list_dir(".staging") == []

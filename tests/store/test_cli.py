@@ -154,9 +154,10 @@ def test_damaged_and_other_format_entries_are_listed_counted_and_collected(fille
     total = a.stored_bytes + b.stored_bytes + c.stored_bytes
     meta_a, meta_b, meta_c = (Path(path) / e.path / "zarr.json" for e in (a, b, c))
     meta_a.write_text(meta_a.read_text().replace('"fp8"', '"fr8"'))
-    meta_b.write_text(meta_b.read_text().replace('"num_tokens": 300', '"num_tokens": 320'))
-    meta_c.write_text(meta_c.read_text().replace(f'"format_version": {c.manifest["format_version"]}',
-                                                '"format_version": 2'))
+    for meta, old, new in ((meta_b, '"num_tokens":300', '"num_tokens":320'),  # (compact JSON)
+                           (meta_c, f'"format_version":{c.manifest["format_version"]}', '"format_version":2')):
+        assert old in meta.read_text()
+        meta.write_text(meta.read_text().replace(old, new))
     code, out, _ = run(capsys, "ls", "--store", path, "--json")
     rows = {r["id"]: r for r in json.loads(out)["entries"]}
     assert {k: r["state"] for k, r in rows.items()} == {a.id: "damaged", b.id: "damaged", c.id: "old-format"}

@@ -17,7 +17,7 @@ import pytest
 
 from anchorkv.store import CorruptEntry, StoreError
 from anchorkv.store.format import READABLE_VERSIONS
-from anchorkv.store.manifest import check_manifest, manifest_checksum
+from anchorkv.store.manifest import check_manifest, manifest_checksum, signed_group_json
 from anchorkv.store.store import Store
 from tests.store.helpers import CODECS, all_packed, tiny_layout, tokens
 
@@ -92,6 +92,24 @@ def test_consistent_rewrites_are_refused(saved, what):
     _every_read_refuses(root, info)
 
 
+def test_the_group_json_is_the_signed_manifests_canonical_json(saved):
+    """`signed_group_json` (one encoding of the manifest, in two halves around ``checksum``)
+    gives exactly ``json.dumps`` of the group with sorted keys and no spaces, and the checksum
+    `manifest_checksum` computes; for manifests with keys on one side of ``checksum`` only,
+    none, a stale checksum, and non-ASCII text (escaped). The committed entry's file is it."""
+    root, info, meta, text = saved
+    written = json.loads(text)["attributes"]["anchorkv"]
+    cases = [dict(written), {k: v for k, v in written.items() if k < "checksum"},
+             {k: v for k, v in written.items() if k > "checksum"}, {}, {"checksum": "blake3:stale", "é": [1.5, "ü"]}]
+    for m in cases:
+        m = {k: v for k, v in m.items()}
+        group = signed_group_json(m)
+        assert group == json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {"anchorkv": m}},
+                                   sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+        assert m["checksum"] == manifest_checksum(m) == manifest_checksum(json.loads(group)["attributes"]["anchorkv"])
+    assert text.encode() == signed_group_json({k: v for k, v in written.items() if k != "checksum"})
+
+
 def test_a_wrong_chunk_crc_fails_the_read_and_verify(saved):
     """A chunk crc rewritten (checksum recomputed): the manifest is self-consistent, so only the
     data can tell; the load of that chunk and `verify` both refuse, naming the chunk."""
@@ -141,7 +159,8 @@ def test_other_format_versions(saved, version, state):
     """An older version is never loaded and gc removes it; a newer one is listed, left alone."""
     root, info, meta, text = saved
     written = info.manifest["format_version"]
-    meta.write_text(text.replace(f'"format_version": {written}', f'"format_version": {version}'))
+    assert f'"format_version":{written}' in text  # (the manifest's compact JSON)
+    meta.write_text(text.replace(f'"format_version":{written}', f'"format_version":{version}'))
     store = Store.open(root, create=False)
     [entry] = store.scan()
     assert entry.state == state, entry

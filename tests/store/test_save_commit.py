@@ -112,3 +112,4 @@ def test_local_publish_makes_a_missing_key_directory(tmp_path):
     with pytest.raises(FileNotFoundError):
         b.publish(".staging/gone/data", "entries/other/e")
     assert b.publish(".staging/c/data", "entries/key/f")
+
