@@ -259,7 +259,39 @@ def signed_group_json(manifest: dict[str, Any]) -> bytes:
     checksum = "blake3:" + blake3.blake3(("{" + ",".join(filter(None, (lo, hi))) + "}").encode()).hexdigest()
     manifest["checksum"] = checksum
     inner = ",".join(filter(None, (lo, f'"checksum":"{checksum}"', hi)))
-    return ('{"attributes":{"' + ATTR + '":{' + inner + '}},"node_type":"group","zarr_format":3}').encode()
+    return _GROUP_HEAD + inner.encode() + _GROUP_TAIL
+
+
+_GROUP_HEAD = b'{"attributes":{"' + ATTR.encode() + b'":{'
+_GROUP_TAIL = b'}},"node_type":"group","zarr_format":3}'
+
+
+def signed_bytes_hold(data: bytes, checksum: Any) -> bool:
+    """Whether `data`, a group ``zarr.json`` as `signed_group_json` writes it, holds the
+    manifest that `checksum` signs: its bytes less the checksum's own entry are the canonical
+    JSON that was hashed (then they parse to exactly that manifest), checked without encoding
+    the parsed manifest again (~0.45 ms of every manifest read of a Kimi-Linear entry, a
+    lookup's or a restore's). False for anything else (files of other writers, spaced JSON,
+    damage): the caller then compares `manifest_checksum` of what it parsed."""
+    import blake3
+
+    if not isinstance(checksum, str) or not checksum.startswith("blake3:"):
+        return False
+    if not (data.startswith(_GROUP_HEAD) and data.endswith(_GROUP_TAIL)):
+        return False
+    inner = data[len(_GROUP_HEAD): len(data) - len(_GROUP_TAIL)]
+    entry = b'"checksum":' + json.dumps(checksum).encode()
+    at = inner.find(entry)
+    if at < 0:
+        return False
+    end = at + len(entry)
+    if at > 0:  # (the entry and the comma before it)
+        if inner[at - 1: at] != b",":
+            return False
+        text = inner[: at - 1] + inner[end:]
+    else:  # (the first entry, and the comma after it if any)
+        text = inner[end + 1:] if inner[end: end + 1] == b"," else inner[end:]
+    return "blake3:" + blake3.blake3(b"{" + text + b"}").hexdigest() == checksum
 
 
 def parse_group(entry_id: str, data: bytes) -> EntryInfo:
@@ -279,7 +311,7 @@ def parse_group(entry_id: str, data: bytes) -> EntryInfo:
                                      f"node_type {doc.get('node_type')!r}); delete the entry (anchorkv rm)")
     if version not in READABLE_VERSIONS:
         raise OtherFormat(entry_id, version, READABLE_VERSIONS)
-    problems = check_manifest(entry_id, manifest)
+    problems = check_manifest(entry_id, manifest, data)
     if problems:
         raise CorruptEntry(entry_id, "manifest damaged: " + "; ".join(problems[:8])
                            + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
@@ -287,12 +319,14 @@ def parse_group(entry_id: str, data: bytes) -> EntryInfo:
     return EntryInfo(entry_id, manifest)
 
 
-def check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:
+def check_manifest(entry_id: str, m: dict[str, Any], raw: bytes | None = None) -> list[str]:
     """Every inconsistency of a manifest (empty: none): its checksum, and what a load relies on
     (token count, prefix hash, key, layer names, shapes, chunk and shard geometry, shard axes,
-    chunk sizes and offsets) against the entry's id, the model fingerprint and the format rules."""
+    chunk sizes and offsets) against the entry's id, the model fingerprint and the format rules.
+    `raw`: the group ``zarr.json`` that `m` was parsed from, whose bytes may show the checksum
+    holds without encoding `m` again (`signed_bytes_hold`)."""
     try:
-        problems = _check_manifest(entry_id, m)
+        problems = _check_manifest(entry_id, m, raw)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:  # a field of the wrong type
         return [f"malformed ({type(e).__name__}: {e})"]
     return problems
@@ -359,14 +393,14 @@ def _check_boundaries(m: dict[str, Any], arrays: dict[str, ArrayLayout], n: int)
 
 
 
-def _check_manifest(entry_id: str, m: dict[str, Any]) -> list[str]:
+def _check_manifest(entry_id: str, m: dict[str, Any], raw: bytes | None = None) -> list[str]:
     import hashlib
 
     from anchorkv.store.format import MAX_TP, array_keys, geometry, window_first
 
     out = []
-    want = manifest_checksum(m)
-    if m.get("checksum") != want:
+    signed = raw is not None and signed_bytes_hold(raw, m.get("checksum"))
+    if not signed and m.get("checksum") != manifest_checksum(m):
         out.append("checksum mismatch (the manifest changed after it was written)" if m.get("checksum")
                    else "no checksum")
     key, _, name = entry_id.partition("/")

@@ -17,7 +17,7 @@ import pytest
 
 from anchorkv.store import CorruptEntry, StoreError
 from anchorkv.store.format import READABLE_VERSIONS
-from anchorkv.store.manifest import check_manifest, manifest_checksum, signed_group_json
+from anchorkv.store.manifest import check_manifest, manifest_checksum, signed_bytes_hold, signed_group_json
 from anchorkv.store.store import Store
 from tests.store.helpers import CODECS, all_packed, tiny_layout, tokens
 
@@ -108,6 +108,37 @@ def test_the_group_json_is_the_signed_manifests_canonical_json(saved):
                                    sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
         assert m["checksum"] == manifest_checksum(m) == manifest_checksum(json.loads(group)["attributes"]["anchorkv"])
     assert text.encode() == signed_group_json({k: v for k, v in written.items() if k != "checksum"})
+
+
+def test_the_signed_bytes_show_the_checksum_holds_and_nothing_else_does(saved, monkeypatch):
+    """`signed_bytes_hold` (a read's check of the manifest checksum over the file's own bytes)
+    is True for what `signed_group_json` writes, with the checksum first, in the middle or
+    last; False for the same manifest as spaced JSON (older writes), for any byte of it
+    changed, and for a checksum entry elsewhere than the manifest's top level. Parsing never
+    needs it: with it forced False every committed entry still reads (the encoding compare)."""
+    root, info, meta, text = saved
+    data = text.encode()
+    m = json.loads(data)["attributes"]["anchorkv"]
+    assert signed_bytes_hold(data, m["checksum"])
+    body = {k: v for k, v in m.items() if k != "checksum"}
+    for case in ({"a": 1}, {"z": [1.5, "é"]}, {"a": {"checksum": "x"}, "z": 2}, {}):
+        sub = dict(case)
+        group = signed_group_json(sub)
+        assert signed_bytes_hold(group, sub["checksum"]), case
+    spaced = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {"anchorkv": m}}, sort_keys=True).encode()
+    assert json.loads(spaced)["attributes"]["anchorkv"] == m and not signed_bytes_hold(spaced, m["checksum"])
+    assert not signed_bytes_hold(data, "blake3:" + "0" * 64) and not signed_bytes_hold(data, None)
+    for at in range(0, len(data), max(1, len(data) // 97)):  # one byte changed anywhere
+        flipped = bytearray(data)
+        flipped[at] = ord("7") if flipped[at] != ord("7") else ord("8")
+        assert not signed_bytes_hold(bytes(flipped), m["checksum"]), at
+    # the checksum's entry moved into a nested object (same bytes hashed otherwise): refused
+    nested = dict(body, arrays={**body["arrays"], "checksum": m["checksum"]})
+    forged = signed_group_json(dict(nested))
+    forged = forged.replace(b'"checksum":"' + json.loads(forged)["attributes"]["anchorkv"]["checksum"].encode() + b'",', b"")
+    assert not signed_bytes_hold(forged, m["checksum"])
+    monkeypatch.setattr("anchorkv.store.manifest.signed_bytes_hold", lambda data, checksum: False)
+    assert [e.id for e in Store.open(root, create=False).list()] == [info.id]
 
 
 def test_a_wrong_chunk_crc_fails_the_read_and_verify(saved):
