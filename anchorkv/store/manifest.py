@@ -272,7 +272,9 @@ def signed_bytes_hold(data: bytes, checksum: Any) -> bool:
     JSON that was hashed (then they parse to exactly that manifest), checked without encoding
     the parsed manifest again (~0.45 ms of every manifest read of a Kimi-Linear entry, a
     lookup's or a restore's). False for anything else (files of other writers, spaced JSON,
-    damage): the caller then compares `manifest_checksum` of what it parsed."""
+    damage): the caller then compares `manifest_checksum` of what it parsed. `checksum` must be
+    the top-level ``checksum`` of what `data` parses to (the signed text never holds its own
+    checksum, so an entry of it anywhere else leaves it in the text hashed: no match)."""
     import blake3
 
     if not isinstance(checksum, str) or not checksum.startswith("blake3:"):

@@ -139,10 +139,11 @@ def _shard_cuts(array: ArrayLayout, bounds: tuple[tuple[int, int], ...]) -> tupl
 def _gather_recipe(shape: tuple[int, ...], cuts: list[tuple[slice, ...]]) -> tuple | None:
     """How one layer block (`shape`) becomes its chunks' bytes one after another, when `cuts`
     (each chunk's slices into the block, in shard order; trailing axes left out are whole) tile
-    a box of it from its origin with equal chunks: (that box's slices, None for the whole block;
-    the box reshaped to chunk grid and chunk axes interleaved; the transpose putting the grid
-    axes first; the grid order of the cuts, None where it is the C order). None where they do
-    not tile such a box."""
+    a box of it with equal chunks on the chunk grid (from its origin, or from further on: a
+    paged field's second and later shards of a layer, past 8192 tokens): (that box's slices,
+    None for the whole block; the box reshaped to chunk grid and chunk axes interleaved; the
+    transpose putting the grid axes first; the grid order of the cuts, None where it is the C
+    order). None where they do not tile such a box."""
     ext = None
     at = []
     for cut in cuts:
@@ -155,15 +156,18 @@ def _gather_recipe(shape: tuple[int, ...], cuts: list[tuple[slice, ...]]) -> tup
         at.append(tuple(c.start // n for c, n in zip(cut, e, strict=True)))
     if ext is None:
         return None
+    first = tuple(min(a) for a in zip(*at, strict=True))  # the box's first chunk along each axis
+    at = [tuple(x - f for x, f in zip(a, first, strict=True)) for a in at]
     counts = tuple(max(a) + 1 for a in zip(*at, strict=True))  # chunks along each axis (rows past them stay out)
+    start = tuple(f * e for f, e in zip(first, ext, strict=True))
     extent = tuple(n * e for n, e in zip(counts, ext, strict=True))
-    if any(x > n for x, n in zip(extent, shape, strict=True)):
+    if any(a + x > n for a, x, n in zip(start, extent, shape, strict=True)):
         return None
     order = [int(np.ravel_multi_index(a, counts)) for a in at]
     c_order = list(range(int(np.prod(counts))))
     if sorted(order) != c_order:
         return None  # (not every chunk of the box, or one twice)
-    box = None if extent == tuple(shape) else tuple(slice(0, x) for x in extent)
+    box = None if extent == tuple(shape) else tuple(slice(a, a + x) for a, x in zip(start, extent, strict=True))
     inter = tuple(x for c, e in zip(counts, ext, strict=True) for x in (c, e))
     axes = (*range(0, 2 * len(counts), 2), *range(1, 2 * len(counts), 2))
     return box, inter, axes, None if order == c_order else np.array(order)

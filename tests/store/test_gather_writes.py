@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from anchorkv.store import writer as writer_module
-from anchorkv.store.format import TOKEN_CHUNK, shard_order
+from anchorkv.store.format import SHARD_TOKEN_CHUNKS, TOKEN_CHUNK, shard_order
 from anchorkv.store.writer import _gather, _gather_recipe
 from tests.store.helpers import CODECS, RAW_CODECS
 from tests.store.test_format import CODEC_SETS, _save_at_tp
@@ -73,6 +73,17 @@ def test_gather_refuses_cuts_that_do_not_tile_a_box():
     assert _gather_recipe(shape, [(slice(0, 1), slice(2, 6), slice(0, 6))]) is None  # not on the chunk grid
     assert _gather_recipe((1, 8, 4), tiles) is None  # past the block
     assert _gather_recipe(shape, []) is None
+    # a box from further on: the chunks of rows 4..8 (a later shard of a paged layer), in C
+    # order and shuffled, gathered as the chunk-by-chunk bytes; off the grid or past the block: None
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 255, size=(1, 12, 6)).astype(np.uint8)
+    later = _cuts((2, 3), (2, 2), [(a + 2, b) for a, b in itertools.product(range(2), range(3))], lead=(0,))
+    for cuts in (later, [later[i] for i in rng.permutation(len(later))]):
+        recipe = _gather_recipe(src.shape, cuts)
+        assert recipe is not None and recipe[0] == (slice(0, 1), slice(4, 8), slice(0, 6))
+        assert bytes(_gather(src, recipe)) == _chunk_by_chunk(src, cuts)
+    assert _gather_recipe((1, 7, 6), later) is None  # past the block
+    assert _gather_recipe(src.shape, [*later[:-1], (slice(0, 1), slice(9, 11), slice(4, 6))]) is None
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -101,10 +112,15 @@ CASES = [  # (codecs, tp, tokens)
     (CODECS, 2, 3 * TOKEN_CHUNK),
     (CODEC_SETS["int4"], 4, TOKEN_CHUNK + 100),
     ({"conv": "bf16", "recurrent": "fp8:16", "latent": "raw"}, 8, 700),
+    # past 8192 tokens a layer's latent is several shards: the second's chunks tile a box of
+    # the layer block from row 8192 (then an edge chunk in the third)
+    (CODECS, 1, 2 * SHARD_TOKEN_CHUNKS * TOKEN_CHUNK + 300),
+    (RAW_CODECS, 2, 2 * SHARD_TOKEN_CHUNKS * TOKEN_CHUNK),
 ]
 
 
-@pytest.mark.parametrize("codecs,tp,n", CASES, ids=["quant", "raw-whole-chunks", "quant-tp2", "int4-tp4", "mixed-tp8"])
+@pytest.mark.parametrize("codecs,tp,n", CASES, ids=["quant", "raw-whole-chunks", "quant-tp2", "int4-tp4", "mixed-tp8",
+                                                   "quant-3-shards", "raw-2-shards-tp2"])
 @pytest.mark.parametrize("spans", ["layer-span", "one-layer"])
 def test_shards_from_blocks_are_the_chunk_by_chunk_bytes(tmp_path, monkeypatch, codecs, tp, n, spans):
     if spans == "one-layer":

@@ -17,7 +17,13 @@ import pytest
 
 from anchorkv.store import CorruptEntry, StoreError
 from anchorkv.store.format import READABLE_VERSIONS
-from anchorkv.store.manifest import check_manifest, manifest_checksum, signed_bytes_hold, signed_group_json
+from anchorkv.store.manifest import (
+    check_manifest,
+    manifest_checksum,
+    parse_group,
+    signed_bytes_hold,
+    signed_group_json,
+)
 from anchorkv.store.store import Store
 from tests.store.helpers import CODECS, all_packed, tiny_layout, tokens
 
@@ -102,7 +108,7 @@ def test_the_group_json_is_the_signed_manifests_canonical_json(saved):
     cases = [dict(written), {k: v for k, v in written.items() if k < "checksum"},
              {k: v for k, v in written.items() if k > "checksum"}, {}, {"checksum": "blake3:stale", "é": [1.5, "ü"]}]
     for m in cases:
-        m = {k: v for k, v in m.items()}
+        m = dict(m)
         group = signed_group_json(m)
         assert group == json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {"anchorkv": m}},
                                    sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
@@ -120,23 +126,28 @@ def test_the_signed_bytes_show_the_checksum_holds_and_nothing_else_does(saved, m
     data = text.encode()
     m = json.loads(data)["attributes"]["anchorkv"]
     assert signed_bytes_hold(data, m["checksum"])
-    body = {k: v for k, v in m.items() if k != "checksum"}
     for case in ({"a": 1}, {"z": [1.5, "é"]}, {"a": {"checksum": "x"}, "z": 2}, {}):
         sub = dict(case)
         group = signed_group_json(sub)
         assert signed_bytes_hold(group, sub["checksum"]), case
-    spaced = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {"anchorkv": m}}, sort_keys=True).encode()
+    spaced = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {"anchorkv": m}},
+                        sort_keys=True).encode()
     assert json.loads(spaced)["attributes"]["anchorkv"] == m and not signed_bytes_hold(spaced, m["checksum"])
     assert not signed_bytes_hold(data, "blake3:" + "0" * 64) and not signed_bytes_hold(data, None)
     for at in range(0, len(data), max(1, len(data) // 97)):  # one byte changed anywhere
         flipped = bytearray(data)
         flipped[at] = ord("7") if flipped[at] != ord("7") else ord("8")
         assert not signed_bytes_hold(bytes(flipped), m["checksum"]), at
-    # the checksum's entry moved into a nested object (same bytes hashed otherwise): refused
-    nested = dict(body, arrays={**body["arrays"], "checksum": m["checksum"]})
-    forged = signed_group_json(dict(nested))
-    forged = forged.replace(b'"checksum":"' + json.loads(forged)["attributes"]["anchorkv"]["checksum"].encode() + b'",', b"")
-    assert not signed_bytes_hold(forged, m["checksum"])
+    # the checksum's entry moved from the top level into a nested object, after a comma (the
+    # bytes less it are still the signed text): the manifest read has no checksum, and is refused
+    entry = b',"checksum":' + json.dumps(m["checksum"]).encode()
+    stripped = data.replace(entry, b"")
+    codecs = stripped.index(b'"codecs":{') + len(b'"codecs":{')
+    end = stripped.index(b"}", codecs)  # (the end of the first field's codec config)
+    forged = stripped[:end] + entry + stripped[end:]
+    assert json.loads(forged)["attributes"]["anchorkv"].get("checksum") is None
+    with pytest.raises(CorruptEntry, match="no checksum"):
+        parse_group(info.id, forged)
     monkeypatch.setattr("anchorkv.store.manifest.signed_bytes_hold", lambda data, checksum: False)
     assert [e.id for e in Store.open(root, create=False).list()] == [info.id]
 
