@@ -335,18 +335,24 @@ class ZarrEntryStore:
         """Commit the write if every rank finished its part. Ranks that finish together may
         all commit it at once (in separate processes, or threads of one): the store's publish
         keeps exactly one entry, and a rank whose commit lost the race finds the winner's.
-        `writer`: the only rank's (tp_size 1), committed from memory (no part marker)."""
+        `writer`: the only rank's (tp_size 1), committed from memory (no part marker).
+        A failed commit raises unless an entry of the request's tokens is found committed that
+        is not the write it was to replace (`spec.replace`, still there: found by review, a
+        failed replace was reported saved)."""
         try:
             if writer is not None:
                 info = writer.commit(replace=spec.replace)
             else:
                 info = self.store.commit_staged(wid, replace=spec.replace)
         except IncompleteEntry as e:
+            if writer is not None:  # the only rank's part lacks layers: no later rank completes it
+                writer.abort()
+                raise
             log.debug("anchorkv: request %s: not committed yet (%s); the last rank commits", spec.req_id, e)
             return None
         except Exception as e:
             won = self._committed(spec)  # another rank's commit of this write may have won
-            if won is None:
+            if won is None or (spec.replace is not None and won.version == spec.replace):
                 raise
             log.debug("anchorkv: request %s: committed by another rank (%s)", spec.req_id, e)
             return won

@@ -25,8 +25,9 @@ from anchorkv.store.manifest import (
     EntryInfo,
     array_json,
     arrays_from_manifest,
+    checksum_holds,
     group_json,
-    manifest_checksum,
+    load_group,
     now,
     parse_group,
     signed_group_json,
@@ -134,11 +135,11 @@ def unusable(manifest: bytes | None) -> str | None:
     if manifest is None:
         return "its directory has no zarr.json"  # (a local publish renames a complete directory)
     try:
-        m = json.loads(manifest)["attributes"]["anchorkv"]
+        m = load_group(manifest)["attributes"]["anchorkv"]
         version = m["format_version"]
         if isinstance(version, int) and version < min(READABLE_VERSIONS):
             return f"format version {version}, older than any this anchorkv reads"
-        if m.get("checksum") != manifest_checksum(m):
+        if not checksum_holds(m, manifest):  # (as a read checks it: `parse_group`)
             return "its manifest fails its checksum"
     except (ValueError, KeyError, TypeError):
         return "its zarr.json holds no anchorkv manifest"

@@ -427,3 +427,40 @@ def test_one_ranks_failed_shard_write_aborts_its_save(tmp_path, monkeypatch):
         save(es, 120)
     assert es.lookup(anchor="a", token_ids=TOKENS, max_tokens=399, multiple_of=1, mode="exact") is None
     assert es.store.backend.list_dir(".staging") == []
+
+
+def test_a_failed_replace_raises_and_an_incomplete_single_rank_part_is_dropped(tmp_path, monkeypatch):
+    """Found by review. (1) A save told to replace a damaged write whose commit fails (its
+    manifest's write fails) raises: it is not reported saved because the entry of its tokens,
+    the damaged write it was to replace, is still committed. (2) At tp_size 1 a part that lacks
+    a layer cannot be completed by another rank: the save raises `IncompleteEntry` and its
+    staged data is dropped (before, it returned its bytes, counted saved, and left the staging
+    to gc)."""
+    from anchorkv.store.backends._local import LocalBackend
+    from anchorkv.store.errors import IncompleteEntry
+
+    es = ZarrEntryStore(raw_config(tmp_path), tiny())
+    n = 120
+    save(es, n)
+    ref = es.lookup(anchor="a", token_ids=TOKENS, max_tokens=399, multiple_of=1, mode="exact")
+    write = LocalBackend.write
+
+    def failing(self, path, buffers, *, atomic=False):
+        if path.endswith("/data/zarr.json"):  # the entry's group: its manifest
+            raise OSError(5, "Input/output error")
+        return write(self, path, buffers, atomic=atomic)
+
+    monkeypatch.setattr(LocalBackend, "write", failing)
+    spec = SaveSpec("r2", "a", tuple(TOKENS[:n]), n, (), nonce="x", replace=ref.version)
+    with pytest.raises(OSError, match="Input/output"):
+        es.save_part(spec, packed(parts_of(tiny(), TOKENS, n, seed=7)), tp_size=1, tp_rank=0)
+    monkeypatch.setattr(LocalBackend, "write", write)
+    assert es.lookup(anchor="a", token_ids=TOKENS, max_tokens=399, multiple_of=1, mode="exact").version == ref.version
+    m = 200
+    parts = packed(parts_of(tiny(), TOKENS, m))
+    del parts[("s2", "recurrent")]
+    staged = es.store.backend.list_dir(".staging")
+    with pytest.raises(IncompleteEntry, match="never written"):
+        es.save_part(SaveSpec("r3", "b", tuple(TOKENS[:m]), m, ()), parts, tp_size=1, tp_rank=0)
+    assert es.store.backend.list_dir(".staging") == staged  # (the failed replace's staging is gc's)
+    assert es.lookup(anchor="b", token_ids=TOKENS, max_tokens=399, multiple_of=1, mode="exact") is None

@@ -152,6 +152,47 @@ def test_the_signed_bytes_show_the_checksum_holds_and_nothing_else_does(saved, m
     assert [e.id for e in Store.open(root, create=False).list()] == [info.id]
 
 
+def _resigned(body: bytes) -> bytes:
+    """A group zarr.json of manifest text `body` (without braces) signed over its own bytes, as
+    a writer that signs non-canonical text would leave it."""
+    import blake3
+
+    c = "blake3:" + blake3.blake3(b"{" + body + b"}").hexdigest()
+    head = b'{"attributes":{"anchorkv":{"checksum":' + json.dumps(c).encode() + b","
+    return head + body + b'}},"node_type":"group","zarr_format":3}'
+
+
+@pytest.mark.parametrize("edit", [
+    lambda t: re.sub(rb'"created":[0-9.e+]+', b'"created":NaN', t),
+    lambda t: re.sub(rb'"created":[0-9.e+]+', b'"created":1e999', t),
+    lambda t: re.sub(rb'"created":[0-9.e+]+', b'"created":-Infinity', t),
+    lambda t: re.sub(rb'("created":[0-9.e+]+)', rb'"created":1.0,\1', t),  # a key twice
+    lambda t: t,  # (the control: the writer's own text, signed so)
+], ids=["nan", "overflow", "infinity", "duplicate-key", "control"])
+def test_a_self_signed_manifest_that_is_not_json_or_names_a_key_twice_is_refused(saved, edit):
+    """Signed over its own bytes (the check a read makes without encoding the manifest again),
+    a manifest with a non-finite number or a key named twice is refused by reads, and called
+    unusable by a commit that meets it (both judge a file alike), as the encoding compare
+    refused them (found by review: accepted with `created` NaN or inf, or its first value of a
+    key named twice, while `unusable` called the same bytes damaged)."""
+    from anchorkv.store.commit import unusable
+
+    root, info, meta, text = saved
+    m = json.loads(text)["attributes"]["anchorkv"]
+    m.pop("checksum")
+    canonical = json.dumps(m, sort_keys=True, separators=(",", ":")).encode()[1:-1]
+    body = edit(canonical)
+    data = _resigned(body)
+    meta.write_bytes(data)
+    store = Store.open(root, create=False)
+    if body == canonical:  # (the control)
+        assert store.get(info.id).manifest["created"] == m["created"] and unusable(data) is None
+        return
+    with pytest.raises(CorruptEntry, match=re.escape(info.id)):
+        store.get(info.id)
+    assert unusable(data) is not None
+
+
 def test_a_wrong_chunk_crc_fails_the_read_and_verify(saved):
     """A chunk crc rewritten (checksum recomputed): the manifest is self-consistent, so only the
     data can tell; the load of that chunk and `verify` both refuse, naming the chunk."""
