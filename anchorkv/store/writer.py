@@ -266,6 +266,7 @@ class EntryWriter:
         # commit, an abort or a settle drops them
         self._held: dict[tuple[str, int], dict[int, Encoded]] = {}
         self._on_commit = on_commit
+        self._finished = False  # (this writer put its part marker: `finish_rank`)
 
     @property
     def tp_size(self) -> int:
@@ -559,6 +560,7 @@ class EntryWriter:
         """Publish this rank's part marker (atomically) once its chunks are written."""
         path = part_marker(self.write_id, self.tp_rank, self.tp_size)
         self.backend.write(path, [json.dumps(self._part()).encode()], atomic=True)
+        self._finished = True
 
     def wait_writes(self) -> None:
         """Wait for this rank's shard writes still in flight (put threads, the help thread) and
@@ -571,23 +573,24 @@ class EntryWriter:
         """Publish the entry once every rank finished (this rank's part is finished here);
         `replace`: as `Store.commit_staged`'s.
 
-        A single rank (tp_size 1) whose marker is not in the store commits its part from
-        memory (`commit_parts`: the same checks and the same files as from the marker, without
-        writing the marker and reading it back: ~1 ms of a Kimi-Linear save's 50 kB of
-        checksums encoded, written, listed, read and parsed); with more ranks this rank's
-        marker is put first and the commit reads every rank's from the store (`commit_staged`).
+        A single rank (tp_size 1) that has not put its marker (`finish_rank`) commits its part
+        from memory (`commit_parts`: the same checks and the same files as from the marker,
+        without writing the marker and reading it back: ~1 ms of a Kimi-Linear save's 50 kB of
+        checksums encoded, written, listed, read and parsed; nor asking the store whether a
+        marker is there: a round trip on an object store); with more ranks this rank's marker
+        is put first unless it is in the store, and the commit reads every rank's from the
+        store (`commit_staged`).
 
         Raises `IncompleteEntry` naming the missing ranks or chunks; call it again later.
         """
-        staged = self.backend.exists(part_marker(self.write_id, self.tp_rank, self.tp_size))
-        if not staged and self.tp_size == 1:
+        if self.tp_size == 1 and not self._finished:
             part = self._part()
             # the header as a marker's JSON gives it back (lists, not tuples): the manifest
             # handed to `on_commit` is then the one a reader parses
             part["header"] = json.loads(json.dumps(part["header"]))
             info = commit_parts(self.backend, self.write_id, [part], self._on_commit, replace)
         else:
-            if not staged:
+            if not self.backend.exists(part_marker(self.write_id, self.tp_rank, self.tp_size)):
                 self.finish_rank()
             info = commit_staged(self.backend, self.write_id, self._on_commit, replace)
         self._held.clear()  # (the caller's buffers: once committed, nothing writes them)

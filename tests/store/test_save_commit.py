@@ -113,3 +113,28 @@ def test_local_publish_makes_a_missing_key_directory(tmp_path):
         b.publish(".staging/gone/data", "entries/other/e")
     assert b.publish(".staging/c/data", "entries/key/f")
 
+
+
+def test_single_rank_commit_asks_the_store_nothing_about_markers(tmp_path):
+    """At tp_size 1 `Store.save` neither writes nor looks for a part marker (on an object store
+    a look is a round trip); a writer that did put its marker (`finish_rank`) commits from it."""
+    store = Store.open(tmp_path)
+    asked: list[str] = []
+    real = store.backend.exists
+
+    def exists(path):
+        asked.append(path)
+        return real(path)
+
+    store.backend.exists = exists  # type: ignore[method-assign]
+    writes = _spy(store)
+    layout = tiny_layout()
+    info = store.save(layout, RAW_CODECS, tokens(N), all_packed(layout, RAW_CODECS, N), anchor="m")
+    assert info.num_tokens == N
+    assert not [p for p in asked + writes if "/parts" in p], asked + writes
+    writer = store.begin_entry(layout, RAW_CODECS, tokens(N + 256), anchor="m")
+    for (layer, field), p in all_packed(layout, RAW_CODECS, N + 256).items():
+        writer.write_layer(layer, field, p)
+    writer.finish_rank()
+    assert writer.commit().num_tokens == N + 256
+    assert [p for p in writes if "/parts/" in p] and not list((tmp_path / STAGING).iterdir())
