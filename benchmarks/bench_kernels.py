@@ -43,7 +43,7 @@ from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, CodecSpec, kimi_linear_layout
 from anchorkv.kernels import PackItem, UnpackItem, reference
 from anchorkv.kernels.dispatch import backend_for
 from anchorkv.kernels.strided import field_view
-from benchmarks.machine import device_info, machine_name
+from benchmarks.machine import device_info, machine_name, results_path
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -180,12 +180,12 @@ PROVIDERS = {
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _write_results(quick):
+def _write_results(quick, request):
     yield
     if not _rows or quick:  # quick numbers (1 round) must not replace the recorded ones
         return
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{machine_name()}-kernels.json"
+    path = results_path(request, RESULTS, f"{machine_name()}-kernels")
     path.write_text(json.dumps({
         "device": device_name(),
         "torch": torch.__version__,

@@ -92,7 +92,7 @@ from anchorkv.codec.layout import Field, PageLayout, dense_strides
 from anchorkv.codec.models import custom_layout
 from anchorkv.store import store as store_module
 from anchorkv.store.store import Store
-from benchmarks.machine import machine_name
+from benchmarks.machine import machine_name, results_path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKENS = 7680
@@ -315,14 +315,14 @@ class WarmReads:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _write_results(quick):
+def _write_results(quick, request):
     yield
     if not _rows or quick:  # quick numbers (1 round) must not replace the recorded ones
         return
     RESULTS.mkdir(exist_ok=True)
     fs = subprocess.run(["df", "-T", str(RESULTS)], capture_output=True, text=True).stdout.split("\n")[1:2]
     machine = machine_name()
-    (RESULTS / f"{machine}-store.json").write_text(json.dumps({
+    results_path(request, RESULTS, f"{machine}-store").write_text(json.dumps({
         "device": machine, "cpus": os.cpu_count(), "torch": torch.__version__,
         "crc32c": store_module.CRC32C_LIB, "chunk_threads": store_module.CHUNK_THREADS,
         "local_put_threads": store_module.LOCAL_PUT_THREADS, "help_writes": store_module.HELP_WRITES,

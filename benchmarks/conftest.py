@@ -16,6 +16,8 @@ import os
 import pytest
 import torch
 
+from benchmarks.machine import DESELECTED
+
 
 def pytest_addoption(parser):
     parser.addoption("--quick", action="store_true", default=False,
@@ -46,3 +48,9 @@ def sync(device):
 @pytest.fixture(scope="session")
 def rounds(quick) -> int:
     return 1 if quick else 5
+
+
+def pytest_deselected(items):
+    """Remember the modules some of whose benchmarks a run left out (`-k`, `-m`): they record
+    their rows apart (`benchmarks.machine.results_path`)."""
+    DESELECTED.update(str(item.path) for item in items)

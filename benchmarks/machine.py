@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import platform
 import re
+from pathlib import Path
+from typing import Any
 
 
 def device_info() -> dict:
@@ -43,6 +45,26 @@ def session_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
     env.update(extra)
     return env
+
+
+#: benchmark modules (paths) some of whose benchmarks this run deselected (`-k`, `-m`; the
+#: benchmarks' conftest fills it)
+DESELECTED: set[str] = set()
+
+
+def results_path(request: Any, results: Path, name: str) -> Path:
+    """Where a pytest benchmark module records its rows (`request`: a module-scoped fixture's):
+    `results/<name>.json` when the run took every benchmark of the module, else
+    `results/<name>.partial.json` (git ignores it), so that a run of some rows (`-k`, a node id)
+    never replaces the whole recorded run that benchmarks/README.md quotes."""
+    module = request.path.resolve()
+    named = any("::" in a and (request.config.invocation_params.dir / a.split("::")[0]).resolve() == module
+                for a in request.config.args)
+    if str(request.path) not in DESELECTED and not named:
+        return results / f"{name}.json"
+    path = results / f"{name}.partial.json"
+    print(f"\n{module.name}: a run of some of its benchmarks; its rows go to {path}, not {name}.json")
+    return path
 
 
 if __name__ == "__main__":  # python -m benchmarks.machine

@@ -462,3 +462,49 @@ def test_set_calls_says_it_needs_cuda_in_one_line():
     res = subprocess.run([sys.executable, "-m", "benchmarks.set_calls", "--rounds", "1"],
                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and res.stderr.strip() == "set_calls needs CUDA" and not res.stdout, res
+
+
+# ----------------------------------------------------------------------------- recorded results
+
+
+_RECORDING_MODULE = '''
+import pytest
+from pathlib import Path
+from benchmarks.machine import results_path
+
+@pytest.fixture(scope="module", autouse=True)
+def _record(request):
+    yield
+    path = results_path(request, Path("results"), "m-x")
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("rows")
+
+def test_a():
+    pass
+
+def test_b():
+    pass
+'''
+
+
+@pytest.mark.parametrize("select,recorded", [
+    ((), "m-x.json"),  # the whole module: the recorded file
+    (("-k", "test_a"), "m-x.partial.json"),  # some rows (-k) never replace it
+    (("::test_b",), "m-x.partial.json"),  # nor does a node id
+])
+def test_a_run_of_some_benchmarks_records_apart(tmp_path, select, recorded):
+    """`benchmarks.machine.results_path`, with the benchmarks' conftest hook that sees -k's
+    deselection, run by pytest as a benchmark module is: a run of some of a module's benchmarks
+    writes `<name>.partial.json` (git ignores it), not the recorded `<name>.json` (a `-k warm`
+    run once replaced bench_store's whole recorded run)."""
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "conftest.py").write_text("from benchmarks.conftest import pytest_deselected  # noqa: F401\n")
+    (tmp_path / "bench_m.py").write_text(_RECORDING_MODULE)
+    args = [a if not a.startswith("::") else "bench_m.py" + a for a in select]
+    target = [] if args and args[0].startswith("bench_m.py") else ["bench_m.py"]
+    env = {**session_env(), "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *target, *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == [recorded]
+    assert "benchmarks/results/*.partial.json" in (root / ".gitignore").read_text().splitlines()
