@@ -268,13 +268,20 @@ _GROUP_TAIL = b'}},"node_type":"group","zarr_format":3}'
 
 def signed_bytes_hold(data: bytes, checksum: Any) -> bool:
     """Whether `data`, a group ``zarr.json`` as `signed_group_json` writes it, holds the
-    manifest that `checksum` signs: its bytes less the checksum's own entry are the canonical
-    JSON that was hashed (then they parse to exactly that manifest), checked without encoding
+    manifest that `checksum` signs: its bytes less the checksum's own entry are the text that
+    was hashed (every byte of the file but that entry is signed; as `signed_group_json` writes
+    it, the canonical JSON of exactly the manifest it parses to), checked without encoding
     the parsed manifest again (~0.45 ms of every manifest read of a Kimi-Linear entry, a
     lookup's or a restore's). False for anything else (files of other writers, spaced JSON,
     damage): the caller then compares `manifest_checksum` of what it parsed. `checksum` must be
     the top-level ``checksum`` of what `data` parses to (the signed text never holds its own
-    checksum, so an entry of it anywhere else leaves it in the text hashed: no match)."""
+    checksum, so an entry of it anywhere else leaves it in the text hashed: no match).
+
+    A file another writer signed over its own bytes that spells the manifest otherwise (an
+    escaped character, a number's other digits) holds by this check and reads as it parses
+    (the encoding compare refused it): anyone who can write the file can sign it, so the
+    checksum guards against damage, not against writers; reads and `commit.unusable` judge such
+    a file alike (`checksum_holds`)."""
     import blake3
 
     if not isinstance(checksum, str) or not checksum.startswith("blake3:"):

@@ -45,6 +45,27 @@ def test_capacity_bound_applies_on_commit(store_url):
         assert store.usage() <= store.capacity_bytes
 
 
+def test_a_save_whose_eviction_fails_is_saved(store_url, monkeypatch, caplog):
+    """The eviction after a save's publish fails (an entry to evict that cannot be deleted):
+    the save is still a save, its entry listed and whole, and the failure a warning (found by
+    review: `Store.save` raised, and its clean-up of the "failed" save deleted the published
+    entry's data on an object store)."""
+    from anchorkv.store import eviction
+
+    def evict(*args, **kwargs):
+        raise PermissionError("cannot delete an entry")
+
+    url, options = store_url
+    with Store.open(url, capacity_bytes=1, **options) as store:
+        monkeypatch.setattr(eviction, "evict", evict)
+        with caplog.at_level("WARNING", logger="anchorkv.store"):
+            info = save(store, "kept")
+        assert "is saved, but what follows its publish failed" in caplog.text and "cannot delete" in caplog.text
+        assert [e.id for e in store.list()] == [info.id]
+        with Store.open(url, **options) as fresh:
+            assert fresh.verify(info.id) == []
+
+
 def test_entry_being_loaded_is_not_evicted(store):
     """A `load` in progress on another thread pins its entry (in-process, no lease)."""
     a, b = save(store, "a"), save(store, "b")

@@ -214,6 +214,27 @@ def test_a_self_signed_manifest_that_is_not_json_or_names_a_key_twice_is_refused
     assert unusable(data) is not None
 
 
+def test_a_self_signed_manifest_spelled_otherwise_reads_as_it_parses(saved):
+    """A manifest signed over its own bytes that spells a key otherwise (`\\u0061nchor`, the
+    same JSON as `anchor`) holds its checksum (every byte but its entry is signed) and reads as
+    it parses, by reads and by a commit's `unusable` alike; one byte of it changed does not."""
+    from anchorkv.store.commit import unusable
+
+    root, info, meta, text = saved
+    m = json.loads(text)["attributes"]["anchorkv"]
+    m.pop("checksum")
+    canonical = json.dumps(m, sort_keys=True, separators=(",", ":")).encode()[1:-1]
+    assert canonical.count(b'"anchor":') == 1
+    data = _resigned(canonical.replace(b'"anchor":', b'"\\u0061nchor":'))
+    meta.write_bytes(data)
+    store = Store.open(root, create=False)
+    assert store.get(info.id).manifest == {**m, "checksum": json.loads(data)["attributes"]["anchorkv"]["checksum"]}
+    assert unusable(data) is None
+    meta.write_bytes(data.replace(b"u0061nchor", b"u0062nchor"))
+    with pytest.raises(CorruptEntry, match=re.escape(info.id)):
+        Store.open(root, create=False).get(info.id)
+
+
 def test_a_wrong_chunk_crc_fails_the_read_and_verify(saved):
     """A chunk crc rewritten (checksum recomputed): the manifest is self-consistent, so only the
     data can tell; the load of that chunk and `verify` both refuse, naming the chunk."""

@@ -138,3 +138,30 @@ def test_single_rank_commit_asks_the_store_nothing_about_markers(tmp_path):
     writer.finish_rank()
     assert writer.commit().num_tokens == N + 256
     assert [p for p in writes if "/parts/" in p] and not list((tmp_path / STAGING).iterdir())
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_layer_written_again_after_finish_rank_is_what_the_commit_publishes(tmp_path, tp):
+    """A rank that put its part marker and then writes a layer again (a retry) commits the
+    retry's checksums: at tp_size 1 from memory, with more ranks by putting its marker again
+    (found by review: the commit went by the stale marker and published its checksums over the
+    retry's bytes, an entry that fails `verify` and every load of that layer)."""
+    store = Store.open(tmp_path)
+    writers = [store.begin_entry(tiny_layout(tp, r), CODECS, tokens(N), anchor="r", write_id=f"again{tp}")
+               for r in range(tp)]
+    for w in writers:
+        for (layer, field), p in all_packed(w.layout, CODECS, N).items():
+            w.write_layer(layer, field, p)
+    for w in writers[1:]:
+        w.finish_rank()
+    w = writers[0]
+    w.finish_rank()
+    layer = next(name for name, field in all_packed(w.layout, CODECS, N) if field == "latent")
+    again = all_packed(w.layout, CODECS, N, seed=1)[(layer, "latent")]
+    w.write_layer(layer, "latent", again)
+    info = w.commit()
+    assert store.verify(info) == []
+    got = store.load(info, w.layout, layer, "latent")
+    rows = got.shape[0] * got.shape[1]
+    for a, b in ((got.payload, again.payload), (got.scales, again.scales)):  # the stored tokens' rows
+        assert torch.equal(a.reshape(rows, -1)[:N], b.reshape(rows, -1)[:N])
