@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from benchmarks.machine import DESELECTED
+from benchmarks.machine import DESELECTED, FINISHED, SELECTED
 
 
 def pytest_addoption(parser):
@@ -50,7 +50,24 @@ def rounds(quick) -> int:
     return 1 if quick else 5
 
 
+def pytest_configure(config):
+    DESELECTED.clear()
+    SELECTED.clear()
+    FINISHED.clear()
+
+
 def pytest_deselected(items):
-    """Remember the modules some of whose benchmarks a run left out (`-k`, `-m`): they record
-    their rows apart (`benchmarks.machine.results_path`)."""
+    """Remember the modules some of whose benchmarks a run left out (`-k`, `-m`), the
+    benchmarks it runs and those that end: a module records its rows apart unless it ran
+    them all (`benchmarks.machine.results_path`)."""
     DESELECTED.update(str(item.path) for item in items)
+
+
+def pytest_collection_finish(session):
+    for item in session.items:
+        SELECTED.setdefault(str(item.path), []).append(item.nodeid)
+
+
+def pytest_runtest_logreport(report):
+    if (report.when == "call" and report.passed) or report.skipped:
+        FINISHED.add(report.nodeid)

@@ -47,25 +47,31 @@ def session_env(**extra: str) -> dict[str, str]:
     return env
 
 
-#: benchmark modules (paths) some of whose benchmarks this run deselected (`-k`, `-m`; the
-#: benchmarks' conftest fills it)
+#: this run's benchmarks, as the benchmarks' conftest sees them: the modules (paths) some of
+#: whose benchmarks it deselected (`-k`, `-m`), the node ids it selected by module, and those
+#: that ended without failing (passed, or skipped)
 DESELECTED: set[str] = set()
+SELECTED: dict[str, list[str]] = {}
+FINISHED: set[str] = set()
 
 
 def results_path(request: Any, results: Path, name: str) -> Path:
     """Where a pytest benchmark module records its rows (`request`: a module-scoped fixture's):
-    `results/<name>.json` when the run took every benchmark of the module, else
-    `results/<name>.partial.json` (git ignores it), so that a run of some rows (`-k`, a node id)
-    never replaces the whole recorded run that benchmarks/README.md quotes."""
+    `results/<name>.json` when the run took every benchmark of the module and each ended
+    without failing, else `results/<name>.partial.json` (git ignores it): a run of some rows
+    (`-k`, a node id), or one cut short (interrupted, `-x`, a failure: `gpu_validate` interrupts
+    a step that runs out of time) never replaces the whole recorded run that
+    benchmarks/README.md quotes."""
     module = request.path.resolve()
     named = any("::" in a and (request.config.invocation_params.dir / a.split("::")[0]).resolve() == module
                 for a in request.config.args)
-    if str(request.path) not in DESELECTED and not named:
+    cut = not all(n in FINISHED for n in SELECTED.get(str(request.path), ()))
+    if str(request.path) not in DESELECTED and not named and not cut:
         return results / f"{name}.json"
     path = results / f"{name}.partial.json"
-    print(f"\n{module.name}: a run of some of its benchmarks; its rows go to {path}, not {name}.json")
+    why = "cut short or failed" if cut else "some of its benchmarks"
+    print(f"\n{module.name}: a run of {why}; its rows go to {path}, not {name}.json")
     return path
-
 
 if __name__ == "__main__":  # python -m benchmarks.machine
     print(machine_name())

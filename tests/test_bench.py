@@ -480,7 +480,8 @@ def _record(request):
     path.write_text("rows")
 
 def test_a():
-    pass
+    import os
+    assert os.environ.get("FAIL_A") != "1"
 
 def test_b():
     pass
@@ -491,20 +492,25 @@ def test_b():
     ((), "m-x.json"),  # the whole module: the recorded file
     (("-k", "test_a"), "m-x.partial.json"),  # some rows (-k) never replace it
     (("::test_b",), "m-x.partial.json"),  # nor does a node id
+    (("-x", "FAIL_A"), "m-x.partial.json"),  # nor a run cut short by a failure (-x: b never ran)
 ])
 def test_a_run_of_some_benchmarks_records_apart(tmp_path, select, recorded):
-    """`benchmarks.machine.results_path`, with the benchmarks' conftest hook that sees -k's
-    deselection, run by pytest as a benchmark module is: a run of some of a module's benchmarks
-    writes `<name>.partial.json` (git ignores it), not the recorded `<name>.json` (a `-k warm`
-    run once replaced bench_store's whole recorded run)."""
+    """`benchmarks.machine.results_path`, with the benchmarks' conftest hooks that see what a
+    run selects, deselects and finishes, run by pytest as a benchmark module is: a run of some
+    of a module's benchmarks, or one cut short, writes `<name>.partial.json` (git ignores it),
+    not the recorded `<name>.json` (a `-k warm` run once replaced bench_store's whole recorded
+    run; `gpu_validate` interrupts a step out of time)."""
     root = Path(__file__).resolve().parents[1]
-    (tmp_path / "conftest.py").write_text("from benchmarks.conftest import pytest_deselected  # noqa: F401\n")
+    (tmp_path / "conftest.py").write_text(
+        "from benchmarks.conftest import (pytest_collection_finish, pytest_configure,  # noqa: F401\n"
+        "                                 pytest_deselected, pytest_runtest_logreport)\n")
     (tmp_path / "bench_m.py").write_text(_RECORDING_MODULE)
-    args = [a if not a.startswith("::") else "bench_m.py" + a for a in select]
+    fail = "FAIL_A" in select
+    args = [a if not a.startswith("::") else "bench_m.py" + a for a in select if a != "FAIL_A"]
     target = [] if args and args[0].startswith("bench_m.py") else ["bench_m.py"]
-    env = {**session_env(), "PYTHONPATH": str(root)}
+    env = {**session_env(), "PYTHONPATH": str(root), "FAIL_A": "1" if fail else "0"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *target, *args],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == (1 if fail else 0), done.stdout + done.stderr
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == [recorded]
     assert "benchmarks/results/*.partial.json" in (root / ".gitignore").read_text().splitlines()

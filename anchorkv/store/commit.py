@@ -117,13 +117,19 @@ def commit_parts(backend: Backend, write_id: str, parts: list[dict], on_commit: 
     except CorruptEntry:  # this write's data is gone: a later commit of it must not publish its metadata alone
         backend.delete_tree(staging_path(write_id))
         raise
-    try:  # the entry is published: what follows cannot undo that, nor make the commit a failure
+    # the entry is published: what follows cannot undo that, nor make the commit a failure (found
+    # by review: a caller's clean-up after the "failed" save deleted the published entry's data
+    # on an object store, where it lies under the write's own prefix); each step is tried alone
+    try:
         backend.delete_tree(staging_path(write_id))
+    except Exception as e:
+        log.warning("anchorkv: entry %s is saved; its staging was not removed (`anchorkv gc` removes it): %s",
+                    info.id, e)
+    try:
         on_commit(info)
-    except Exception as e:  # (found by review: a caller's clean-up after the "failed" save deleted the
-        # published entry's data on an object store, where it lies under the write's own prefix)
-        log.warning("anchorkv: entry %s is saved, but what follows its publish failed (its staging is left for "
-                    "`anchorkv gc`; the capacity is enforced by the next save): %s", info.id, e)
+    except Exception as e:
+        log.warning("anchorkv: entry %s is saved; what follows a commit (caching it, counting its bytes, evicting "
+                    "down to the capacity) failed: %s", info.id, e)
     return info
 
 

@@ -266,11 +266,7 @@ class EntryWriter:
         # commit, an abort or a settle drops them
         self._held: dict[tuple[str, int], dict[int, Encoded]] = {}
         self._on_commit = on_commit
-        self._finished = False  # (this writer put its part marker: `finish_rank`)
-        #: a shard written since this writer's marker was put (a layer's retry): the marker no
-        #: longer names what is staged, so a commit does not go by it (found by review: such a
-        #: commit published the marker's checksums over the retry's bytes, a damaged entry)
-        self._stale = False
+        self._finished = False  # (this writer put its part marker: `finish_rank`, and wrote nothing since)
 
     @property
     def tp_size(self) -> int:
@@ -490,8 +486,12 @@ class EntryWriter:
         `index`) and record its checksums: on a put thread, the help thread or here (see
         `_put_shard`); its size."""
         self._supersede(skey)
-        if self._finished:
-            self._finished, self._stale = False, True
+        if self._finished:  # a retry after `finish_rank`: its marker names the bytes this replaces
+            # taken back before the write, so that no commit (this writer's, another rank's, the
+            # scheduler's `commit_staged`) publishes its checksums over the new bytes: the rank is
+            # unfinished again until it puts its marker anew (found by review: a damaged entry)
+            self.backend.delete(part_marker(self.write_id, self.tp_rank, self.tp_size))
+            self._finished = False
         if self._put_submit is not None:
             self._puts.append((skey, size, self._put_submit(self._put, skey, buffers, placed, index, combine)))
             return size
@@ -566,7 +566,7 @@ class EntryWriter:
         """Publish this rank's part marker (atomically) once its chunks are written."""
         path = part_marker(self.write_id, self.tp_rank, self.tp_size)
         self.backend.write(path, [json.dumps(self._part()).encode()], atomic=True)
-        self._finished, self._stale = True, False
+        self._finished = True
 
     def wait_writes(self) -> None:
         """Wait for this rank's shard writes still in flight (put threads, the help thread) and
@@ -585,8 +585,8 @@ class EntryWriter:
         checksums encoded, written, listed, read and parsed; nor asking the store whether a
         marker is there: a round trip on an object store); with more ranks this rank's marker
         is put first unless it is in the store, and the commit reads every rank's from the
-        store (`commit_staged`). A shard written after `finish_rank` (a retry) makes this rank's
-        marker stale: the commit then goes from memory (tp_size 1) or puts the marker again.
+        store (`commit_staged`). A shard written after `finish_rank` (a retry) deletes this
+        rank's marker first: the commit then goes from memory (tp_size 1) or puts it again.
 
         Raises `IncompleteEntry` naming the missing ranks or chunks; call it again later.
         """
@@ -597,7 +597,7 @@ class EntryWriter:
             part["header"] = json.loads(json.dumps(part["header"]))
             info = commit_parts(self.backend, self.write_id, [part], self._on_commit, replace)
         else:
-            if self._stale or not self.backend.exists(part_marker(self.write_id, self.tp_rank, self.tp_size)):
+            if not self.backend.exists(part_marker(self.write_id, self.tp_rank, self.tp_size)):
                 self.finish_rank()
             info = commit_staged(self.backend, self.write_id, self._on_commit, replace)
         self._held.clear()  # (the caller's buffers: once committed, nothing writes them)

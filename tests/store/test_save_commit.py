@@ -142,10 +142,12 @@ def test_single_rank_commit_asks_the_store_nothing_about_markers(tmp_path):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_layer_written_again_after_finish_rank_is_what_the_commit_publishes(tmp_path, tp):
-    """A rank that put its part marker and then writes a layer again (a retry) commits the
-    retry's checksums: at tp_size 1 from memory, with more ranks by putting its marker again
-    (found by review: the commit went by the stale marker and published its checksums over the
-    retry's bytes, an entry that fails `verify` and every load of that layer)."""
+    """A rank that put its part marker and then writes a layer again (a retry) takes its marker
+    back: no commit but its own goes by it (another rank's, the scheduler's `commit_staged`:
+    IncompleteEntry), and its own commits the retry's checksums, at tp_size 1 from memory, with
+    more ranks by putting its marker again (found by review, twice: the commit went by the stale
+    marker and published its checksums over the retry's bytes, an entry that fails `verify` and
+    every load of that layer)."""
     store = Store.open(tmp_path)
     writers = [store.begin_entry(tiny_layout(tp, r), CODECS, tokens(N), anchor="r", write_id=f"again{tp}")
                for r in range(tp)]
@@ -159,6 +161,8 @@ def test_a_layer_written_again_after_finish_rank_is_what_the_commit_publishes(tm
     layer = next(name for name, field in all_packed(w.layout, CODECS, N) if field == "latent")
     again = all_packed(w.layout, CODECS, N, seed=1)[(layer, "latent")]
     w.write_layer(layer, "latent", again)
+    with pytest.raises(IncompleteEntry, match="rank" if tp > 1 else "no rank has finished"):
+        writers[-1].commit() if tp > 1 else store.commit_staged(f"again{tp}")
     info = w.commit()
     assert store.verify(info) == []
     got = store.load(info, w.layout, layer, "latent")
