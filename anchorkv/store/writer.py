@@ -285,7 +285,11 @@ class EntryWriter:
         the field's `first`: rows before it are dropped) with N * block_size reaching the
         entry's last token; rows past it are dropped. A replicated field is written by rank 0
         only (other ranks' calls return 0). `packed` should live in host memory (a CUDA tensor
-        is copied here, synchronously).
+        is copied here, synchronously). A layer may be written again (a retry) until the entry
+        is committed; after `finish_rank` that takes the rank's marker back until it is put
+        again. Once another rank has committed the entry, a write lands in its published data
+        on an object store (loads then refuse that layer as damaged, and the entry is repaired
+        by a new save): retry before the commit, or save anew.
         """
         array = self._array(field)
         where = f"entry {self.final}, layer {layer!r}, field {field!r}"
