@@ -58,7 +58,13 @@ from anchorkv.store.format import (
     zero_chunk,
 )
 from anchorkv.store.manifest import EntryInfo, numcodecs_compressor
-from anchorkv.store.paths import STAGING, entry_path, part_marker, staging_path  # noqa: F401 (STAGING: re-exported)
+from anchorkv.store.paths import (  # noqa: F401 (STAGING: re-exported)
+    STAGING,
+    entry_path,
+    part_marker,
+    staging_path,
+    zarr_json,
+)
 from anchorkv.store.plan import rank_region, shards_plan
 
 #: Runs `fn(*args)` on a thread of the store's and returns its future (`Store.begin_entry`
@@ -618,8 +624,10 @@ class EntryWriter:
             pass
 
     def abort(self) -> None:
-        """Drop everything this write staged (all ranks' parts), once no write of it is in flight."""
+        """Drop everything this write staged (all ranks' parts), once no write of it is in
+        flight; never an entry it published (an object store's data lies under the write's own
+        prefix, published by its manifest's put: an interrupt after that put leaves the entry)."""
         self.settle()
         self.backend.delete_tree(staging_path(self.write_id))
-        if not self.backend.atomic_publish:
+        if not self.backend.atomic_publish and not self.backend.exists(zarr_json(self.data)):
             self.backend.delete_tree(self.data)
