@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from benchmarks.machine import DESELECTED, FINISHED, SELECTED
+from benchmarks.machine import COLLECTED, FINISHED
 
 
 def pytest_addoption(parser):
@@ -50,22 +50,17 @@ def rounds(quick) -> int:
     return 1 if quick else 5
 
 
+
 def pytest_configure(config):
-    DESELECTED.clear()
-    SELECTED.clear()
+    COLLECTED.clear()
     FINISHED.clear()
 
 
-def pytest_deselected(items):
-    """Remember the modules some of whose benchmarks a run left out (`-k`, `-m`), the
-    benchmarks it runs and those that end: a module records its rows apart unless it ran
-    them all (`benchmarks.machine.results_path`)."""
-    DESELECTED.update(str(item.path) for item in items)
-
-
-def pytest_collection_finish(session):
-    for item in session.items:
-        SELECTED.setdefault(str(item.path), []).append(item.nodeid)
+def pytest_itemcollected(item):
+    """Every benchmark a run collects (before `-k` / `-m` deselect any) and those that end
+    (`pytest_runtest_logreport`): a module records its rows apart unless it ran them all
+    (`benchmarks.machine.results_path`)."""
+    COLLECTED.setdefault(str(item.path), []).append(item.nodeid)
 
 
 def pytest_runtest_logreport(report):

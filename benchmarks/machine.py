@@ -47,11 +47,10 @@ def session_env(**extra: str) -> dict[str, str]:
     return env
 
 
-#: this run's benchmarks, as the benchmarks' conftest sees them: the modules (paths) some of
-#: whose benchmarks it deselected (`-k`, `-m`), the node ids it selected by module, and those
-#: that ended without failing (passed, or skipped)
-DESELECTED: set[str] = set()
-SELECTED: dict[str, list[str]] = {}
+#: this run's benchmarks, as the benchmarks' conftest sees them: the node ids collected by
+#: module (deselected ones too: `-k`, `-m`), and those that ended without failing (passed, or
+#: skipped)
+COLLECTED: dict[str, list[str]] = {}
 FINISHED: set[str] = set()
 
 
@@ -64,14 +63,13 @@ def results_path(request: Any, results: Path, name: str) -> Path:
     benchmarks/README.md quotes."""
     module = request.path.resolve()
     named = any("::" in a and (request.config.invocation_params.dir / a.split("::")[0]).resolve() == module
-                for a in request.config.args)
-    cut = not all(n in FINISHED for n in SELECTED.get(str(request.path), ()))
-    if str(request.path) not in DESELECTED and not named and not cut:
+                for a in request.config.args)  # (a node id collects only what it names)
+    if not named and all(n in FINISHED for n in COLLECTED.get(str(request.path), ())):
         return results / f"{name}.json"
     path = results / f"{name}.partial.json"
-    why = "cut short or failed" if cut else "some of its benchmarks"
-    print(f"\n{module.name}: a run of {why}; its rows go to {path}, not {name}.json")
+    print(f"\n{module.name}: a run of some of its benchmarks, or cut short; its rows go to {path}, not {name}.json")
     return path
+
 
 if __name__ == "__main__":  # python -m benchmarks.machine
     print(machine_name())

@@ -496,14 +496,13 @@ def test_b():
 ])
 def test_a_run_of_some_benchmarks_records_apart(tmp_path, select, recorded):
     """`benchmarks.machine.results_path`, with the benchmarks' conftest hooks that see what a
-    run selects, deselects and finishes, run by pytest as a benchmark module is: a run of some
+    run collects and finishes, run by pytest as a benchmark module is: a run of some
     of a module's benchmarks, or one cut short, writes `<name>.partial.json` (git ignores it),
     not the recorded `<name>.json` (a `-k warm` run once replaced bench_store's whole recorded
     run; `gpu_validate` interrupts a step out of time)."""
     root = Path(__file__).resolve().parents[1]
     (tmp_path / "conftest.py").write_text(
-        "from benchmarks.conftest import (pytest_collection_finish, pytest_configure,  # noqa: F401\n"
-        "                                 pytest_deselected, pytest_runtest_logreport)\n")
+        "from benchmarks.conftest import pytest_configure, pytest_itemcollected, pytest_runtest_logreport  # noqa\n")
     (tmp_path / "bench_m.py").write_text(_RECORDING_MODULE)
     fail = "FAIL_A" in select
     args = [a if not a.startswith("::") else "bench_m.py" + a for a in select if a != "FAIL_A"]
