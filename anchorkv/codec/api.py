@@ -25,8 +25,12 @@ from anchorkv.kernels.packset import host_copy, may_hold_nan
 
 
 def _ids(block_ids, device: torch.device) -> torch.Tensor:
-    ids = torch.as_tensor(block_ids, dtype=torch.int64)
-    return ids.to(device)
+    ids = block_ids if isinstance(block_ids, torch.Tensor) else torch.as_tensor(block_ids)
+    if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+        # (an int64 conversion made [1.5] block 1)
+        shown = block_ids if not isinstance(block_ids, torch.Tensor) else f"a {ids.dtype} tensor"
+        raise ValueError(f"block ids must be whole numbers (Python ints or an integer tensor), found {shown}")
+    return ids.to(device=device, dtype=torch.int64)
 
 
 def pack(view: CacheView, field: str, block_ids, codec: CodecSpec | str = "raw") -> Packed:

@@ -61,6 +61,10 @@ class CodecSpec:
             object.__setattr__(self, "params", ())
             return
         params = dict(self.params)
+        if self.id in BUILTIN_IDS:  # (an option it has not, e.g. a misspelled group, was dropped)
+            raise ValueError(f"codec {self.id!r} is built in and takes no options but its group size (e.g. "
+                             f"'{self.id}:64' or {{\"id\": \"{self.id}\", \"group\": 64}}), found "
+                             f"{sorted(params)}")
         if len(params) != len(self.params) and not isinstance(self.params, dict):
             raise ValueError(f"codec {self.id!r}: an option is given twice in {self.params!r}")
         bad = [k for k in params if not isinstance(k, str) or not k or k in ("id", "group", "params")]

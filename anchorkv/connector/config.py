@@ -15,6 +15,7 @@ and what was found, before vLLM allocates anything.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -106,6 +107,9 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        if extra is not None and not isinstance(extra, Mapping):
+            raise ValueError(f"anchorkv: kv_connector_extra_config must be an object of keys (e.g. "
+                             f"{{\"store\": \"/var/cache/anchorkv\"}}), found {type(extra).__name__} {extra!r}")
         extra = dict(extra or {})
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(extra) - known)
@@ -129,8 +133,7 @@ class ConnectorConfig:
             points = extra["save_points"]
             if isinstance(points, str):
                 points = [points]
-            bad = [p for p in points if p not in SAVE_POINTS]
-            if bad or not isinstance(points, (list, tuple)):
+            if not isinstance(points, (list, tuple)) or [p for p in points if p not in SAVE_POINTS]:
                 raise ValueError(
                     f"anchorkv: 'save_points' must be a list drawn from {SAVE_POINTS}, found {extra['save_points']!r}"
                 )
@@ -143,8 +146,8 @@ class ConnectorConfig:
             kwargs["async_load"] = extra["async_load"]
         if "load_timeout_s" in extra:
             t = extra["load_timeout_s"]
-            if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
-                raise ValueError(f"anchorkv: 'load_timeout_s' must be a positive number, found {t!r}")
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+                raise ValueError(f"anchorkv: 'load_timeout_s' must be a positive number of seconds, found {t!r}")
             kwargs["load_timeout_s"] = float(t)
         if "save_backlog" in extra:
             kwargs["save_backlog"] = parse_size(extra["save_backlog"], "anchorkv: 'save_backlog'")
@@ -155,7 +158,8 @@ class ConnectorConfig:
             kwargs["model_id"] = extra["model_id"].strip()
         if "storage_options" in extra:
             if not isinstance(extra["storage_options"], dict):
-                raise ValueError("anchorkv: 'storage_options' must be an object")
+                raise ValueError("anchorkv: 'storage_options' must be an object of S3 options (e.g. "
+                                 f"{{\"endpoint\": \"http://127.0.0.1:9000\"}}), found {extra['storage_options']!r}")
             kwargs["storage_options"] = dict(extra["storage_options"])
         return cls(**kwargs)
 

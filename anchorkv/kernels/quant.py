@@ -97,6 +97,7 @@ def resolve_group(last_dim: int, group: int | None) -> int:
     if g <= 0 or last_dim % g:
         raise ValueError(
             f"quantization group size {group} must be a positive divisor of the last axis "
-            f"({last_dim} elements); use one that divides it or None for the whole axis"
+            f"({last_dim} elements); use one that divides it, or the whole axis (a codec string such as "
+            "'int8:whole'; group None)"
         )
     return g

@@ -188,11 +188,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     from rich.table import Table
 
-    bad = sum(e.state != "ok" for e in entries)
+    unreadable = sum(e.state == "unreadable" for e in entries)
+    bad = sum(e.state not in ("ok", "unreadable") for e in entries)
     missing = {e.id: missing_plugins(e.info) for e in entries if e.info is not None}
     needy = {m for ids in missing.values() for m in ids}
     title = (f"{_escape(store.url)}: {len(entries)} entries, {human_bytes(sum(e.stored_bytes for e in entries))} stored"
              + (f" ({bad} not loadable: `anchorkv gc` removes damaged and old-format ones)" if bad else "")
+             + (f" ({unreadable} unreadable by this user or disk: kept; check their permissions)" if unreadable else "")
              + (f" ({sum(bool(v) for v in missing.values())} need codec plug-ins not installed here: "
                 f"{_escape(', '.join(sorted(needy)))}; their loads fail until installed)" if needy else ""))
     table = Table(title=title)
@@ -294,9 +296,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         console.print(f"[red]FAIL[/red] {_escape(e.id)}")
         for p in problems:
             console.print(f"  {p}", soft_wrap=True, markup=False)
+    unread = sum(e.state == "unreadable" for e, _ in bad)
+    judged = len(bad) - unread
     console.print(f"{len(results) - len(bad)} of {len(results)} entries ok" + (
-        f", {len(bad)} damaged or unloadable: delete them (anchorkv rm ENTRY, or anchorkv gc --verify: it checks "
-        "every entry as verify does and removes those that fail); the next request recomputes" if bad else ""),
+        f", {judged} damaged or unloadable: delete them (anchorkv rm ENTRY, or anchorkv gc --verify: it checks "
+        "every entry as verify does and removes those that fail); the next request recomputes" if judged else "") + (
+        f", {unread} not checked: their manifest cannot be read by this user or disk (fix the permissions, or "
+        "run as the user who wrote them; nothing is deleted)" if unread else ""),
         markup=False)
     return 1 if bad else 0
 
@@ -304,7 +310,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_rm(args: argparse.Namespace) -> int:
     store = _open(args, write=True)
     entries = store.scan()
-    chosen = [resolve(store, e, entries) for e in args.entry]
+    chosen = list({e.id: e for e in (resolve(store, e, entries) for e in args.entry)}.values())  # (named twice: once)
     done = []
     for e in chosen:
         store.delete(e.id)
@@ -322,11 +328,15 @@ def _capacity(text: str) -> int:
     from anchorkv.store.settings import parse_size
 
     try:
-        if float(text) == 0:
-            return 0  # evict every entry not in use
+        number = float(text)  # a number of bytes (1e9 too)
     except ValueError:
-        pass
-    return parse_size(text, "--capacity")
+        number = None
+    if number == 0:
+        return 0  # evict every entry not in use
+    try:
+        return parse_size(text if number is None else number, "--capacity")
+    except ValueError as e:
+        raise ValueError(f"{e} (or 0: evict every entry not in use)") from None
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -452,10 +462,23 @@ def _run(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespac
     def run(args: argparse.Namespace) -> int:
         try:
             return fn(args)
+        except BrokenPipeError:  # (stdout closed by its reader, e.g. `| head`: the top-level CLI ends quietly)
+            raise
         except (StoreError, ValueError, OSError, ImportError) as e:
             return report_error(args.command, e, args.store or _default_store())
 
     return run
+
+
+def _seconds(text: str) -> float:
+    """`--stale-after`'s value: a finite number of seconds >= 0."""
+    from anchorkv.store.eviction import check_stale_after
+
+    try:
+        return check_stale_after(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0 (e.g. 3600; 0: every unfinished "
+                                         f"write, alive or not), found {text!r}") from None
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -477,7 +500,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("entry", metavar="ENTRY", nargs="+")
     p = add("gc", cmd_gc, "remove abandoned writes, stale leases, duplicates, damaged and old-format entries, "
             "empty directories; evict LRU entries down to --capacity")
-    p.add_argument("--stale-after", type=float, default=3600.0, metavar="SECONDS",
+    p.add_argument("--stale-after", type=_seconds, default=3600.0, metavar="SECONDS",
                    help="unfinished writes older than this are abandoned (default 3600)")
     p.add_argument("--capacity", default=None, metavar="SIZE",
                    help="evict LRU entries down to SIZE (e.g. 200GiB, 500MB; 0: every entry not in use)")

@@ -100,7 +100,7 @@ def explain(e: BaseException, url: str) -> str:
                 "(storage_options 'endpoint' or ?endpoint= in the URL) and the network")
     if isinstance(e, PermissionError):
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        return (f"{url}: permission denied{where}; the store is not writable by this user: fix its "
+        return (f"{url}: permission denied{where}; this user cannot read or write it there: fix the store's "
                 "permissions, or use another store (--store / 'store')")
     if isinstance(e, OSError) and e.errno == _errno.EROFS:
         return f"{url}: the file system is read-only; use a store on a writable file system (--store / 'store')"

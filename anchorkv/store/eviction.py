@@ -191,9 +191,22 @@ def evict(store: Entries, capacity: int, keep: Set[str] = frozenset(), *, dry_ru
     return evicted
 
 
+def check_stale_after(stale_after: object) -> float:
+    """`stale_after` as gc takes it: a finite number of seconds >= 0 (NaN compared as "not
+    younger" and a negative one as "older", so either removed every write in progress)."""
+    import math
+
+    if isinstance(stale_after, bool) or not isinstance(stale_after, (int, float)) or not math.isfinite(stale_after) \
+            or stale_after < 0:
+        raise ValueError(f"stale_after must be a number of seconds >= 0 (0: every unfinished write, alive or not), "
+                         f"found {stale_after!r}; give the longest a save may take, e.g. 3600")
+    return float(stale_after)
+
+
 def gc(store: Entries, stale_after: float, progress: Callable[[str, int], None] | None = None, *,
        dry_run: bool = False, verify: bool = False) -> dict:
     """See `Store.gc`. `progress(step, n)` is called as work is done (for a progress bar)."""
+    check_stale_after(stale_after)
     backend = store.backend
     report: dict = {"abandoned_writes": 0, "stale_leases": 0, "duplicates": 0, "orphans": 0, "trash": 0,
                     "damaged": 0, "old_format": 0, "empty_dirs": 0, "evicted": 0, "freed_bytes": 0,

@@ -190,7 +190,7 @@ class Listing:
     """An entry as `Store.scan` finds it: its state, and its manifest when it is loadable."""
 
     id: str
-    state: str  # "ok", "damaged", "old-format", "newer-format"
+    state: str  # "ok", "damaged", "old-format", "newer-format", "unreadable"
     info: EntryInfo | None = None
     problem: str | None = None
     size: int | None = None  # bytes on disk (damaged / other-format: measured)

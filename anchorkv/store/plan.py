@@ -56,8 +56,9 @@ def rank_region(array: ArrayLayout, layer: int, tp_size: int, tp_rank: int) -> R
 
 
 def chunks_in(array: ArrayLayout, region: Region) -> list[Coords]:
-    """Chunk coordinates that intersect `region`."""
-    ranges = [range(s.start // c, -(-min(s.stop, n) // c))
+    """Chunk coordinates that intersect `region` (none for an empty one: a load of 0 blocks from
+    a token inside a chunk named that chunk, and its plan failed an assertion)."""
+    ranges = [range(s.start // c, -(-min(s.stop, n) // c)) if s.start < s.stop else range(0)
               for s, c, n in zip(region, array.chunks, array.shape, strict=True)]
     return list(itertools.product(*ranges))
 

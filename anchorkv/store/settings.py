@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import overload
@@ -38,7 +39,9 @@ def parse_size(value: object, key: str = "capacity") -> int | None:
         return None
     if isinstance(value, bool):
         raise ValueError(f"{key} must be a size like 200GB or a number of bytes, found {value!r}")
-    if isinstance(value, (int, float)) and value > 0:
+    if isinstance(value, (int, float)):  # bytes: a whole number >= 1 (0.5 was taken as 0: every entry evicted)
+        if not math.isfinite(value) or value < 1:
+            raise ValueError(f"{key} must be a size like 200GB or a number of bytes >= 1, found {value!r}")
         return int(value)
     m = _SIZE.match(str(value))
     if not m:

@@ -12,6 +12,7 @@ import builtins
 import contextlib
 import json
 import logging
+import numbers
 import os
 import re
 import threading
@@ -75,7 +76,10 @@ from anchorkv.store.manifest import (
 )
 from anchorkv.store.paths import (
     ENTRIES,
+    LEASES,
     PROBE,
+    STAGING,
+    TRASH,
     ZARR_JSON,
     begun_marker,
     entry_path,
@@ -152,10 +156,22 @@ HELP_WRITES = cores() > 2
 CHUNK_THREADS = chunk_threads(cores(), CRC32C_LIB, HELP_WRITES)
 
 
+def _check_args(capacity_bytes: object, io_threads: object) -> None:
+    """`Store`'s arguments, checked where given (they failed later: a TypeError at the first
+    eviction, every entry evicted, no I/O thread at the first task)."""
+    if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
+                                       or capacity_bytes < 0):
+        raise ValueError(f"capacity_bytes must be a whole number of bytes >= 0 or None (no bound), found "
+                         f"{capacity_bytes!r}; for a size such as '200GB' use anchorkv.store.settings.parse_size")
+    if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+        raise ValueError(f"io_threads must be a whole number >= 1, found {io_threads!r}")
+
+
 class Store:
     """A capacity-bounded cache of entries in a local directory or an S3-compatible bucket."""
 
     def __init__(self, backend: Backend, *, capacity_bytes: int | None = None, io_threads: int = 4) -> None:
+        _check_args(capacity_bytes, io_threads)
         self.backend = backend
         self.capacity_bytes = capacity_bytes
         self._io_threads = io_threads
@@ -208,12 +224,15 @@ class Store:
         Every failure is a `StoreUnavailable` whose message says what to do.
         """
         text = os.fspath(url)
+        _check_args(capacity_bytes, io_threads)  # (a ValueError of its own, not the backend's)
         try:
             store = cls(open_backend(text, **options), capacity_bytes=capacity_bytes, io_threads=io_threads)
             if not create:
                 store.backend.check_store()
+                store._check_root(create)
                 return store
             store.backend.ensure_root()
+            store._check_root(create)
             for path in (ZARR_JSON, zarr_json(ENTRIES)):
                 if not store.backend.exists(path):
                     attrs = {"anchorkv": {"format_version": FORMAT_VERSION}} if path == ZARR_JSON else {}
@@ -224,6 +243,38 @@ class Store:
         except Exception as e:
             raise StoreUnavailable(explain(e, text)) from None
         return store
+
+    def _check_root(self, create: bool) -> None:
+        """`StoreUnavailable` where the path is not an anchorkv store and must not become one: its
+        zarr.json is another Zarr hierarchy's (no ``anchorkv`` attribute), or (`create`, a local
+        directory without a zarr.json) it holds files of its own: a mistyped path (a home
+        directory, ``""`` for the current one) was made a store, and gc then emptied a ``.trash``
+        folder there. A root zarr.json that does not parse is tolerated (the store's entries are
+        what matter)."""
+        try:
+            raw = self.backend.read(ZARR_JSON)
+        except FileNotFoundError:
+            raw = None
+        except OSError:  # (unreadable: the writability probe or the reads that follow say why)
+            return
+        if raw is not None:
+            try:
+                root = json.loads(raw)
+            except ValueError:
+                return
+            attrs = root.get("attributes") if isinstance(root, dict) else None
+            ours = isinstance(attrs, dict) and "anchorkv" in attrs
+            if isinstance(root, dict) and "zarr_format" in root and not ours:
+                raise StoreUnavailable(f"{self.url} is a Zarr store but not an anchorkv one (its zarr.json has no "
+                                       "'anchorkv' attribute); pass another directory or prefix (--store / 'store')")
+            return
+        if create and isinstance(self.backend, LocalBackend):
+            own = {ENTRIES, STAGING, LEASES, TRASH, "lost+found"}
+            other = sorted(n for n in os.listdir(self.backend.root) if n not in own and not n.startswith(PROBE))
+            if other:
+                shown = ", ".join(other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
+                raise StoreUnavailable(f"{self.url} is not an anchorkv store and holds other files ({shown}); pass "
+                                       "an empty or new directory for the store (--store / 'store')")
 
     def check_writable(self) -> None:
         """Write and delete a small probe object: `StoreUnavailable` (saying why and what to do)
@@ -604,9 +655,10 @@ class Store:
 
     def scan(self, *, sizes_only: bool = False) -> list[Listing]:
         """Every entry in the store, whatever its state (`Listing.state`): ``ok``, ``damaged``
-        (its manifest is unreadable or inconsistent), ``old-format`` / ``newer-format`` (another
-        format version). Damaged and other-format entries are never loaded, but they are listed,
-        counted toward usage and capacity, and removable. Newest first.
+        (its manifest is missing, cut or inconsistent), ``old-format`` / ``newer-format`` (another
+        format version), ``unreadable`` (its manifest could not be read by this process: another
+        user's, an I/O error; never judged damaged, so gc keeps it). Entries not ``ok`` are never
+        loaded, but they are listed, counted toward usage and capacity, and removable. Newest first.
 
         `sizes_only` (eviction, usage): an ``ok`` entry whose manifest this process has read
         before comes without it (`Listing.info` None; its size and creation time from memory),
@@ -646,10 +698,16 @@ class Store:
                     out.append(self._broken(entry_id, "newer-format" if newer else "old-format", str(e)))
                 except CorruptEntry as e:
                     out.append(self._broken(entry_id, "damaged", str(e)))
-                except OSError as e:  # its zarr.json a directory, its name a file, another user's
-                    # (found by review: one such entry made every ls, verify, gc and save raise)
+                except (IsADirectoryError, NotADirectoryError) as e:  # its zarr.json a directory, its name a
+                    # file: no write of anchorkv's (found by review: one such entry made every ls, verify, gc
+                    # and save raise)
                     out.append(self._broken(entry_id, "damaged", f"its zarr.json (the manifest) cannot be read: "
                                             f"{type(e).__name__}: {e.strerror or e}"))
+                except OSError as e:  # another user's, an I/O error, no file handles left: nothing known of
+                    # its bytes, so it is listed and kept (gc and eviction's damaged-first pass never take it)
+                    out.append(self._broken(entry_id, "unreadable", f"its zarr.json (the manifest) cannot be read "
+                                            f"here: {type(e).__name__}: {e.strerror or e}; check its permissions "
+                                            "or the disk (it is kept: gc removes only entries it can judge)"))
         with self._usage_lock:
             self._sizes = seen  # (entries gone from the store drop out)
             self._usage = sum(e.stored_bytes for e in out)
@@ -720,6 +778,9 @@ class Store:
         failed load is not retried with a new manifest: the other fields of the same restore may
         have been read from the old write (a restore is one write or a failure, never two mixed).
         """
+        for name, value in (("start_token", start_token), ("num_blocks", num_blocks)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
+                raise ValueError(f"{name} must be a whole number >= 0, found {value!r}")
         info = self.get(entry)
         try:
             return self._load(info, layout, layer, field, start_token, num_blocks, host)

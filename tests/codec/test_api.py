@@ -83,6 +83,17 @@ def test_block_ids_out_of_range(kimi_views):
         pack(kda, "conv", [1, 6], "raw")
 
 
+@pytest.mark.parametrize("ids", [[1.5], [1, 2.0], [True], torch.tensor([1.0])])
+def test_block_ids_that_are_not_whole_numbers_are_refused(kimi_views, ids):
+    """[1.5] was converted to block 1 and packed (a review's finding)."""
+    _, kda, _ = kimi_views
+    with pytest.raises(ValueError, match=r"block ids must be whole numbers \(Python ints or an integer tensor\)"):
+        pack(kda, "conv", ids, "raw")
+    packed = pack(kda, "conv", list(range(1, 1 + len(ids))), "raw")
+    with pytest.raises(ValueError, match="block ids must be whole numbers"):
+        unpack(packed, kda, "conv", ids)
+
+
 def test_packed_dict_round_trip(kimi_views):
     _, kda, _ = kimi_views
     packed = pack(kda, "recurrent", [1], "int4:32")

@@ -95,12 +95,29 @@ def test_full_config():
     ({"store": ""}, "'store' must be a path or s3:// URL"),
     ({"model_id": ""}, "'model_id' must be a non-empty string naming the model's weights"),
     ({"model_id": 3}, "'model_id' must be a non-empty string"),
+    # a second review's: values taken silently, or refused by a TypeError naming no key
+    ({"capacity": 0.5}, "'capacity' must be a size like 200GB or a number of bytes >= 1"),  # was 0: evict all
+    ({"save_backlog": 0.5}, "'save_backlog' must be"),
+    ({"capacity": float("inf")}, "'capacity' must be"),  # OverflowError
+    ({"load_timeout_s": float("nan")}, "'load_timeout_s' must be a positive number"),  # never timed out
+    ({"save_points": 5}, "'save_points' must be a list"),  # TypeError
+    ({"save_points": None}, "'save_points' must be a list"),
+    ({"codec": {"recurrent": "int8:grup=64"}}, "codec 'int8' is built in and takes no options .* found \\['grup'\\]"),
+    ({"codec": {"recurrent": {"id": "int8", "grup": 64}}}, "takes no options but its group size"),
+    ({"codec": {"recurrent": "int8:rank=3"}}, "takes no options"),
+    ({"storage_options": "x"}, "'storage_options' must be an object .* found 'x'"),
 ])
 def test_bad_config_is_refused(extra, msg):
     if msg is None:  # an unknown codec id is only known at use; spelling is valid
         ConnectorConfig.from_extra_config(extra)
         return
     with pytest.raises(ValueError, match=msg):
+        ConnectorConfig.from_extra_config(extra)
+
+
+@pytest.mark.parametrize("extra", ["store=/x", [], [("store", "/x")]])
+def test_a_config_that_is_not_an_object_is_refused(extra):
+    with pytest.raises(ValueError, match="kv_connector_extra_config must be an object of keys"):
         ConnectorConfig.from_extra_config(extra)
 
 

@@ -33,7 +33,7 @@ def test_a_writer_checks_it_can_write(tmp_path, monkeypatch):
         raise PermissionError(errno.EACCES, "Permission denied", path)
 
     monkeypatch.setattr(LocalBackend, "write", refuse)
-    with pytest.raises(StoreUnavailable, match="cannot write to the store: .*permission denied.*not writable"):
+    with pytest.raises(StoreUnavailable, match="cannot write to the store: .*permission denied.*cannot read or write"):
         Store.open(tmp_path / "s")
     assert Store.open(tmp_path / "s", create=False).list() == []  # reading still works
 

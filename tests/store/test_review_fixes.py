@@ -106,27 +106,50 @@ def _break_permission(store: Store, info, monkeypatch) -> None:  # another user'
     _deny(monkeypatch, store, "read", lambda path: path.startswith(info.path))
 
 
-@pytest.mark.parametrize("how", ["zarr.json is a directory", "a file with an entry's name", "permission denied"])
-def test_an_unreadable_entry_is_listed_as_damaged(tmp_path, capsys, monkeypatch, how):
-    """ls, verify, gc and a save with a capacity went on raising the entry's OSError."""
+@pytest.mark.parametrize("how", ["zarr.json is a directory", "a file with an entry's name", "permission denied",
+                                 "I/O error"])
+def test_an_unreadable_entry_is_listed_and_kept_unless_damaged(tmp_path, capsys, monkeypatch, how):
+    """ls, verify, gc and a save with a capacity went on raising the entry's OSError. An entry
+    that is no anchorkv write (its zarr.json a directory, its name a file) is damaged, and gc
+    removes it; one whose manifest this process cannot read (another user's, an I/O error) is
+    listed as unreadable and kept: gc deleted such an intact entry as damaged (a second review)."""
     store = Store.open(tmp_path / "s")
     good, bad = save(store, "alice"), save(store, "bob", seed=1)
-    {"zarr.json is a directory": _break_dir, "a file with an entry's name": _break_file}.get(
-        how, lambda s, i: _break_permission(s, i, monkeypatch))(store, bad)
+    if how == "I/O error":
+        _deny(monkeypatch, store, "read", lambda path: path.startswith(bad.path))
+        real = type(store.backend).read
+
+        def eio(self, path, *args, **kwargs):
+            try:
+                return real(self, path, *args, **kwargs)
+            except PermissionError:
+                raise OSError(errno.EIO, "Input/output error", path) from None
+
+        monkeypatch.setattr(type(store.backend), "read", eio)
+    else:
+        {"zarr.json is a directory": _break_dir, "a file with an entry's name": _break_file}.get(
+            how, lambda s, i: _break_permission(s, i, monkeypatch))(store, bad)
+    kept = how in ("permission denied", "I/O error")
+    state = "unreadable" if kept else "damaged"
     fresh = Store.open(tmp_path / "s")
     states = {e.id: (e.state, e.problem) for e in fresh.scan()}
     assert states[good.id] == ("ok", None)
-    assert states[bad.id][0] == "damaged" and "cannot be read" in states[bad.id][1], states
+    assert states[bad.id][0] == state and "cannot be read" in states[bad.id][1], states
     code, out, _ = run(capsys, "ls", "--store", str(tmp_path / "s"), "--json")
-    assert code == 0 and {r["id"]: r["state"] for r in json.loads(out)["entries"]} == {good.id: "ok", bad.id: "damaged"}
+    assert code == 0 and {r["id"]: r["state"] for r in json.loads(out)["entries"]} == {good.id: "ok", bad.id: state}
     code, out, _ = run(capsys, "verify", "--store", str(tmp_path / "s"))
     assert code == 1 and f"FAIL {bad.id}" in out and "1 of 2 entries ok" in out, out
+    assert ("not checked" in out and "delete them" not in out) if kept else "delete them" in out, out
     capped = Store.open(tmp_path / "s", capacity_bytes=10**9)
     carol = save(capped, "carol", seed=2)  # raised after its commit
     assert carol.id in {e.id for e in capped.scan()}
     code, out, err = run(capsys, "gc", "--store", str(tmp_path / "s"))
-    assert code == 0 and "damaged=1" in out, (out, err)
-    assert {e.id: e.state for e in Store.open(tmp_path / "s").scan()} == {good.id: "ok", carol.id: "ok"}
+    assert code == 0 and f"damaged={0 if kept else 1}" in out, (out, err)
+    left = {e.id: e.state for e in Store.open(tmp_path / "s").scan()}
+    assert left == ({good.id: "ok", carol.id: "ok", bad.id: "unreadable"} if kept else {good.id: "ok", carol.id: "ok"})
+    if kept:  # readable again: whole
+        monkeypatch.undo()
+        assert not Store.open(tmp_path / "s").verify(Store.open(tmp_path / "s").get(bad.id))
     assert not (Path(tmp_path / "s") / ".trash").exists() or not os.listdir(Path(tmp_path / "s") / ".trash")
 
 

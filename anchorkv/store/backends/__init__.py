@@ -28,6 +28,12 @@ from anchorkv.store.paths import TRASH
 def open_backend(url: str | os.PathLike, **options: Any) -> Backend:
     """A backend for a path (local) or an ``s3://`` URL."""
     text = os.fspath(url)
+    if not text.strip():
+        raise StoreUnavailable("expected a store: a directory path or s3://bucket/prefix, found an empty path "
+                               "(--store / 'store')")
+    if text.lower().startswith("s3:") and not text.startswith("s3://"):
+        raise StoreUnavailable(f"an object-store URL looks like s3://bucket/prefix, found {text!r}; write it so "
+                               "(for a local directory of that name, give ./" + text + ")")
     if text.startswith("s3://"):
         return ObjectBackend(text, **options)
     if "://" in text and not text.startswith("file://"):

@@ -55,8 +55,13 @@ class LocalBackend:
         if not self.root.is_dir():
             raise StoreUnavailable(f"{self.url} is a file, not a store directory; pass the store's directory (--store)")
         if not (self.root / "zarr.json").is_file():
-            raise StoreUnavailable(f"{self.url} is not an anchorkv store (expected a zarr.json there, found none); "
-                                   "pass the store's directory (--store)")
+            try:  # stores one level down (`anchorkv demo --store D` makes D/demo-raw, ...)
+                inner = sorted(p.name for p in self.root.iterdir() if (p / "zarr.json").is_file())
+            except OSError:
+                inner = []
+            hint = f" (stores inside it: {', '.join(inner[:3])}{', ...' if len(inner) > 3 else ''})" if inner else ""
+            raise StoreUnavailable(f"{self.url} is not an anchorkv store (expected a zarr.json there, found none"
+                                   f"{hint}); pass the store's directory (--store)")
 
     def read(self, path: str) -> bytes:
         with open(self._s(path), "rb") as f:

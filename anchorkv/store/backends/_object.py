@@ -8,6 +8,7 @@ first use (the S3 extra), so a local store never needs it.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,44 @@ from anchorkv.store.paths import LAST_USE
 if TYPE_CHECKING:
     from obstore.store import ClientConfig
     from zarr.storage import ObjectStore
+
+
+#: a bucket name an S3-compatible server may hold: letters, digits, dots, hyphens, underscores
+_BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _check_options(url: str, bucket: str, opts: dict[str, Any]) -> None:
+    """`StoreUnavailable` for a bucket name or option obstore cannot take: an endpoint that is
+    not an http(s) URL or a bucket name with other characters reached a panic in its request
+    builder (a Rust backtrace and a `PanicException`, which no `except Exception` catches);
+    an option that is not text, a number or a flag, a TypeError naming no key."""
+    if not _BUCKET.fullmatch(bucket):
+        raise StoreUnavailable(f"{url}: expected a bucket name of letters, digits, '.', '-' and '_' after s3://, "
+                               f"found {bucket!r}; fix the bucket name in the URL")
+    for key, value in opts.items():
+        if not isinstance(value, (str, int, float, bool)):
+            raise StoreUnavailable(f"{url}: storage option {key!r} must be text, a number or true/false, found "
+                                   f"{type(value).__name__} {value!r}")
+    endpoint = opts.get("endpoint")
+    if endpoint is not None:
+        e = urlparse(str(endpoint)) if isinstance(endpoint, str) else None
+        if e is None or e.scheme not in ("http", "https") or not e.netloc or any(c.isspace() for c in endpoint):
+            raise StoreUnavailable(f"{url}: storage option 'endpoint' must be an http(s) URL such as "
+                                   f"http://127.0.0.1:9000, found {endpoint!r}")
+    for key in ("timeout", "connect_timeout"):
+        value = opts.get(key)
+        if value is not None and not (isinstance(value, str) and re.fullmatch(r"\s*(\d+\s*[a-zA-Z]+\s*)+", value)):
+            raise StoreUnavailable(f"{url}: storage option {key!r} must be a duration such as '30s', '500ms' or "
+                                   f"'2m', found {value!r}")
+
+
+def _flag(url: str, key: str, value: str) -> bool:
+    """A flag option given as text (a URL's query): true/false, yes/no, 1/0, on/off."""
+    low = value.strip().lower()
+    if low not in _TRUE + _FALSE:
+        raise StoreUnavailable(f"{url}: storage option {key!r} must be true or false, found {value!r}")
+    return low in _TRUE
 
 
 class ObjectBackend:
@@ -46,11 +85,12 @@ class ObjectBackend:
             raise StoreUnavailable(explain(e, url)) from None
         opts: dict[str, Any] = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
         opts.update(options)
+        _check_options(url, parsed.netloc, opts)  # (obstore panics, past Python's reach, on a bad URI)
         if str(opts.get("endpoint", "")).startswith("http://"):
             opts.setdefault("allow_http", True)
         for k in ("allow_http", "virtual_hosted_style_request"):
             if isinstance(opts.get(k), str):
-                opts[k] = opts[k].lower() in ("1", "true", "yes")
+                opts[k] = _flag(url, k, opts[k])
         client: ClientConfig = {"timeout": opts.pop("timeout", "30s"),
                                 "connect_timeout": opts.pop("connect_timeout", "5s")}
         if "allow_http" in opts:
