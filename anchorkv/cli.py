@@ -8,7 +8,8 @@ other commands appear in `--help` by name.
 
 Errors a user can cause (a bad path, URL, size, a missing extra) end as one or two lines on
 stderr and exit status 2, never a traceback; an unexpected internal error prints one line too
-(``ANCHORKV_DEBUG=1`` shows its traceback).
+(``ANCHORKV_DEBUG=1`` shows its traceback). A reader that closes stdout early (``anchorkv ls |
+head -1``) ends the command quietly, exit status 141 (as if killed by SIGPIPE).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import importlib
 import json
 import os
 import sys
+from pathlib import Path
 
 #: command -> (module that registers it, one-line help for the top-level --help)
 _COMMANDS = {
@@ -43,6 +45,31 @@ def with_json(run, args: argparse.Namespace) -> int:
         status = run(args, result)
     print(json.dumps({"ok": status == 0, **result}, indent=1, default=str))
     return status
+
+
+def output_dir_problem(path: str) -> str | None:
+    """Why `path` cannot be an output directory, as "expected ..., found ..."; None if it can
+    (it is a directory, or it does not exist yet and its nearest existing parent is a directory).
+    For checking an option like `--out` before any work is done."""
+    p = Path(path)
+    for at in (p, *p.parents):
+        if at.is_dir():
+            return None
+        if at.exists() or at.is_symlink():  # a file, a broken symlink, a device...
+            what = "a file" if at.is_file() else "a broken symlink" if not at.exists() else "not a directory"
+            where = f"{str(at)!r}" + ("" if at == p else f" (a parent of {path!r})")
+            return (f"expected a directory or a path that does not exist yet, found {what}: {where}; "
+                    "name another path")
+    return None
+
+
+def _stdout_closed() -> int:
+    """Point stdout at /dev/null (so that the flush at exit does not fail again); 141."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # in-process callers' captures: no fd
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return 141
 
 
 def build_parser(command: str | None = "*") -> argparse.ArgumentParser:
@@ -85,8 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if rest:  # a command that hands its arguments on (`bench`: to benchmarks.run)
         args.passthrough = rest
+    if args.command == "bench":  # its new process runs in the checkout: a relative --out is ours
+        with contextlib.suppress(OSError):
+            args.passthrough = ["--caller-cwd", os.getcwd(), *args.passthrough]
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        if sys.stdout is not None:
+            sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return status
+    except BrokenPipeError:  # stdout's reader is gone (the store commands' error handling lets it through)
+        return _stdout_closed()
     except KeyboardInterrupt:
         print(f"anchorkv {args.command}: interrupted", file=sys.stderr)
         return 130

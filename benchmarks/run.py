@@ -279,7 +279,23 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.run") 
 
     args = build_parser(prog).parse_args(argv)
     args.prog = prog
+    args.out = out_dir(args.out, args.caller_cwd)
+    if args.out is not None:  # checked before anything runs, not after the whole run
+        from anchorkv.cli import output_dir_problem
+
+        if problem := output_dir_problem(args.out):
+            print(f"{prog}: --out: {problem}", file=sys.stderr)
+            return 2
     return with_json(_main, args)
+
+
+def out_dir(out: str | None, caller_cwd: str | None = None) -> str | None:
+    """`--out` as an absolute path: a relative one is relative to the caller's directory
+    (`caller_cwd`, which `anchorkv bench` passes, since it runs this in the checkout; else
+    this process's current directory)."""
+    if out is None:
+        return None
+    return os.path.join(caller_cwd or os.getcwd(), os.path.expanduser(out))
 
 
 def _main(args: argparse.Namespace, summary: dict) -> int:
@@ -302,8 +318,7 @@ def _main(args: argparse.Namespace, summary: dict) -> int:
     if args.out is None and mode != "full":  # a smoke run never overwrites the committed report
         out = Path(tempfile.mkdtemp(prefix="anchorkv-bench-"))
     else:
-        out_arg = args.out or "benchmarks/results"
-        out = Path(out_arg) if os.path.isabs(out_arg) else root / out_arg
+        out = Path(args.out) if args.out else root / "benchmarks" / "results"  # out_dir made it absolute
     paths = write_report(res, out)
     for p in paths.values():
         print(f"  wrote {p}")
@@ -334,6 +349,8 @@ def build_parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentPar
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: seconds
     p.add_argument("--json", action="store_true",
                    help="print one JSON summary (report paths, suite status) on stdout")
+    # `anchorkv bench` runs this in the checkout: the directory a relative --out is relative to
+    p.add_argument("--caller-cwd", default=None, help=argparse.SUPPRESS)
     return p
 
 

@@ -106,11 +106,35 @@ def _main(args: argparse.Namespace, result: dict) -> int:
     return 0
 
 
+#: `--seed`'s range: torch's generator takes 64 bits, and the demo also seeds with `seed + 1`.
+MAX_SEED = 2**63 - 1
+
+
+def _seed(value: str) -> int:
+    """`--seed`: an integer from 0 to MAX_SEED (argparse names the option in its error)."""
+    try:
+        seed = int(value)
+    except ValueError:
+        seed = -1
+    if not 0 <= seed <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to {MAX_SEED} (2**63-1), found {value!r}")
+    return seed
+
+
+def _store(value: str) -> str:
+    """`--store`: a directory, or a path that does not exist yet (checked before the demo runs)."""
+    from anchorkv.cli import output_dir_problem
+
+    if "://" not in value and (problem := output_dir_problem(value)):
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="pack/unpack one Kimi-Linear request with every codec and verify")
     p.add_argument("--tp", type=int, default=1, choices=(1, 2, 4, 8), help="tensor-parallel size")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--store", default=None,
+    p.add_argument("--seed", type=_seed, default=0, metavar="N", help=f"random seed, 0 to {MAX_SEED} (default 0)")
+    p.add_argument("--store", type=_store, default=None, metavar="DIR",
                    help="store directory for the save/restore cycle (default: a temporary one)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (every row, ok) on stdout; tables go to stderr")
