@@ -270,7 +270,9 @@ class Store:
             return
         if create and isinstance(self.backend, LocalBackend):
             own = {ENTRIES, STAGING, LEASES, TRASH, "lost+found"}
-            other = sorted(n for n in os.listdir(self.backend.root) if n not in own and not n.startswith(PROBE))
+            # (another process creating the store at once: its probe, its zarr.json's temporary file)
+            other = sorted(n for n in os.listdir(self.backend.root)
+                           if n not in own and not n.startswith((PROBE, f".{ZARR_JSON}.")))
             if other:
                 shown = ", ".join(other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
                 raise StoreUnavailable(f"{self.url} is not an anchorkv store and holds other files ({shown}); pass "

@@ -183,3 +183,15 @@ def test_load_arguments_are_whole_numbers(tmp_path, kwargs):
     entry = save(store, "alice")
     with pytest.raises(ValueError, match=f"{next(iter(kwargs))} must be a whole number >= 0"):
         store.load(entry, layout, "model.layers.4.attn", "latent", **kwargs)
+
+
+def test_a_store_another_process_is_creating_opens(tmp_path):
+    """Two processes opening a new store at once: one finds the other's zarr.json being written
+    (its temporary file), its probe, its entries group; none of them is another file."""
+    root = tmp_path / "s"
+    root.mkdir()
+    (root / ".zarr.json.1a2b3c4d.tmp").write_text("{}")
+    (root / ".write-probe-0123").write_text("anchorkv write probe")
+    (root / "entries").mkdir()
+    save(Store.open(root), "alice")
+    assert len(Store.open(root, create=False).list()) == 1
