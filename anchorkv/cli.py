@@ -52,14 +52,17 @@ def output_dir_problem(path: str) -> str | None:
     (it is a directory, or it does not exist yet and its nearest existing parent is a directory).
     For checking an option like `--out` before any work is done."""
     p = Path(path)
-    for at in (p, *p.parents):
-        if at.is_dir():
-            return None
-        if at.exists() or at.is_symlink():  # a file, a broken symlink, a device...
-            what = "a file" if at.is_file() else "a broken symlink" if not at.exists() else "not a directory"
-            where = f"{str(at)!r}" + ("" if at == p else f" (a parent of {path!r})")
-            return (f"expected a directory or a path that does not exist yet, found {what}: {where}; "
-                    "name another path")
+    try:
+        for at in (p, *p.parents):
+            if at.is_dir():
+                return None
+            if at.exists() or at.is_symlink():  # a file, a broken symlink, a device...
+                what = "a file" if at.is_file() else "a broken symlink" if not at.exists() else "not a directory"
+                where = f"{str(at)!r}" + ("" if at == p else f" (a parent of {path!r})")
+                return (f"expected a directory or a path that does not exist yet, found {what}: {where}; "
+                        "name another path")
+    except OSError as e:  # (a parent this user cannot search, a name too long: a traceback at parsing)
+        return f"cannot use {path!r}: {e.strerror or e}; name another path"
     return None
 
 

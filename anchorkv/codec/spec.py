@@ -57,7 +57,7 @@ class CodecSpec:
         if self.group is not None and (isinstance(self.group, bool) or not isinstance(self.group, int)
                                        or self.group <= 0):
             raise ValueError(f"codec group size must be a positive int or None, found {self.group!r}")
-        if isinstance(self.params, (tuple, dict)) and not self.params:  # a built-in's spec: nothing to check
+        if isinstance(self.params, (tuple, list, dict)) and not self.params:  # a built-in's spec: nothing to check
             object.__setattr__(self, "params", ())
             return
         params = dict(self.params)

@@ -146,8 +146,9 @@ class ConnectorConfig:
             kwargs["async_load"] = extra["async_load"]
         if "load_timeout_s" in extra:
             t = extra["load_timeout_s"]
-            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-                raise ValueError(f"anchorkv: 'load_timeout_s' must be a positive number of seconds, found {t!r}")
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t) or t <= 0:
+                raise ValueError(f"anchorkv: 'load_timeout_s' must be a positive number of seconds (Infinity: "
+                                 f"never), found {t!r}")
             kwargs["load_timeout_s"] = float(t)
         if "save_backlog" in extra:
             kwargs["save_backlog"] = parse_size(extra["save_backlog"], "anchorkv: 'save_backlog'")

@@ -141,9 +141,14 @@ def resolve(store: Store, text: str, entries: list[Listing] | None = None) -> Li
 def _console(stderr: bool = False):
     from rich.console import Console
 
-    console = Console(stderr=stderr, highlight=False)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:  # (rich's exits 1, which for verify means "damaged found")
+            self.quiet = True
+            raise BrokenPipeError  # the top-level CLI ends quietly with 141, as `ls --json | head` does
+
+    console = _Console(stderr=stderr, highlight=False)
     if not console.is_terminal:  # piped: never truncate ids or codecs to 80 columns
-        console = Console(stderr=stderr, highlight=False, width=max(console.width, 320))
+        console = _Console(stderr=stderr, highlight=False, width=max(console.width, 320))
     return console
 
 
@@ -384,7 +389,8 @@ def store_totals(store: Store, capacity: int | None = None) -> dict:
         "store": store.url, "entries": len(entries), "states": states,
         "anchored": sum(i.anchor is not None for i in ok), "token_keyed": sum(i.anchor is None for i in ok),
         "tokens": sum(i.num_tokens for i in ok), "stored_bytes": stored,
-        "unloadable_bytes": sum(e.stored_bytes for e in entries if e.info is None),
+        # what gc removes (damaged, old-format; not newer-format or unreadable entries, which it keeps)
+        "unloadable_bytes": sum(e.stored_bytes for e in entries if e.state in ("damaged", "old-format")),
         "logical_bytes": sum(i.logical_bytes for i in ok),
         "by_field": sorted(fields.values(), key=lambda r: (r["field"], -r["stored_bytes"])),
         "tp_sizes": sorted({i.tp_size for i in ok}),
@@ -417,7 +423,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
                                 if n else "")),
         ("tokens", f"{totals['tokens']:,}"),
         ("stored", human_bytes(totals["stored_bytes"]) + (
-            f" ({human_bytes(totals['unloadable_bytes'])} in entries that cannot load: `anchorkv gc` removes them)"
+            f" ({human_bytes(totals['unloadable_bytes'])} in damaged and old-format entries: `anchorkv gc` "
+            "removes them)"
             if totals["unloadable_bytes"] else "")),
         ("logical", f"{human_bytes(logical)} (ratio {totals['stored_bytes'] / logical:.3f})" if logical else "-"),
         ("tp", ", ".join(map(str, totals["tp_sizes"])) or "-"),

@@ -192,11 +192,11 @@ def evict(store: Entries, capacity: int, keep: Set[str] = frozenset(), *, dry_ru
 
 
 def check_stale_after(stale_after: object) -> float:
-    """`stale_after` as gc takes it: a finite number of seconds >= 0 (NaN compared as "not
-    younger" and a negative one as "older", so either removed every write in progress)."""
+    """`stale_after` as gc takes it: a number of seconds >= 0 (inf: never stale; NaN compared as
+    "not younger" and a negative one as "older", so either removed every write in progress)."""
     import math
 
-    if isinstance(stale_after, bool) or not isinstance(stale_after, (int, float)) or not math.isfinite(stale_after) \
+    if isinstance(stale_after, bool) or not isinstance(stale_after, (int, float)) or math.isnan(stale_after) \
             or stale_after < 0:
         raise ValueError(f"stale_after must be a number of seconds >= 0 (0: every unfinished write, alive or not), "
                          f"found {stale_after!r}; give the longest a save may take, e.g. 3600")

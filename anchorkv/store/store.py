@@ -269,7 +269,9 @@ class Store:
                                        "'anchorkv' attribute); pass another directory or prefix (--store / 'store')")
             return
         if create and isinstance(self.backend, LocalBackend):
-            own = {ENTRIES, STAGING, LEASES, TRASH, "lost+found"}
+            # zarr.json: another process created the store between the read above and this listing;
+            # sha256: the connector's weight-hash cache, which shares the default store's directory
+            own = {ZARR_JSON, ENTRIES, STAGING, LEASES, TRASH, "lost+found", "sha256"}
             # (another process creating the store at once: its probe, its zarr.json's temporary file)
             other = sorted(n for n in os.listdir(self.backend.root)
                            if n not in own and not n.startswith((PROBE, f".{ZARR_JSON}.")))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
 
@@ -26,6 +27,10 @@ if TYPE_CHECKING:
 #: a bucket name an S3-compatible server may hold: letters, digits, dots, hyphens, underscores
 _BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+#: options that obstore takes as durations (text such as '30s', or a timedelta)
+_DURATIONS = ("timeout", "connect_timeout")
+#: S3Store keyword arguments that are not configuration text: passed as they are
+_OBJECTS = ("retry_config", "credential_provider")
 
 
 def _check_options(url: str, bucket: str, opts: dict[str, Any]) -> None:
@@ -37,7 +42,9 @@ def _check_options(url: str, bucket: str, opts: dict[str, Any]) -> None:
         raise StoreUnavailable(f"{url}: expected a bucket name of letters, digits, '.', '-' and '_' after s3://, "
                                f"found {bucket!r}; fix the bucket name in the URL")
     for key, value in opts.items():
-        if not isinstance(value, (str, int, float, bool)):
+        if key in _OBJECTS:  # obstore's own structured options (a dict, a callable)
+            continue
+        if not isinstance(value, (str, int, float, bool)) and not (key in _DURATIONS and isinstance(value, timedelta)):
             raise StoreUnavailable(f"{url}: storage option {key!r} must be text, a number or true/false, found "
                                    f"{type(value).__name__} {value!r}")
     endpoint = opts.get("endpoint")
@@ -46,9 +53,10 @@ def _check_options(url: str, bucket: str, opts: dict[str, Any]) -> None:
         if e is None or e.scheme not in ("http", "https") or not e.netloc or any(c.isspace() for c in endpoint):
             raise StoreUnavailable(f"{url}: storage option 'endpoint' must be an http(s) URL such as "
                                    f"http://127.0.0.1:9000, found {endpoint!r}")
-    for key in ("timeout", "connect_timeout"):
+    for key in _DURATIONS:
         value = opts.get(key)
-        if value is not None and not (isinstance(value, str) and re.fullmatch(r"\s*(\d+\s*[a-zA-Z]+\s*)+", value)):
+        if value is not None and not isinstance(value, timedelta) and not (
+                isinstance(value, str) and re.fullmatch(r"\s*(\d+(\.\d+)?\s*[a-zA-Z]+\s*)+", value)):
             raise StoreUnavailable(f"{url}: storage option {key!r} must be a duration such as '30s', '500ms' or "
                                    f"'2m', found {value!r}")
 
