@@ -52,6 +52,10 @@ on `worker.READ_THREADS` threads (the parts of the request submitted to a pool o
                   wide, is warm)
     store-<codecs>:warm-kept  the same on one `Store` kept across rounds (manifest and read plans
                   cached: the entry restored again by the same worker)
+    store-<codecs>:warm-first on one `Store` kept across rounds, another entry each round (the
+                  request's state saved under other token ids before the rounds): a serving
+                  worker's first restore of an entry (its manifest read and its plans made in
+                  the timing; the `Store` open, as the connector's is, unlike `:warm`'s)
 
 `extra_info`: `state_GBps` (raw state bytes / time, the same numerator for every provider, so
 compression makes it exceed what the disk moves), `io_GBps` (stored bytes / time), stored
@@ -91,6 +95,7 @@ from anchorkv.codec import KIMI_LINEAR_48B_CONFIG, CacheView, LayerKind, Region,
 from anchorkv.codec.layout import Field, PageLayout, dense_strides
 from anchorkv.codec.models import custom_layout
 from anchorkv.store import store as store_module
+from anchorkv.store.paths import entry_path
 from anchorkv.store.store import Store
 from benchmarks.machine import machine_name, results_path
 
@@ -218,16 +223,18 @@ def safetensors_load(req: Request, root: Path) -> list[dict]:
     return [load_file(str(_layer_file(root, layer))) for layer in {k[0] for k in req.raw}]
 
 
-def store_save(req: Request, root: Path, kind: str):
+def store_save(req: Request, root: Path, kind: str, token_ids: np.ndarray | None = None):
     """`Store.save` of the request packed with `kind` ("raw", "quant"; a `SAVE_THREADS` key
-    after a colon: its threads for the call)."""
+    after a colon: its threads for the call), under `token_ids` (default: the request's; others
+    make another entry of the same state)."""
     kind, _, how = kind.partition(":")
     default = store_module.CHUNK_THREADS, store_module.LOCAL_PUT_THREADS, store_module.HELP_WRITES
     store_module.CHUNK_THREADS, store_module.LOCAL_PUT_THREADS, store_module.HELP_WRITES = (
         save_threads(how) if how else default)
     try:
         with Store.open(root) as store:
-            return store.save(req.layout, req.codecs(kind), req.token_ids, req.packed[kind], anchor="bench")
+            return store.save(req.layout, req.codecs(kind), req.token_ids if token_ids is None else token_ids,
+                              req.packed[kind], anchor="bench")
     finally:
         store_module.CHUNK_THREADS, store_module.LOCAL_PUT_THREADS, store_module.HELP_WRITES = default
 
@@ -248,6 +255,15 @@ def save_threads(how: str) -> tuple[int, int, bool]:
     if how.startswith("put-") and n.isdigit() and int(n) >= 1:
         return 1, int(n), False
     raise ValueError(f"a save variant is one of {', '.join(SAVE_THREADS)} or put-N, found {how!r}")
+
+
+def _read_files(root: Path, entry: str) -> str:
+    """Read every file of an entry once (untimed: its pages as recently used as the plain
+    files the rows compare with, which are read every round); its id back."""
+    for p in (root / entry_path(entry)).rglob("*"):
+        if p.is_file():
+            p.read_bytes()
+    return entry
 
 
 def store_files(req: Request, root: Path, kind: str) -> list[tuple[Path, bytes]]:
@@ -303,8 +319,10 @@ class WarmReads:
         return self._all(read)
 
     def store(self, root: Path, entry: str, store: Store | None = None) -> list:
-        # fresh: the manifest is read in the timing (opened read-only: no write probe)
+        # fresh: the manifest is read in the timing (opened read-only: no write probe); its read
+        # and the read plans on this thread, then the reads on the pool (as `WorkerSide._read`)
         s = store if store is not None else Store.open(root, create=False)
+        s.prepare(entry, self.req.layout, [(layer, field, 0, None) for layer, field in self.req.raw])
         return self._all(lambda layer, field: s.load(entry, self.req.layout, layer, field, host=self.arena))
 
     def close(self) -> None:
@@ -410,7 +428,8 @@ def _run(benchmark, op: str, provider: str, req: Request, root: Path, rounds: in
 
 
 PROVIDERS = ["plain", "store-raw", "store-quant", "safetensors"]
-WARM_PROVIDERS = ["plain:warm", "store-raw:warm", "store-quant:warm", "store-raw:warm-kept", "store-quant:warm-kept"]
+WARM_PROVIDERS = ["plain:warm", "store-raw:warm", "store-quant:warm", "store-raw:warm-kept", "store-quant:warm-kept",
+                  "store-raw:warm-first", "store-quant:warm-first"]
 #: rounds of the warm load rows (each ~5-20 ms here; the 5 of the others left medians 30% apart)
 WARM_ROUNDS = 25
 
@@ -478,10 +497,18 @@ def test_kimi_warm_load(benchmark, provider, quick, rounds, tmp_path_factory):
     n = rounds if quick else max(rounds, WARM_ROUNDS)
     reads = WarmReads(req)
     kind, _, how = provider.partition(":")
+    setup = None
     try:
         if kind == "plain":
             plain_save(req, root)
             fn = lambda: reads.plain(root)  # noqa: E731
+        elif how == "warm-first":  # an entry of its own each round and warm-up
+            codecs = kind.removeprefix("store-")
+            entries = iter([store_save(req, root, codecs, req.token_ids + (i + 1) * req.tokens).id
+                            for i in range(n + 2)])
+            kept = Store.open(root, create=False)
+            setup = lambda: ((_read_files(root, next(entries)),), {})  # noqa: E731
+            fn = lambda entry: reads.store(root, entry, kept)  # noqa: E731
         else:
             entry = store_save(req, root, kind.removeprefix("store-")).id
             kept = Store.open(root) if how == "warm-kept" else None
@@ -490,7 +517,7 @@ def test_kimi_warm_load(benchmark, provider, quick, rounds, tmp_path_factory):
         benchmark.group = (f"kimi-linear request tp=1 {TOKENS} tokens load (warm: reused memory, "
                            f"{reads.threads} threads)")
         # two warm-ups: the first sizes the arena (several slabs), the second makes it one slab
-        benchmark.pedantic(fn, rounds=n, iterations=1, warmup_rounds=2)
+        benchmark.pedantic(fn, setup=setup, rounds=n, iterations=1, warmup_rounds=2)
         median = benchmark.stats.stats.median
         key = ("load-warm", req.tokens, tuple(sorted(req.raw)))
         if kind == "plain":

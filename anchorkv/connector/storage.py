@@ -36,6 +36,13 @@ class EntryRef:
 
 
 class EntryStore(Protocol):
+    """What the connector needs of a store. Optional, called where present: `remote` (a
+    property: reads are round trips, so a restore reads more parts at once) and
+    `prepare(entry_id, parts, *, tp_size, tp_rank, version)`, which a restore from a store that
+    is not remote calls on its load thread before its parts (`(layer, field, rows)` each, as
+    `load` takes them) are read on several: whatever the loads work out before reading (a
+    manifest, read plans) is done there once, and may raise what those loads would."""
+
     def lookup(self, *, anchor: str | None, token_ids: list[int], max_tokens: int,
                multiple_of: int, mode: str, scope: str | None = None, shared: bool = False,
                exclude: frozenset[str] = frozenset(), why: list[str] | None = None) -> EntryRef | None:

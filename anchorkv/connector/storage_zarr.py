@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -228,12 +228,18 @@ class ZarrEntryStore:
         info = self.entry(entry_id, version)
         if rows is None:
             return self.store.load(info, layout, layer, field, host=host)
-        start, stop = rows
-        if not 0 <= start < stop <= info.num_tokens:
-            raise ValueError(f"entry {entry_id}: token rows [{start}, {stop}) requested, it holds "
-                             f"tokens [0, {info.num_tokens})")
-        p = self.store.load(info, layout, layer, field, start_token=start, num_blocks=stop - start, host=host)
-        return p.reshape(stop - start, *p.shape[2:])
+        start, n = _token_slice(info, rows)
+        p = self.store.load(info, layout, layer, field, start_token=start, num_blocks=n, host=host)
+        return p.reshape(n, *p.shape[2:])
+
+    def prepare(self, entry_id: str, parts: Sequence[tuple[str, str, tuple[int, int] | None]], *, tp_size: int,
+                tp_rank: int, version: str | None = None) -> None:
+        """Read the entry's manifest and plan the loads of `parts` (`(layer, field, rows)` as
+        `load` takes them) on this thread, before they are read on several (`Store.prepare`;
+        the worker calls it on a local store). Raises what those loads would for their plans."""
+        info = self.entry(entry_id, version)
+        self.store.prepare(info, self.layout(tp_size, tp_rank), [
+            (layer, field, *((0, None) if rows is None else _token_slice(info, rows))) for layer, field, rows in parts])
 
     def entry(self, entry_id: str, version: str | None = None) -> EntryInfo:
         """The entry's manifest, of the write `version` when given: a manifest cached here of
@@ -361,3 +367,13 @@ class ZarrEntryStore:
 
     def close(self) -> None:
         self.store.close()
+
+
+def _token_slice(info: EntryInfo, rows: tuple[int, int]) -> tuple[int, int]:
+    """`ZarrEntryStore.load`'s token rows [start, stop) of a paged field as the store's
+    `(start_token, num_blocks)` (its layouts' blocks are one token)."""
+    start, stop = rows
+    if not 0 <= start < stop <= info.num_tokens:
+        raise ValueError(f"entry {info.id}: token rows [{start}, {stop}) requested, it holds "
+                         f"tokens [0, {info.num_tokens})")
+    return start, stop - start

@@ -496,6 +496,14 @@ class WorkerSide:
                            (spec.num_tokens - start, *field_.shape[1:]) if paged else (1, *field_.shape),
                            field_.dtype))
         hosts = batch.hosts(self._arena) if batch is not None else [self._arena] * len(wanted)
+        prepare = getattr(self.store, "prepare", None)  # (an optional part of `EntryStore`)
+        if prepare is not None and not getattr(self.store, "remote", False):
+            # the manifest and the read plans here, before the reading threads: made there, they
+            # held Python's lock against the reads (an object store's round trips: no matter)
+            if job is not None and job.state != "reading":
+                raise _Abandoned(f"load of request {spec.req_id} abandoned before it was planned")
+            prepare(spec.entry_id, [(layer, fname, rows) for layer, fname, rows, _, _ in wanted],
+                    tp_size=self.tp_size, tp_rank=self.tp_rank, version=spec.version)
         stop = threading.Event()  # a part failed: the others need not be read
 
         def read(layer: str, fname: str, rows: tuple[int, int] | None, host: Any) -> Packed:

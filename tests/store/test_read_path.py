@@ -345,3 +345,38 @@ def test_a_load_from_past_the_entry_says_so(tmp_path):
     info = _save(store)
     with pytest.raises(ValueError, match=f"holds tokens \\[0, {N}\\): a load of field 'latent' from token {N + 4}"):
         store.load(info.id, tiny_layout(), "model.layers.4.attn", "latent", start_token=N + 4)
+
+
+def test_prepare_plans_every_load_and_reads_no_chunk(tmp_path, monkeypatch):
+    """`Store.prepare` reads the manifest and makes the loads' plans on its thread; the loads
+    then make none and read what loads without it read; it reads no chunk (no shard file)."""
+    store = Store.open(tmp_path / "s")
+    info = _save(store)
+    layout = tiny_layout()
+    loads = [(layer.name, f.name, 64 if layer.kind.value == "paged" else 0, 3 if layer.kind.value == "paged" else None)
+             for layer in layout.layers for f in layer.page.fields]
+    ref = {(layer, f): Store.open(tmp_path / "s").load(info.id, layout, layer, f, start_token=s, num_blocks=n)
+           for layer, f, s, n in loads}
+    fresh = Store.open(tmp_path / "s")
+    plans, ranges = [], []
+    real_plan, real_read = Store._make_load_plan, fresh.backend.read_ranges_into
+    monkeypatch.setattr(Store, "_make_load_plan", lambda self, *a: plans.append(a[2:4]) or real_plan(self, *a))
+    monkeypatch.setattr(fresh.backend, "read_ranges_into", lambda *a, **k: ranges.append(a[0]) or real_read(*a, **k))
+    got = fresh.prepare(info.id, layout, loads)
+    assert got.id == info.id and len(plans) == len(loads) and ranges == []
+    for layer, f, s, n in loads:
+        p = fresh.load(info.id, layout, layer, f, start_token=s, num_blocks=n)
+        assert torch.equal(p.payload, ref[(layer, f)].payload) and torch.equal(p.scales, ref[(layer, f)].scales)
+    assert len(plans) == len(loads) and ranges  # the loads planned nothing more; they read
+
+
+def test_prepare_raises_what_the_loads_would(tmp_path):
+    store = Store.open(tmp_path / "s")
+    info = _save(store)
+    layout, layer = tiny_layout(), "model.layers.4.attn"
+    for kwargs, error in ((dict(start_token=-1), "start_token must be a whole number >= 0, found -1"),
+                          (dict(start_token=N + 4), f"a load of field 'latent' from token {N + 4}")):
+        with pytest.raises(ValueError, match=error):
+            store.load(info.id, layout, layer, "latent", **kwargs)
+        with pytest.raises(ValueError, match=error):
+            store.prepare(info.id, layout, [(layer, "latent", kwargs["start_token"], None)])
