@@ -66,17 +66,14 @@ class _ShardRead(NamedTuple):
     crcs: tuple[int, ...]  # theirs, from the manifest
     groups: tuple[_Group, ...]  # the chunks read together (`GROUP_BYTES`)
     #: when the load reads every byte of the shard (all its chunks, one after another from its
-    #: start, then its index): (None, the shard's crc32c in the manifest); the whole file is
-    #: read by one range and checked by one running crc32c against it (`_read_whole`; only on a
-    #: mismatch are its chunks' checksums folded together, to tell damaged chunks from a damaged
-    #: index). When it reads one run of neighbouring chunks that is not the whole file (a layer
-    #: of a shard spanning layers, format version 7): (the crc32c its chunks' checksums make
-    #: together, None), the run read and checked alike, without the index. None: by groups, each
-    #: chunk by its own
-    crc: tuple[int | None, int | None] | None
-    #: `[size, offset]` of each chunk, as the manifest's checksums end (`rebind_reads` compares
-    #: another entry's against them in one list comparison)
-    rows: list[list[int]]
+    #: start, then its index): the crc32c its chunks' checksums in the manifest make together,
+    #: and the shard's own there; the whole file is read by one range and checked by one
+    #: running crc32c against both (`_read_whole`: the shard's alone would pass a chunk whose
+    #: checksum in a re-signed manifest is not its bytes'). When it reads one run of
+    #: neighbouring chunks that is not the whole file (a layer of a shard spanning layers,
+    #: format version 7): the first alone, (crc, None), the run read and checked alike, without
+    #: the index. None: by groups, each chunk by its own
+    crc: tuple[int, int | None] | None
 
 
 #: `_steps`: (the first chunk's first row's start, rows a chunk, bytes a row, step between
@@ -268,28 +265,19 @@ def bind_reads(info: EntryInfo, array: ArrayLayout, geometry: _Geometry, layer: 
         run = whole or (slots[0] > 1 and _one_run(chunks, groups))  # (a shard spanning layers: format 7)
         shards.append(_ShardRead(skey, f"{info.path}/{skey}", want_shard[1], pi, tuple(chunks), crcs, groups,
                                  _whole_crc(chunks, crcs, want_shard[0] if whole else None, compressed)
-                                 if run else None, [[c.size, c.offset] for c in chunks]))
+                                 if run else None))
     return ReadPlan(tuple(shards), geometry.scratch)
 
 
 def _whole_crc(chunks: Sequence[_Chunk], crcs: Sequence[int], shard_crc: int | None,
-               compressed: bool) -> tuple[int | None, int | None]:
-    """`_ShardRead.crc` of a shard read whole: (None, its own crc32c: its chunks' are folded
-    together only if the file fails it, `_read_whole`); of a run of it (`shard_crc` None): (its
-    chunks' crc32c together, None). (Folding ~650 checksums was a third of planning a worker's
-    first restore of a Kimi-Linear entry.)"""
-    if shard_crc is not None:
-        return None, shard_crc
-    return _chunks_crc(chunks, crcs, compressed), None
-
-
-def _chunks_crc(chunks: Sequence[_Chunk], crcs: Sequence[int], compressed: bool) -> int:
-    """The crc32c of `chunks` one after another, from their own (`crcs`)."""
+               compressed: bool) -> tuple[int, int | None]:
+    """`_ShardRead.crc` of a shard read whole: (its chunks' crc32c together, its own); of a run
+    of it (`shard_crc` None): (its chunks' crc32c together, None)."""
     combine = crc32c_combine if compressed else crc32c_combine_fixed
     data = crcs[0]
     for c, crc in zip(chunks[1:], crcs[1:], strict=True):
         data = combine(data, crc, c.size)
-    return data
+    return data, shard_crc
 
 
 def rebind_reads(plan: ReadPlan, info: EntryInfo, compressed: bool) -> ReadPlan | None:
@@ -306,11 +294,11 @@ def rebind_reads(plan: ReadPlan, info: EntryInfo, compressed: bool) -> ReadPlan 
             return None
         got = [sums.get(c.key) for c in shard.chunks]
         try:
-            if [v[1:] for v in got] != shard.rows:
+            if [(v[1], v[2]) for v in got] != [(c.size, c.offset) for c in shard.chunks]:
                 return None
         except TypeError:  # a chunk without a checksum
             return None
-        crcs = tuple([v[0] for v in got])
+        crcs = tuple(v[0] for v in got)
         shards.append(shard._replace(
             path=f"{info.path}/{shard.key}", crcs=crcs,
             crc=None if shard.crc is None else _whole_crc(
@@ -561,10 +549,9 @@ def _read_whole(backend: Backend, info: EntryInfo, shard: _ShardRead, buf: memor
         if n == want:
             for v in segments:
                 crc = crc32c(v, value=crc)
-        if n != want or (crc != want_data if want_shard is None else crc32c(index, value=crc) != want_shard):
-            data = want_data if want_data is not None else _chunks_crc(chunks, shard.crcs, True)
-            if n != want or crc != data:  # the chunks' bytes against their checksums
-                _name_damage(info, shard, start + n, buf, base, own, staged)
+        if n != want or crc != want_data:  # the chunks' bytes against their checksums
+            _name_damage(info, shard, start + n, buf, base, own, staged)
+        if want_shard is not None and crc32c(index, value=crc) != want_shard:
             raise CorruptEntry(info.id, f"shard {shard.key} fails its check: its chunks pass theirs, the whole "
                                         "file fails the shard's crc32c (its zarr index, which other Zarr readers "
                                         "use, is damaged); delete the entry (anchorkv rm) and recompute")

@@ -109,9 +109,12 @@ def test_a_damaged_manifest_found_while_planning_fails_the_restore_and_writes_no
         digit = text[at]
         path.write_text(text[:at] + ("1" if digit != "1" else "2") + text[at + 1:])
         store.store.forget(load.entry_id)
+        reads, real = [], store.load
+        store.load = lambda *a, **k: reads.append(a[:3]) or real(*a, **k)
         w._arena.reset()
         with pytest.raises(CorruptEntry, match="manifest damaged"):
             w._read(load)
+        assert reads == []  # found by the plan step: no part's read began
         buffers = {v.region.buffer.data_ptr(): v.region.buffer for v in views.values()}
         before = {k: b.clone() for k, b in buffers.items()}
         w.start_load(Metadata(loads=[LoadSpec(load.req_id, load.entry_id, 0, load.num_tokens, load.blocks)]))

@@ -235,20 +235,26 @@ def test_a_self_signed_manifest_spelled_otherwise_reads_as_it_parses(saved):
         Store.open(root, create=False).get(info.id)
 
 
-def test_a_wrong_chunk_crc_fails_the_read_and_verify(saved):
+@pytest.mark.parametrize("layer, field, chunk", [
+    ("model.layers.1.attn", "recurrent", "recurrent_scales/c.1.3.0.0.0"),  # a run of a shard spanning layers
+    ("model.layers.2.attn", "latent", "latent/c.0.1.0"),  # a shard the load reads whole
+])
+def test_a_wrong_chunk_crc_fails_the_read_and_verify(saved, layer, field, chunk):
     """A chunk crc rewritten (checksum recomputed): the manifest is self-consistent, so only the
-    data can tell; the load of that chunk and `verify` both refuse, naming the chunk."""
+    data can tell; the load of that chunk and `verify` both refuse, naming the chunk; also where
+    the load reads the chunk's shard whole, whose own crc32c still holds (found by review: a
+    check by the shard's crc32c alone returned the entry's bytes)."""
     root, info, meta, text = saved
     doc = json.loads(text)
     m = doc["attributes"]["anchorkv"]
-    m["checksums"]["recurrent_scales/c.1.3.0.0.0"][0] ^= 1
+    m["checksums"][chunk][0] ^= 1
     m["checksum"] = manifest_checksum(m)
     meta.write_text(json.dumps(doc))
     store = Store.open(root, create=False)
-    with pytest.raises(CorruptEntry, match=r"recurrent_scales/c\.1\.3\.0\.0\.0 fails its check"):
-        store.load(info.id, tiny_layout(), "model.layers.1.attn", "recurrent")
+    with pytest.raises(CorruptEntry, match=re.escape(chunk) + " fails its check"):
+        store.load(info.id, tiny_layout(), layer, field)
     problems = store.verify(info.id)
-    assert len(problems) == 1 and "damaged chunks: recurrent_scales/c.1.3.0.0.0" in problems[0], problems
+    assert len(problems) == 1 and f"damaged chunks: {chunk}" in problems[0], problems
 
 
 def test_a_manifest_that_is_not_json_is_listed_damaged(saved):

@@ -380,3 +380,22 @@ def test_prepare_raises_what_the_loads_would(tmp_path):
             store.load(info.id, layout, layer, "latent", **kwargs)
         with pytest.raises(ValueError, match=error):
             store.prepare(info.id, layout, [(layer, "latent", kwargs["start_token"], None)])
+
+
+def test_prepare_forgets_a_manifest_its_plans_find_wrong(tmp_path, monkeypatch):
+    """As a load given the entry's id does: a plan that raises `CorruptEntry` drops the cached
+    manifest (the next `get` reads it again); given the `EntryInfo`, the cache is the caller's."""
+    store = Store.open(tmp_path / "s")
+    info = _save(store)
+    layout, layer = tiny_layout(), "model.layers.4.attn"
+
+    def wrong(self, info, *args):
+        raise CorruptEntry(info.id, "its plan is wrong")
+
+    monkeypatch.setattr(Store, "_make_load_plan", wrong)
+    for entry, forgotten in ((info, False), (info.id, True)):
+        cached = store.get(info.id)
+        with pytest.raises(CorruptEntry, match="its plan is wrong"):
+            store.prepare(entry, layout, [(layer, "latent", 0, None)])
+        assert (store._cached(info.id) is None) is forgotten
+        assert store.get(info.id) is not cached if forgotten else store.get(info.id) is cached
