@@ -355,8 +355,10 @@ def results(steps: dict) -> list[dict]:
 
 
 #: the store's rows held to the DESIGN's 0.8 x plain files (`bench_store.py`'s providers): the
-#: defaults, and the warm loads (reused memory on `READ_THREADS` threads: how a restore reads)
-STORE_TARGETS = ("store-raw", "store-quant", "store-raw:warm", "store-quant:warm")
+#: defaults, and the warm loads (reused memory on `READ_THREADS` threads: how a restore reads),
+#: a new worker's (`:warm`) and a serving worker's first restore of an entry (`:warm-first`)
+STORE_TARGETS = ("store-raw", "store-quant", "store-raw:warm", "store-quant:warm", "store-raw:warm-first",
+                 "store-quant:warm-first")
 #: the save path's rows held to the 0.8 x D2H target (`bench_save_path.py`'s providers)
 SAVE_TARGETS = ("pack+d2h", "stream", "pack+d2h+cs", "stream+cs", "set+d2h", "chunks+d2h", "save")
 

@@ -316,10 +316,11 @@ def test_the_warm_store_loads_are_held_to_the_design_target():
     """The warm load rows (how a restore reads: reused memory, the worker's read threads) are
     targets next to the default store rows; the other variants are reported only."""
     rows = [{"suite": "store", "case": "load 7680 tokens", "provider": p, "ratio": 0.5}
-            for p in ("store-raw", "store-raw:warm", "store-quant:warm", "store-raw:warm-kept", "store-raw:put-2")]
+            for p in ("store-raw", "store-raw:warm", "store-quant:warm", "store-raw:warm-kept", "store-raw:put-2",
+                      "store-quant:warm-first")]
     got = {t["target"] for t in gpu_validate.targets(rows, on_gpu=True)}
     assert got == {f"store load 7680 tokens, {p}: >= 0.8 x plain files"
-                   for p in ("store-raw", "store-raw:warm", "store-quant:warm")}
+                   for p in ("store-raw", "store-raw:warm", "store-quant:warm", "store-quant:warm-first")}
 
 
 def test_save_timeline_saves_specs_made_before_its_rounds(tmp_path):
