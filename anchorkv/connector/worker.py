@@ -500,8 +500,6 @@ class WorkerSide:
         if prepare is not None and not getattr(self.store, "remote", False):
             # the manifest and the read plans here, before the reading threads: made there, they
             # held Python's lock against the reads (an object store's round trips: no matter)
-            if job is not None and job.state != "reading":
-                raise _Abandoned(f"load of request {spec.req_id} abandoned before it was planned")
             prepare(spec.entry_id, [(layer, fname, rows) for layer, fname, rows, _, _ in wanted],
                     tp_size=self.tp_size, tp_rank=self.tp_rank, version=spec.version)
         stop = threading.Event()  # a part failed: the others need not be read

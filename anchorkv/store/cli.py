@@ -478,7 +478,7 @@ def _run(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespac
 
 
 def _seconds(text: str) -> float:
-    """`--stale-after`'s value: a finite number of seconds >= 0."""
+    """`--stale-after`'s value: a number of seconds >= 0 (inf: never stale)."""
     from anchorkv.store.eviction import check_stale_after
 
     try:

@@ -791,12 +791,8 @@ class Store:
         """
         _check_slice(start_token, num_blocks)
         info = self.get(entry)
-        try:
+        with self._forgotten_if_corrupt(entry, info):
             return self._load(info, layout, layer, field, start_token, num_blocks, host)
-        except CorruptEntry:
-            if not isinstance(entry, EntryInfo):
-                self._infos.pop_if(entry, info)
-            raise
 
     def prepare(self, entry: EntryInfo | str, layout: ModelLayout,
                 loads: Iterable[tuple[str, str, int, int | None]]) -> EntryInfo:
@@ -811,14 +807,21 @@ class Store:
         for _, _, start_token, num_blocks in loads:
             _check_slice(start_token, num_blocks)
         info = self.get(entry)
-        try:
+        with self._forgotten_if_corrupt(entry, info):
             for layer, field, start_token, num_blocks in loads:
                 self._load_plan(info, layout, layer, field, start_token, num_blocks)
+        return info
+
+    @contextlib.contextmanager
+    def _forgotten_if_corrupt(self, entry: EntryInfo | str, info: EntryInfo) -> Iterator[None]:
+        """A `CorruptEntry` raised inside drops `info`, the cached manifest of `entry` when it
+        is given by id (`load`'s docstring: why), and goes on."""
+        try:
+            yield
         except CorruptEntry:
             if not isinstance(entry, EntryInfo):
                 self._infos.pop_if(entry, info)
             raise
-        return info
 
     def _load(self, info: EntryInfo, layout: ModelLayout, layer: str, field: str, start_token: int,
               num_blocks: int | None, host: Callable[[int], torch.Tensor] | None) -> Packed:

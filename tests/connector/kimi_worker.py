@@ -39,6 +39,20 @@ def kimi_worker(tmp_path, num_blocks: int, filled: Sequence[Sequence[int]], extr
     return w, views, state, paged, layout, store
 
 
+def assert_failed_restore_writes_nothing(w: WorkerSide, load) -> None:
+    """A restore of `load` (a `LoadSpec`) through `start_load`, as vLLM drives it, fails: the
+    request is reported finished and failed, and no byte of any cache region changed."""
+    from anchorkv.connector.plan import LoadSpec, Metadata
+
+    buffers = {v.region.buffer.data_ptr(): v.region.buffer for v in w.views.values()}
+    before = {k: b.clone() for k, b in buffers.items()}  # every byte (the raw int8 buffers)
+    w.start_load(Metadata(loads=[LoadSpec(load.req_id, load.entry_id, 0, load.num_tokens, load.blocks)]))
+    w.flush()
+    _, recving, failed = w.transfer_results(set())
+    assert recving == failed == {load.req_id}
+    assert all(torch.equal(b, before[k]) for k, b in buffers.items())
+
+
 @contextmanager
 def gated(monkeypatch, obj, name: str):
     """(gate, entered): `obj.name` made to wait for `gate` before it runs, `entered` set once a

@@ -17,7 +17,7 @@ from anchorkv.connector.storage_zarr import ZarrEntryStore
 from anchorkv.store.errors import CorruptEntry
 from anchorkv.store.paths import entry_path, zarr_json
 from anchorkv.store.store import Store
-from tests.connector.kimi_worker import kimi_worker
+from tests.connector.kimi_worker import assert_failed_restore_writes_nothing, kimi_worker
 
 SAVED = ((1,), (2,), (3,), (4, 5))  # three KDA groups, then the MLA group's two blocks
 RESTORED = ((6,), (7,), (8,), (9, 10))
@@ -115,13 +115,7 @@ def test_a_damaged_manifest_found_while_planning_fails_the_restore_and_writes_no
         with pytest.raises(CorruptEntry, match="manifest damaged"):
             w._read(load)
         assert reads == []  # found by the plan step: no part's read began
-        buffers = {v.region.buffer.data_ptr(): v.region.buffer for v in views.values()}
-        before = {k: b.clone() for k, b in buffers.items()}
-        w.start_load(Metadata(loads=[LoadSpec(load.req_id, load.entry_id, 0, load.num_tokens, load.blocks)]))
-        w.flush()
-        _, recving, failed = w.transfer_results(set())
-        assert recving == failed == {load.req_id}
-        assert all(torch.equal(b, before[k]) for k, b in buffers.items())
+        assert_failed_restore_writes_nothing(w, load)
     finally:
         w.shutdown()
         store.close()
