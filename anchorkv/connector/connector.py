@@ -211,7 +211,9 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
         self.model_layout = dataclasses.replace(
             model_layout(kv_cache_config, hf_config, tp_size=self.tp_size, tp_rank=0),
             **dataclasses.asdict(self.identity))
-        self.store = ZarrEntryStore(self.config, self.model_layout)
+        # at tp 1 the engine core builds this role's connector and the other's in one process:
+        # they share one Store (a manifest the lookup read is not read again by the restore)
+        self.store = ZarrEntryStore(self.config, self.model_layout, share=self.tp_size == 1)
         self.config = self.store.config  # codec groups resolved as the entries store them
         self._hf_config = hf_config
         #: requests vLLM said finished -> calls of `get_transfer_results` since, while their
@@ -387,5 +389,9 @@ class AnchorKVConnector(StatsMixin, KVConnectorBase_V1, SupportsHMA):
         return set()  # failures go through failed_recving (vLLM raises on block ids with HMA)
 
     def shutdown(self) -> None:
+        """vLLM's engine shutdown (the scheduler's and each worker's): the worker's saves in
+        flight end first, then the store closes (one shared by both roles at tp 1 when the
+        second closes)."""
         if self.worker is not None:
             self.worker.shutdown()
+        self.store.close()

@@ -22,7 +22,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
+import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -133,26 +137,85 @@ def write_id_of(spec: SaveSpec, fingerprint_hash: str) -> str:
     return h.hexdigest()[:32]
 
 
+def _open(config: ConnectorConfig) -> Store:
+    try:
+        return Store.open(config.store, capacity_bytes=config.capacity, **dict(config.storage_options))
+    except Exception as e:
+        raise ValueError(
+            f"anchorkv: cannot open the store {config.store!r} (kv_connector_extra_config "
+            f"'store'/'storage_options'): {e}"
+        ) from e
+
+
+#: The `Store`s `ZarrEntryStore(share=True)` opened in this process, by `_share_key`: (the
+#: store, its users not closed), both held weakly (a store goes with its last user). At tp 1
+#: vLLM builds the scheduler's connector and the worker's in one process (the engine core runs
+#: both); with one `Store` a restore's manifest, parsed by the scheduler's lookup, is not read
+#: and parsed again by the worker's first read of it (~1-1.5 ms of a Kimi-Linear restore), and
+#: the process caches each manifest (~240 KiB) once, its capacity's usage counted once. (A test
+#: harness simulating several engine processes in one gives each engine a registry of its own:
+#: a `ZarrEntryStore` keeps the one it joined.)
+_SHARED: dict[tuple, tuple[weakref.ref[Store], weakref.WeakSet[ZarrEntryStore]]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _share_key(config: ConnectorConfig) -> tuple | None:
+    """What must agree for two connectors to share a `Store`: the store (a local one's directory
+    resolved, as `LocalBackend` opens it), its capacity and options; None where they cannot be
+    compared (an object among the options, e.g. a credential provider): then each opens its own."""
+    try:
+        where = os.fspath(config.store)
+        if "://" not in where or where.startswith("file://"):
+            where = str(Path(where.removeprefix("file://")).expanduser().resolve())
+        key = (where, config.capacity, tuple(sorted(config.storage_options.items())))
+        hash(key)
+    except (TypeError, ValueError, OSError, RuntimeError):
+        return None
+    return key
+
+
+def _share(registry: dict, key: tuple, config: ConnectorConfig, user: ZarrEntryStore) -> Store:
+    """The `Store` of `key` open in this process (`registry`: `_SHARED`), else one opened now;
+    `user` one of its users."""
+    with _SHARED_LOCK:
+        for k in [k for k, (ref, _) in registry.items() if ref() is None]:  # (gone with their users)
+            del registry[k]
+        ref, users = registry.get(key, (None, None))
+        store = None if ref is None else ref()
+        if store is None or users is None:
+            store, users = _open(config), weakref.WeakSet()
+            registry[key] = (weakref.ref(store), users)
+        else:
+            log.info("anchorkv: this process's connectors share one store (%s): a manifest the "
+                     "scheduler's lookup read is not read again by the worker's restore", store.url)
+        users.add(user)
+        return store
+
+
 class ZarrEntryStore:
     """`EntryStore` over a `Store` at `config.store` (a directory or ``s3://bucket/prefix``).
 
     `config` is the connector config as given; `self.config` is the same with the codecs
     resolved (what the worker must pack with). `model_layout` is the model at any tp.
+    `share`: use the `Store` another `ZarrEntryStore(share=True)` of this process opened with
+    the same store, capacity and options, if one is open (`close` closes it with its last
+    user): the connectors of a one-process engine (tp 1), see `_SHARED`.
     """
 
-    def __init__(self, config: ConnectorConfig, model_layout: ModelLayout, *, store: Store | None = None) -> None:
+    def __init__(self, config: ConnectorConfig, model_layout: ModelLayout, *, store: Store | None = None,
+                 share: bool = False) -> None:
         self.model_layout = model_layout
         self.codecs = resolve_codecs(config, model_layout)
         self.config = dataclasses.replace(config, codec=dict(self.codecs))  # per field, resolved
         self.fingerprint_hash = model_layout.fingerprint_hash()
+        #: the `_SHARED` key of the store this one shares (None: its own), and that registry
+        self._shared: tuple | None = None
+        self._registry = _SHARED
+        self._closed = False
         if store is None:
-            try:
-                store = Store.open(config.store, capacity_bytes=config.capacity, **dict(config.storage_options))
-            except Exception as e:
-                raise ValueError(
-                    f"anchorkv: cannot open the store {config.store!r} (kv_connector_extra_config "
-                    f"'store'/'storage_options'): {e}"
-                ) from e
+            key = _share_key(config) if share else None
+            store = _open(config) if key is None else _share(self._registry, key, config, self)
+            self._shared = key
         self.store = store
         self._layouts: dict[tuple[int, int], ModelLayout] = {}
         #: a sliding-window field keeps rows from a multiple of this (whole blocks of an engine
@@ -366,6 +429,19 @@ class ZarrEntryStore:
         return info
 
     def close(self) -> None:
+        """Close the store; a shared one (`share`) when no other user is left open. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._shared is not None:
+            with _SHARED_LOCK:
+                ref, users = self._registry.get(self._shared, (None, None))
+                if ref is None or users is None or ref() is not self.store:
+                    return  # (not registered as this one's: its other users' to close, or gc's)
+                users.discard(self)
+                if users:  # (another user still open)
+                    return
+                del self._registry[self._shared]
         self.store.close()
 
 

@@ -343,7 +343,7 @@ def make_engine(model_dir: str, store: str, *, mode: str = "none", tp: int = 1, 
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     import anchorkv.connector.connector as conn_mod
-    from anchorkv.connector import AnchorKVConnector
+    from anchorkv.connector import AnchorKVConnector, storage_zarr
 
     extra = {"store": store, **(extra or {})}
     cfg = H.make_vllm_config(model_dir, connector=CONNECTOR, connector_module_path=MODULE,
@@ -353,6 +353,9 @@ def make_engine(model_dir: str, store: str, *, mode: str = "none", tp: int = 1, 
     cfg.scheduler_config.scheduler_reserve_full_isl = reserve_full_isl
     H.hybrid_block_size(cfg)
     kv = H.make_kv_cache_config(cfg, num_blocks)
+    # each simulated engine is a process of its own: its connectors share a store (tp 1) with
+    # each other only, never with an engine made before (a restart must start cold)
+    storage_zarr._SHARED = {}
     scheduler = H.make_scheduler(cfg, kv)
     kernel_sizes = None
     if kernel_block is not None:

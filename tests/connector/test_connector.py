@@ -365,6 +365,33 @@ def test_align_mode_saves_the_prompt_end_and_loads_past_a_local_hit(model_dir, t
     assert len(eng.tokens["r2"]) == len(prompt2) + 3
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_one_process_engine_reads_a_restores_manifest_once(model_dir, tmp_path, tp, monkeypatch):
+    """At tp 1 the scheduler's connector and the worker's share one store (vLLM runs both in the
+    engine core): the manifest the lookup parsed is the one the restore reads. More ranks are
+    processes of their own (simulated here in one): each parses it."""
+    import anchorkv.store.store as store_module
+
+    store = tmp_path / "store"
+    first = E.make_engine(model_dir, str(store), mode="none", num_blocks=8, extra=RAW, tp=tp, monkeypatch=monkeypatch)
+    first_turn(first, NONE_PROMPT, ANCHOR)
+    for connector in (first.scheduler.connector, *(r.connector for r in first.ranks)):
+        connector.shutdown()
+    del first
+
+    eng = E.make_engine(model_dir, str(store), mode="none", num_blocks=10, extra=RAW, tp=tp, monkeypatch=monkeypatch)
+    connectors = (eng.scheduler.connector, *(r.connector for r in eng.ranks))
+    assert len({id(c.store.store) for c in connectors}) == (1 if tp == 1 else tp + 1)
+    parsed: list[str] = []
+    real = store_module.parse_group
+    monkeypatch.setattr(store_module, "parse_group", lambda entry, data: (parsed.append(entry), real(entry, data))[1])
+    prompt2 = NONE_PROMPT + GENERATED + EXTRA
+    spec, snaps = start_load(eng, "r2", prompt2, ANCHOR)
+    assert spec is not None and spec.num_tokens == 302
+    check_load(eng, spec, snaps, prompt2)
+    assert parsed.count(spec.entry_id) == (1 if tp == 1 else 1 + tp)
+
+
 @pytest.mark.parametrize("mode", ["none", "align"])
 def test_restart_restores_into_a_fresh_allocation(model_dir, tmp_path, mode):
     store = tmp_path / "store"
@@ -374,11 +401,13 @@ def test_restart_restores_into_a_fresh_allocation(model_dir, tmp_path, mode):
     first = E.make_engine(model_dir, str(store), mode=mode, num_blocks=blocks, extra=RAW)
     first_turn(first, prompt, ANCHOR)
     old_blocks = first.blocks["r1"]
-    for r in first.ranks:
-        r.connector.shutdown()
+    for connector in (first.scheduler.connector, *(r.connector for r in first.ranks)):
+        connector.shutdown()  # (as vLLM's shutdown: then the next engine opens its store afresh)
+    old_store = first.scheduler.connector.store.store
     del first
 
     eng = E.make_engine(model_dir, str(store), mode=mode, num_blocks=blocks + 2, extra=RAW)
+    assert eng.scheduler.connector.store.store is not old_store  # nothing cached from before the restart
     first_turn(eng, list(range(40000, 40000 + len(prompt))), None, req_id="filler")  # moves block ids on
     prompt2 = prompt + GENERATED + EXTRA
     assert matched(eng, prompt2, ANCHOR) == (n, True)

@@ -54,8 +54,8 @@ def store(model_dir, tmp_path_factory):
     eng.add("a", PROMPT, anchor=ANCHOR, max_tokens=1)
     eng.run()
     eng.flush()
-    for r in eng.ranks:
-        r.connector.shutdown()
+    for connector in (eng.scheduler.connector, *(r.connector for r in eng.ranks)):
+        connector.shutdown()
     assert sorted(e.num_tokens for e in Store.open(path).list()) == [2 * BS, ENTRY]
     return str(path)
 

@@ -411,38 +411,42 @@ def test_a_failed_load_of_an_aborted_request_marks_its_entry_and_leaves_nothing(
 
 
 def test_an_entry_evicted_and_saved_again_restores_from_its_new_write(model_dir, tmp_path):
-    """One instance, a local store: its worker evicts an entry the scheduler has read, and the
-    same prompt saves the same id again. The scheduler's lookup sees the new write (its cached
-    manifest is checked against the file: `Backend.stamp`), so the next restore loads it and
-    nothing is marked bad (review: the stale manifest pinned the load to the old write, which
-    failed, and the valid entry was skipped for 5 minutes)."""
+    """Two instances on one local store: the other evicts an entry this one's scheduler has
+    read, and saves the same prompt again under the same id. This scheduler's lookup sees the
+    new write (its cached manifest is checked against the file: `Backend.stamp`), so the next
+    restore loads it and nothing is marked bad (review: the stale manifest pinned the load to
+    the old write, which failed, and the valid entry was skipped for 5 minutes). (Within one
+    tp 1 instance the scheduler and the worker share one store, so its own eviction and save
+    update the scheduler's cache directly.)"""
     from tests.connector.engine import ANCHOR
 
     store = str(tmp_path / "store")
     prompt, longer = list(range(1000, 1300)), list(range(1000, 1300)) + [7] * 40
     eng = E.make_engine(model_dir, store, mode="none", num_blocks=8, extra=RAW)
+    other = E.make_engine(model_dir, store, mode="none", num_blocks=8, extra=RAW)
+    assert other.ranks[0].connector.store.store is not eng.scheduler.connector.store.store
     side = eng.scheduler.connector.scheduler
 
-    def turn(req_id, tokens):
-        eng.add(req_id, tokens, anchor=ANCHOR)
+    def turn(engine, req_id, tokens):
+        engine.add(req_id, tokens, anchor=ANCHOR)
         loads = []
         for _ in range(50):
-            out = eng.step()
+            out = engine.step()
             loads += [(s.num_tokens, s.version) for s in out.kv_connector_metadata.plan.loads if s.req_id == req_id]
-            eng.flush()
-            if not eng.scheduler.requests:
+            engine.flush()
+            if not engine.scheduler.requests:
                 break
         return loads
 
-    turn("r1", prompt)
-    [(n, first)] = turn("r2", longer)
+    turn(eng, "r1", prompt)
+    [(n, first)] = turn(eng, "r2", longer)
     old = next(e for e in Store.open(store).list() if e.num_tokens == 300)
     assert (n, first) == (300, old.version)
-    eng.ranks[0].connector.worker.store.store.delete(old.id)  # evicted by this instance's worker
-    turn("r3", prompt)  # the same prompt: computed, and saved again under the same id
+    other.ranks[0].connector.worker.store.store.delete(old.id)  # evicted by the other instance
+    turn(other, "r3", prompt)  # the same prompt: computed there, and saved again under the same id
     new = next(e for e in Store.open(store).list() if e.num_tokens == 300)
     assert new.id == old.id and new.version != old.version
-    assert turn("r4", longer) == [(300, new.version)]
+    assert turn(eng, "r4", longer) == [(300, new.version)]
     assert side._bad_entries == {}
     stats = eng.ranks[0].connector.worker.stats.take() or {}
     assert not [k for k in stats if k.startswith("miss:")] and stats.get("restores", 0) >= 2, stats

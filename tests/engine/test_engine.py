@@ -125,12 +125,16 @@ def config(request):
 
 def test_engine_configuration(engine, config):
     """The engines ran as configured: the mamba cache mode vLLM chose, the same block size warm
-    and cold, the exact codecs announced."""
+    and cold, the exact codecs announced, one store for the scheduler's connector and the
+    worker's."""
     mode = CONFIGS[config][2]
     runs = [engine["cold"][config]["base"], engine["cold"][config]["cold"], engine["warm"][config]]
     assert [r["mamba_cache_mode"] for r in runs] == [mode] * 3
     assert len({r["block_size"] for r in runs}) == 1
     assert any("every field is restored bit-exact" in line for line in engine["warm"][config]["log"])
+    # tp 1: the engine core built the scheduler's connector and the worker's in one process, and
+    # they share one store (a manifest the lookup read is not read again by the restore)
+    assert sum("connectors share one store" in line for line in engine["warm"][config]["log"]) == 1
 
 
 def test_model_depends_on_its_context(engine):
