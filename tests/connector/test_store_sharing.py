@@ -89,9 +89,10 @@ def test_a_shared_store_goes_with_its_users_unclosed(tmp_path):
     gc.collect()
     assert gone() is None
     c = ZarrEntryStore(cfg, tiny(), share=True)
-    assert c.store is not None and storage_zarr._SHARED  # (registered again)
+    key = storage_zarr._share_key(cfg)
+    assert c.store is not gone() and storage_zarr._SHARED[key][0]() is c.store  # (registered again)
     c.close()
-    assert not any(ref() is not None for ref, _ in storage_zarr._SHARED.values())
+    assert key not in storage_zarr._SHARED  # (other tests' engines may hold theirs: only this key)
 
 
 def test_options_that_cannot_be_compared_open_their_own_store(tmp_path):
