@@ -22,11 +22,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -45,6 +43,7 @@ from anchorkv.codec.models import ROLE_ALIASES, Role
 from anchorkv.connector.config import ConnectorConfig, field_codecs
 from anchorkv.connector.plan import SaveSpec
 from anchorkv.connector.storage import EntryRef
+from anchorkv.store.backends import store_location
 from anchorkv.store.commit import manifest_version
 from anchorkv.store.errors import CorruptEntry, EntryNotFound, FormatError, IncompleteEntry
 from anchorkv.store.format import array_layouts
@@ -155,37 +154,37 @@ def _open(config: ConnectorConfig) -> Store:
 #: the process caches each manifest (~240 KiB) once, its capacity's usage counted once. (A test
 #: harness simulating several engine processes in one gives each engine a registry of its own:
 #: a `ZarrEntryStore` keeps the one it joined.)
-_SHARED: dict[tuple, tuple[weakref.ref[Store], weakref.WeakSet[ZarrEntryStore]]] = {}
+_Registry = dict[tuple, tuple["weakref.ref[Store]", "weakref.WeakSet[ZarrEntryStore]"]]
+_SHARED: _Registry = {}
 _SHARED_LOCK = threading.Lock()
 
 
 def _share_key(config: ConnectorConfig) -> tuple | None:
-    """What must agree for two connectors to share a `Store`: the store (a local one's directory
-    resolved, as `LocalBackend` opens it), its capacity and options; None where they cannot be
-    compared (an object among the options, e.g. a credential provider): then each opens its own."""
+    """What must agree for two connectors to share a `Store`: the store (`store_location`), its
+    capacity and options; None where they cannot be compared (an object among the options, e.g.
+    a credential provider): then each opens its own."""
     try:
-        where = os.fspath(config.store)
-        if "://" not in where or where.startswith("file://"):
-            where = str(Path(where.removeprefix("file://")).expanduser().resolve())
-        key = (where, config.capacity, tuple(sorted(config.storage_options.items())))
+        key = (store_location(config.store), config.capacity, tuple(sorted(config.storage_options.items())))
         hash(key)
     except (TypeError, ValueError, OSError, RuntimeError):
         return None
     return key
 
 
-def _share(registry: dict, key: tuple, config: ConnectorConfig, user: ZarrEntryStore) -> Store:
+def _share(registry: _Registry, key: tuple, config: ConnectorConfig, user: ZarrEntryStore) -> Store:
     """The `Store` of `key` open in this process (`registry`: `_SHARED`), else one opened now;
     `user` one of its users."""
     with _SHARED_LOCK:
         for k in [k for k, (ref, _) in registry.items() if ref() is None]:  # (gone with their users)
             del registry[k]
-        ref, users = registry.get(key, (None, None))
-        store = None if ref is None else ref()
-        if store is None or users is None:
-            store, users = _open(config), weakref.WeakSet()
+        held = registry.get(key)
+        store = held[0]() if held else None
+        if held is None or store is None:
+            users: weakref.WeakSet[ZarrEntryStore] = weakref.WeakSet()
+            store = _open(config)
             registry[key] = (weakref.ref(store), users)
         else:
+            users = held[1]
             log.info("anchorkv: this process's connectors share one store (%s): a manifest the "
                      "scheduler's lookup read is not read again by the worker's restore", store.url)
         users.add(user)
@@ -435,9 +434,10 @@ class ZarrEntryStore:
         self._closed = True
         if self._shared is not None:
             with _SHARED_LOCK:
-                ref, users = self._registry.get(self._shared, (None, None))
-                if ref is None or users is None or ref() is not self.store:
+                held = self._registry.get(self._shared)
+                if not held or held[0]() is not self.store:
                     return  # (not registered as this one's: its other users' to close, or gc's)
+                users = held[1]
                 users.discard(self)
                 if users:  # (another user still open)
                     return

@@ -19,6 +19,22 @@ def _anchorkv_logs_reach_the_root(monkeypatch):
     monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
 
 
+@pytest.fixture
+def parses(monkeypatch) -> list[str]:
+    """The entry ids whose manifest a `Store` parses from now on."""
+    seen: list[str] = []
+    import anchorkv.store.store as store_module
+
+    real = store_module.parse_group
+
+    def counted(entry, data):
+        seen.append(entry)
+        return real(entry, data)
+
+    monkeypatch.setattr(store_module, "parse_group", counted)
+    return seen
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     from tests.connector import vllm_harness as H

@@ -366,12 +366,10 @@ def test_align_mode_saves_the_prompt_end_and_loads_past_a_local_hit(model_dir, t
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_a_one_process_engine_reads_a_restores_manifest_once(model_dir, tmp_path, tp, monkeypatch):
+def test_a_one_process_engine_reads_a_restores_manifest_once(model_dir, tmp_path, tp, monkeypatch, parses):
     """At tp 1 the scheduler's connector and the worker's share one store (vLLM runs both in the
     engine core): the manifest the lookup parsed is the one the restore reads. More ranks are
     processes of their own (simulated here in one): each parses it."""
-    import anchorkv.store.store as store_module
-
     store = tmp_path / "store"
     first = E.make_engine(model_dir, str(store), mode="none", num_blocks=8, extra=RAW, tp=tp, monkeypatch=monkeypatch)
     first_turn(first, NONE_PROMPT, ANCHOR)
@@ -382,14 +380,12 @@ def test_a_one_process_engine_reads_a_restores_manifest_once(model_dir, tmp_path
     eng = E.make_engine(model_dir, str(store), mode="none", num_blocks=10, extra=RAW, tp=tp, monkeypatch=monkeypatch)
     connectors = (eng.scheduler.connector, *(r.connector for r in eng.ranks))
     assert len({id(c.store.store) for c in connectors}) == (1 if tp == 1 else tp + 1)
-    parsed: list[str] = []
-    real = store_module.parse_group
-    monkeypatch.setattr(store_module, "parse_group", lambda entry, data: (parsed.append(entry), real(entry, data))[1])
+    parses.clear()  # (the first engine's)
     prompt2 = NONE_PROMPT + GENERATED + EXTRA
     spec, snaps = start_load(eng, "r2", prompt2, ANCHOR)
     assert spec is not None and spec.num_tokens == 302
     check_load(eng, spec, snaps, prompt2)
-    assert parsed.count(spec.entry_id) == (1 if tp == 1 else 1 + tp)
+    assert parses.count(spec.entry_id) == (1 if tp == 1 else 1 + tp)
 
 
 @pytest.mark.parametrize("mode", ["none", "align"])

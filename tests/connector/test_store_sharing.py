@@ -8,27 +8,11 @@ import gc
 import logging
 import weakref
 
-import pytest
-
 import anchorkv.store.store as store_module
 from anchorkv.connector import storage_zarr
 from anchorkv.connector.config import ConnectorConfig
 from anchorkv.connector.storage_zarr import ZarrEntryStore
 from tests.connector.test_storage_zarr import TOKENS, raw_config, save, tiny
-
-
-@pytest.fixture
-def parses(monkeypatch) -> list[str]:
-    """The entry ids whose manifest a `Store` parses from now on."""
-    seen: list[str] = []
-    real = store_module.parse_group
-
-    def counted(entry, data):
-        seen.append(entry)
-        return real(entry, data)
-
-    monkeypatch.setattr(store_module, "parse_group", counted)
-    return seen
 
 
 def look(es: ZarrEntryStore):

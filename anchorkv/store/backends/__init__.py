@@ -47,4 +47,15 @@ def open_backend(url: str | os.PathLike, **options: Any) -> Backend:
     return LocalBackend(text.removeprefix("file://"))
 
 
-__all__ = ["TRASH", "Backend", "Buffers", "LocalBackend", "ObjectBackend", "RangeCheck", "open_backend"]
+def store_location(url: str | os.PathLike) -> str:
+    """The store `open_backend(url)` opens, as a string that names it alone: a local directory
+    resolved (its `LocalBackend.url`; a relative path is another store after a chdir), an object
+    store's URL as given."""
+    text = os.fspath(url)
+    if "://" in text and not text.startswith("file://"):
+        return text
+    return str(LocalBackend.resolve(text.removeprefix("file://")))
+
+
+__all__ = ["TRASH", "Backend", "Buffers", "LocalBackend", "ObjectBackend", "RangeCheck", "open_backend",
+           "store_location"]

@@ -32,9 +32,14 @@ class LocalBackend:
     write_concurrency = 1
 
     def __init__(self, root: str | os.PathLike) -> None:
-        self.root = Path(root).expanduser().resolve()
+        self.root = self.resolve(root)
         self.url = str(self.root)
         self._prefix = os.path.join(self.url, "")  # hot paths join strings, not `Path`s
+
+    @staticmethod
+    def resolve(root: str | os.PathLike) -> Path:
+        """The directory a store at `root` is (`~` expanded, relative to the working directory)."""
+        return Path(root).expanduser().resolve()
 
     def _p(self, path: str) -> Path:
         return self.root / path
